@@ -1,0 +1,164 @@
+"""The runner: one typed `RunConfig` in, parquet records out.
+
+Owns: the order of a run (validate everything cheap first, so bad input fails before any
+weights load or any file is written; then load, account bytes, and decode every
+(request, repeat) not yet recorded), the columns of a record, and the console output.
+Does not own: Hydra (run.py converts its config before calling `run`), systems (systems.py),
+the record layout (records.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from experiments import records
+from experiments.provenance import provenance
+from experiments.systems import BuildContext, build_engine, check_system
+from specter import budget as budget_mod
+from specter.config import RunConfig
+from specter.errors import UserError
+from specter.metrics import distinct_n, timing
+from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
+from specter.workloads import DATASETS, Workload, load_workload, truncate_prompt
+
+
+@dataclass
+class RunSummary:
+    out_dir: Path
+    case_id: str
+    written: int
+    skipped: int
+    tpot_ms_mean: float
+
+
+def resolve_device(kind: str) -> torch.device:
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise UserError("hardware asks for a CUDA device but torch sees none; use hardware=cpu "
+                        "or install a CUDA build of torch.")
+    if kind not in ("cpu", "cuda"):
+        raise UserError(f"hardware.device must be auto, cpu or cuda (got '{kind}').")
+    return torch.device(kind)
+
+
+def _workload(cfg: RunConfig) -> Workload:
+    ds = cfg.dataset
+    if ds.name == "custom":
+        if not ds.prompts:
+            raise UserError("dataset=custom needs prompts: pass dataset.prompts='[\"text\", ...]'.")
+        return Workload(dataset="custom", source="command line", standin=False,
+                        texts=tuple(ds.prompts))
+    if ds.name not in DATASETS:
+        raise UserError(f"unknown dataset '{ds.name}'; choose one of: "
+                        f"{', '.join(DATASETS + ('custom',))}.")
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else None
+    return load_workload(ds.name, cfg.workload.items, data_dir)
+
+
+def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
+    """What determines the measurement (not where it is written or how it is displayed)."""
+    d = cfg.to_dict()
+    for key in ("out_dir", "progress", "cache_dir", "data_dir"):
+        d.pop(key)
+    d["resolved_slots"] = slots
+    return d
+
+
+def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        elif isinstance(v, (list, tuple)):
+            out[key] = json.dumps(v)
+        else:
+            out[key] = v
+    return out
+
+
+def run(cfg: RunConfig, log=print) -> RunSummary:
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
+    # 1. Everything that can be checked without weights: system, device, workload, budget.
+    check_system(cfg.system.name)
+    device = resolve_device(cfg.hardware.device)
+    workload = _workload(cfg)
+    checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
+    n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
+    budget = budget_mod.resolve_slots(cfg.budget, cfg.model, n_experts, top_k)
+    torch.manual_seed(cfg.seed)
+
+    tokenizer = load_tokenizer(checkpoint)
+    prompts = [truncate_prompt(tokenizer, t, cfg.workload.prompt_tokens) for t in workload.texts]
+
+    # 2. Load the model and account its device bytes.
+    loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress)
+    spec = loaded.spec
+    kv_tokens = max(len(p) for p in prompts) + cfg.workload.max_new_tokens
+    acct = budget_mod.account(spec, budget.slots, kv_tokens)
+    log(f"[specter] model={cfg.model.name} ({spec.arch}: {spec.num_experts} experts, top-{spec.top_k}, "
+        f"{spec.num_moe_layers} MoE layers) system={cfg.system.name} budget={budget.name} "
+        f"-> {budget.slots} slots/layer ({budget.rule}) device={device} dataset={workload.dataset} "
+        f"({'project-written stand-in' if workload.standin else workload.source})")
+    if budget.note:
+        log(f"[specter] budget note: {budget.note}")
+    log("[specter] device byte accounting:\n" + acct.table(budget.slots, spec))
+
+    # 3. Decode every (request, repeat) that is not recorded yet.
+    engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device))
+    store = records.CaseStore(cfg.out_dir, case_of(cfg, budget.slots))
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
+    fixed = {
+        "run_id": run_id, "case_id": store.case_id, "system": cfg.system.name,
+        "model": cfg.model.name, "budget": budget.name, "budget_slots": budget.slots,
+        "budget_note": budget.note, "dataset": workload.dataset,
+        "dataset_source": workload.source, "dataset_standin": workload.standin,
+        "hardware": cfg.hardware.name, "device": str(device), "clock": cfg.hardware.clock,
+        "experiment": cfg.experiment, "seed": cfg.seed, "checkpoint": str(checkpoint),
+        "acct_non_expert_bytes": acct.non_expert_bytes,
+        "acct_resident_expert_bytes": acct.resident_expert_bytes,
+        "acct_kv_bytes": acct.kv_bytes,
+        **flatten(cfg.to_dict(), "cfg."), **provenance(),
+    }
+    jobs = [(i, r) for i in range(len(prompts)) for r in range(cfg.workload.repeats)]
+    todo = [(i, r) for i, r in jobs if not store.done(_request_id(workload, i), r)]
+    if len(todo) < len(jobs):
+        log(f"[specter] resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already in {store.dir}")
+    tpots: list[float] = []
+    from tqdm import tqdm
+
+    for i, r in tqdm(todo, desc=f"{cfg.system.name}/{cfg.model.name}/{workload.dataset}",
+                     disable=not cfg.progress, file=sys.stderr):
+        engine.reset()  # outside timing
+        gen = engine.generate(prompts[i], cfg.workload.max_new_tokens)
+        t = timing(gen)
+        row = {**fixed, "request_id": _request_id(workload, i), "repeat": r,
+               "prompt_tokens": prompts[i], "output_tokens": gen.tokens, **t,
+               "distinct_4": distinct_n(gen.tokens, 4), "peak_mem_bytes": gen.peak_mem_bytes,
+               "peak_mem_source": gen.peak_mem_source, "finished_at": time.time(), **gen.stats}
+        store.write(row)
+        if not math.isnan(t["tpot_ms"]):
+            tpots.append(t["tpot_ms"])
+    mean = sum(tpots) / len(tpots) if tpots else math.nan
+    log(f"[specter] wrote {len(todo)} row(s), skipped {len(jobs) - len(todo)}; "
+        f"mean TPOT {mean:.2f} ms ({cfg.hardware.clock} clock) -> {store.dir}")
+    summary = RunSummary(out_dir=Path(cfg.out_dir), case_id=store.case_id, written=len(todo),
+                         skipped=len(jobs) - len(todo), tpot_ms_mean=mean)
+    log("RESULT " + json.dumps({"case_id": summary.case_id, "written": summary.written,
+                                "skipped": summary.skipped, "tpot_ms_mean": round(mean, 4),
+                                "dir": str(store.dir)}))
+    return summary
+
+
+def _request_id(workload: Workload, i: int) -> str:
+    return f"{workload.dataset}-{i:03d}"

@@ -1,0 +1,140 @@
+"""Typed run configuration: the only shape configuration takes inside the code.
+
+Hydra composes YAML at the edge (`run.py`); `RunConfig.from_dict` converts it once, checking
+every key, and nothing past that point sees a DictConfig or calls `cfg.get(..., default)`.
+Validation that needs no model (names, counts) happens here; validation that needs the
+model's expert count (budget slots) happens in `budget.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from specter.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    source: str  # "project": made by specter.models.zoo; "hf": a real Hugging Face checkpoint
+    hub_id: str | None = None
+    path: str | None = None  # local checkpoint folder for source=hf
+    dtype: str = "auto"  # auto: float32 on CPU, float16 on CUDA
+    # Resident expert slots per MoE layer for the named budgets (paper-facts.md); a budget
+    # name missing here falls back to the proportional rule in budget.py.
+    budget_slots: dict[str, int] = field(default_factory=dict)
+    paper_k: int | None = None  # the paper's chosen speculation depth, for reference
+    stands_for: str | None = None  # for project-made models: the real model they scale down
+
+
+@dataclass
+class BudgetConfig:
+    name: str  # high | low | full | custom
+    slots: int | None = None  # overrides the per-model table
+
+
+@dataclass
+class SystemConfig:
+    name: str
+
+
+@dataclass
+class DatasetConfig:
+    name: str  # gsm8k | wikitext2 | humaneval | gpqa | c4 | custom
+    prompts: list[str] = field(default_factory=list)  # dataset=custom only
+
+
+@dataclass
+class HardwareConfig:
+    name: str
+    device: str = "auto"  # auto | cpu | cuda
+    clock: str = "wall"
+
+
+@dataclass
+class WorkloadConfig:
+    items: int = 5
+    prompt_tokens: int = 16
+    max_new_tokens: int = 128
+    repeats: int = 3
+    stop_on_eos: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig
+    budget: BudgetConfig
+    system: SystemConfig
+    dataset: DatasetConfig
+    hardware: HardwareConfig
+    workload: WorkloadConfig
+    experiment: str = "default"
+    out_dir: str = "results/default"
+    seed: int = 0  # run randomness (sampling); does not change a project-made model
+    model_seed: int = 0  # seed a project-made model was built with
+    cache_dir: str | None = None  # project-made models; default ~/.cache/specter
+    data_dir: str | None = None  # fetched datasets; default data/cache
+    progress: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "RunConfig":
+        cfg = _build(cls, d, "")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        w = self.workload
+        for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
+                           ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):
+            if value < 1:
+                raise UserError(f"{key} must be at least 1 (got {value}).")
+        if self.budget.slots is not None and self.budget.slots < 1:
+            raise UserError(f"budget.slots must be at least 1 (got {self.budget.slots}).")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _build(cls, d: Any, prefix: str):
+    """Construct dataclass `cls` from a plain dict, rejecting unknown keys by name."""
+    if not isinstance(d, dict):
+        raise UserError(f"config '{prefix.rstrip('.')}' must be a mapping, got {d!r}.")
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(d) - set(known))
+    if unknown:
+        raise UserError(f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
+                        f"valid keys here: {', '.join(prefix + k for k in known)}.")
+    kwargs = {}
+    for name, f in known.items():
+        if name not in d:
+            continue
+        sub = _NESTED.get((cls.__name__, name))
+        kwargs[name] = _build(sub, d[name], f"{prefix}{name}.") if sub else _check(f, d[name], prefix)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # a required key is missing
+        raise UserError(f"incomplete config at '{prefix or 'top level'}': {e}.") from None
+
+
+_SCALARS = {"int": (int,), "str": (str,), "bool": (bool,), "float": (int, float)}
+
+
+def _check(f, value: Any, prefix: str) -> Any:
+    """Reject a value of the wrong scalar type (annotations are strings here)."""
+    kinds = [k.strip() for k in str(f.type).split("|")]
+    if value is None and "None" in kinds:
+        return value
+    for k in kinds:
+        ok = _SCALARS.get(k)
+        if ok and isinstance(value, ok) and not (k == "int" and isinstance(value, bool)):
+            return value
+    if any(k in _SCALARS for k in kinds):
+        raise UserError(f"{prefix}{f.name} must be {f.type} (got {value!r}).")
+    return value
+
+
+_NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetConfig,
+           ("RunConfig", "system"): SystemConfig, ("RunConfig", "dataset"): DatasetConfig,
+           ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig}

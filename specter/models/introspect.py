@@ -1,0 +1,118 @@
+"""What every supported MoE looks like from the outside, found by inspection, not by name.
+
+Owns: finding the routed-experts modules of any transformers MoE (modules holding fused 3D
+`gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` parameters), the per-model MoE facts the
+rest of the system needs (`MoESpec`), and observing the router's top-k choices with a
+pre-hook on the experts call (so no router is re-implemented).
+Does not own: changing how experts run (that is the offloading runtime's experts
+implementation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    arch: str  # HF model_type
+    num_layers: int  # all decoder layers
+    moe_layers: tuple[int, ...]  # decoder-layer index of each MoE layer, in order
+    num_experts: int
+    top_k: int
+    hidden: int
+    expert_inter: int
+    shared_experts: bool
+    expert_bytes: int  # one routed expert (gate, up, down) at the model's dtype
+    non_expert_bytes: int  # every parameter that is not a routed expert
+    kv_bytes_per_token: int  # KV cache bytes one token adds across all layers
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    def slot_bytes(self, slots: int) -> int:
+        """Device bytes for `slots` resident experts in every MoE layer."""
+        return slots * self.num_moe_layers * self.expert_bytes
+
+
+def is_experts_module(m: nn.Module) -> bool:
+    gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
+    return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
+
+
+def experts_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(decoder-layer index, experts module) for every MoE layer, in layer order."""
+    found = []
+    for i, layer in enumerate(_decoder_layers(model)):
+        mods = [m for m in layer.modules() if is_experts_module(m)]
+        if len(mods) > 1:
+            raise RuntimeError(f"layer {i} has {len(mods)} routed-experts modules; expected one")
+        if mods:
+            found.append((i, mods[0]))
+    return found
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise RuntimeError(f"{type(model).__name__}: cannot find decoder layers at .model.layers")
+    return layers
+
+
+def _kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes of K and V one token adds to an uncompressed HF cache, summed over layers."""
+    elem = torch.finfo(dtype).bits // 8
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if getattr(config, "kv_lora_rank", None) is not None:  # DeepSeek MLA: HF caches full K, V
+        k_dim = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim)
+        v_dim = heads * config.v_head_dim
+    else:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        k_dim = v_dim = heads * head_dim
+    return (k_dim + v_dim) * elem * config.num_hidden_layers
+
+
+def moe_spec(model: nn.Module) -> MoESpec:
+    cfg = model.config
+    mods = experts_modules(model)
+    if not mods:
+        raise RuntimeError(f"{type(model).__name__} has no routed-experts modules")
+    _, first = mods[0]
+    e, two_i, h = first.gate_up_proj.shape
+    per_expert = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * first.gate_up_proj.element_size()
+    expert_ids = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
+    non_expert = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
+    shared = any(("shared_expert" in n) for n, _ in model.named_modules())
+    return MoESpec(
+        arch=cfg.model_type, num_layers=cfg.num_hidden_layers, moe_layers=tuple(i for i, _ in mods),
+        num_experts=e, top_k=cfg.num_experts_per_tok, hidden=h, expert_inter=two_i // 2,
+        shared_experts=shared, expert_bytes=per_expert, non_expert_bytes=non_expert,
+        kv_bytes_per_token=_kv_bytes_per_token(cfg, first.gate_up_proj.dtype),
+    )
+
+
+@torch.no_grad()
+def router_topk(model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    """Top-k expert ids chosen by each MoE layer's router for `input_ids`: one
+    [tokens, k] tensor per MoE layer, observed at the experts call."""
+    seen: list[torch.Tensor] = []
+    hooks = [m.register_forward_pre_hook(lambda _m, args: seen.append(args[1].detach().clone()))
+             for _, m in experts_modules(model)]
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def router_topk_counts(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """[moe_layers, experts] number of tokens routed to each expert."""
+    n_exp = experts_modules(model)[0][1].gate_up_proj.shape[0]
+    return torch.stack([torch.bincount(t.flatten(), minlength=n_exp).float()
+                        for t in router_topk(model, input_ids)])

@@ -1,0 +1,110 @@
+"""Load a model and its tokenizer from a Hugging Face checkpoint folder: one path for all.
+
+Owns: turning a model config (project-made name, local folder, or hub id) into a checkpoint
+folder, checking it holds safetensors weights, and loading it with transformers' own classes
+(never `trust_remote_code`). Project-made models are built on first use (zoo.py) and then
+loaded exactly like a real checkpoint.
+Does not own: where experts live at run time (the offloading runtime moves them afterwards).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specter.config import ModelConfig
+from specter.errors import UserError
+from specter.models import zoo
+from specter.models.introspect import MoESpec, moe_spec
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: MoESpec
+    checkpoint: Path
+    device: torch.device
+
+
+def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
+                       progress: bool = True) -> Path:
+    """The folder to load from; builds project-made models on first use."""
+    if cfg.source == "project":
+        return zoo.ensure_project_model(cfg.name, seed=seed, cache_dir=cache_dir, progress=progress)
+    if cfg.path:
+        path = Path(cfg.path).expanduser()
+        if not (path / "config.json").is_file():
+            raise UserError(f"no checkpoint for model={cfg.name} at {path} (no config.json); "
+                            f"download it with `hf download {cfg.hub_id} --local-dir {path}` "
+                            f"and pass model.path={path}.")
+    else:
+        path = _hub_snapshot(cfg)
+    if not any(path.glob("*.safetensors")):
+        raise UserError(f"{path} holds no .safetensors weights; this project loads safetensors "
+                        f"only (re-download {cfg.hub_id} in safetensors form).")
+    return path
+
+
+def _hub_snapshot(cfg: ModelConfig) -> Path:
+    """A complete local snapshot of `cfg.hub_id`: from the HF cache, or downloaded when online."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py"]
+    try:
+        return Path(snapshot_download(cfg.hub_id, allow_patterns=patterns, local_files_only=True))
+    except Exception:  # not cached: fall through to a download attempt
+        pass
+    if os.environ.get("HF_HUB_OFFLINE") not in (None, "", "0"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            return Path(snapshot_download(cfg.hub_id, allow_patterns=patterns, etag_timeout=10))
+        except Exception as e:  # no network, gated repo, ...: one sentence for the user
+            reason = f"download failed ({type(e).__name__})"
+    raise UserError(f"weights for model={cfg.name} ({cfg.hub_id}) not found: model.path is unset, "
+                    f"they are not in the Hugging Face cache and {reason}; download them with "
+                    f"`hf download {cfg.hub_id} --local-dir DIR` and pass model.path=DIR.")
+
+
+def pick_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.float16
+    return DTYPES[cfg.dtype]
+
+
+def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = None,
+               seed: int = 0, progress: bool = True) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
+    path = resolve_checkpoint(cfg, cache_dir, seed, progress)
+    dtype = pick_dtype(cfg, device)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    model.to(device).eval()
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model), checkpoint=path,
+                       device=device)
+
+
+def load_tokenizer(checkpoint: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=False)
+
+
+def read_moe_shape(cfg: ModelConfig, checkpoint: Path) -> tuple[int, int]:
+    """(routed experts, top-k) from config.json alone, to validate budgets before loading."""
+    raw = json.loads((checkpoint / "config.json").read_text())
+    for key in ("n_routed_experts", "num_local_experts", "num_experts"):
+        if raw.get(key):
+            return int(raw[key]), int(raw["num_experts_per_tok"])
+    raise UserError(f"model={cfg.name}: {checkpoint}/config.json names no routed-expert count; "
+                    "is this a Mixture-of-Experts checkpoint?")

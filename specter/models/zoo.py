@@ -1,0 +1,282 @@
+"""Project-made MoE models: scaled copies of the real architectures, trained briefly on local text.
+
+Owns: the shape of every project-made model (same routed-expert count, top-k and shared-expert
+structure as the real model it stands for; fewer layers, smaller hidden size), the short
+training run that makes routing depend on the data, and the on-disk cache of the results as
+ordinary Hugging Face checkpoints (safetensors + tokenizer), so they load through exactly the
+code path real checkpoints use (loading.py).
+Does not own: loading, devices, dtypes (loading.py); anything about offloading.
+
+Sizes: `tiny_*` are for tests (built in seconds), `small_*` for benchmarks (minutes, once).
+Everything is deterministic for a seed on a given machine and Python release (the stdlib
+text is part of the training data; its digest is stored with the checkpoint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from specter.errors import UserError
+from specter.models import corpus
+
+TOKENIZER_VOCAB = 4096
+TOKENIZER_CORPUS_BYTES = 2_000_000
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    expert_inter: int  # routed expert intermediate size
+    dense_inter: int  # dense FFN intermediate size (DeepSeek's first layer)
+
+
+@dataclass(frozen=True)
+class Training:
+    steps: int
+    batch: int
+    seq_len: int
+    lr: float
+    corpus_bytes: int
+
+
+TINY = (Shape(hidden=64, layers=3, heads=4, expert_inter=32, dense_inter=128),
+        Training(steps=300, batch=8, seq_len=64, lr=5e-3, corpus_bytes=400_000))
+SMALL = (Shape(hidden=192, layers=4, heads=4, expert_inter=96, dense_inter=384),
+         Training(steps=500, batch=16, seq_len=128, lr=2e-3, corpus_bytes=TOKENIZER_CORPUS_BYTES))
+
+
+def _deepseek(s: Shape, vocab: int, special: dict):
+    from transformers import DeepseekV2Config
+
+    # DeepSeek-V2-Lite: 64 routed / top-6 / 2 shared, first layer dense, MLA without q-LoRA.
+    head = s.hidden // s.heads
+    return DeepseekV2Config(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.dense_inter,
+        moe_intermediate_size=s.expert_inter, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.heads,
+        n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
+        kv_lora_rank=s.hidden // 2, q_lora_rank=None, qk_nope_head_dim=head,
+        qk_rope_head_dim=head // 2, v_head_dim=head, topk_method="greedy", n_group=1, topk_group=1,
+        norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=1024, **special)
+
+
+def _qwen(s: Shape, vocab: int, special: dict):
+    from transformers import Qwen2MoeConfig
+
+    # Qwen1.5-MoE-A2.7B: 60 routed / top-4 / 1 shared expert of 4x size behind a sigmoid gate.
+    return Qwen2MoeConfig(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.dense_inter,
+        moe_intermediate_size=s.expert_inter, shared_expert_intermediate_size=4 * s.expert_inter,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads,
+        num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+        max_position_embeddings=1024, router_aux_loss_coef=0.01, **special)
+
+
+def _phi(s: Shape, vocab: int, special: dict):
+    from transformers import PhimoeConfig
+
+    # Phi-3.5-MoE: 16 routed / top-2, no shared expert. Jitter off so routing is deterministic.
+    return PhimoeConfig(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.expert_inter,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads,
+        num_local_experts=16, num_experts_per_tok=2, router_jitter_noise=0.0,
+        input_jitter_noise=0.0, max_position_embeddings=1024, sliding_window=None,
+        router_aux_loss_coef=0.01, **special)
+
+
+def _mixtral(s: Shape, vocab: int, special: dict):
+    from transformers import MixtralConfig
+
+    return MixtralConfig(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.expert_inter,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads // 2,
+        num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+        router_aux_loss_coef=0.01, **special)
+
+
+def _qwen3(s: Shape, vocab: int, special: dict):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.dense_inter,
+        moe_intermediate_size=s.expert_inter, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, num_key_value_heads=s.heads // 2, head_dim=s.hidden // s.heads,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+        max_position_embeddings=1024, router_aux_loss_coef=0.01, **special)
+
+
+def _olmoe(s: Shape, vocab: int, special: dict):
+    from transformers import OlmoeConfig
+
+    return OlmoeConfig(
+        vocab_size=vocab, hidden_size=s.hidden, intermediate_size=s.expert_inter,
+        num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.heads,
+        num_experts=64, num_experts_per_tok=8, max_position_embeddings=1024,
+        router_aux_loss_coef=0.01, **special)
+
+
+ARCHS: dict[str, Callable] = {
+    "deepseek": _deepseek, "qwen": _qwen, "phi": _phi,
+    "mixtral": _mixtral, "qwen3": _qwen3, "olmoe": _olmoe,
+}
+SIZES = {"tiny": TINY, "small": SMALL}
+# Which real model each project-made architecture stands for (None: kept for genericity only).
+STANDS_FOR = {"deepseek": "deepseek", "qwen": "qwen", "phi": "phi",
+              "mixtral": None, "qwen3": None, "olmoe": None}
+PROJECT_MODELS = tuple(f"{size}_{arch}" for size in SIZES for arch in ARCHS)
+
+
+def parse_name(name: str) -> tuple[str, str]:
+    size, _, arch = name.partition("_")
+    if size not in SIZES or arch not in ARCHS:
+        raise UserError(f"unknown project-made model '{name}'; choose one of: "
+                        f"{', '.join(PROJECT_MODELS)}.")
+    return size, arch
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
+
+
+def _recipe(name: str, seed: int) -> dict:
+    size, arch = parse_name(name)
+    shape, training = SIZES[size]
+    return {"name": name, "arch": arch, "size": size, "seed": seed, "shape": asdict(shape),
+            "training": asdict(training), "tokenizer_vocab": TOKENIZER_VOCAB,
+            "recipe_version": 1}
+
+
+def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None) -> Path:
+    """Where the checkpoint for (name, seed) lives; the folder name hashes the recipe."""
+    recipe = _recipe(name, seed)
+    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+    return (cache_dir or default_cache_dir()) / "models" / f"{name}-s{seed}-{digest}"
+
+
+def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None,
+                         progress: bool = True) -> Path:
+    """Return the checkpoint folder of a project-made model, building it once if needed."""
+    from filelock import FileLock
+
+    out = checkpoint_dir(name, seed, cache_dir)
+    if (out / "specter_build.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "specter_build.json").exists():  # another process built it meanwhile
+            return out
+        tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        _build(_recipe(name, seed), tmp, cache_dir or default_cache_dir(), progress)
+        os.replace(tmp, out)
+    return out
+
+
+def ensure_tokenizer(cache_dir: Path):
+    """The shared project tokenizer (trained once, cached)."""
+    from filelock import FileLock
+    from transformers import AutoTokenizer
+
+    out = cache_dir / "tokenizer" / f"bpe{TOKENIZER_VOCAB}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if not (out / "tokenizer.json").exists():
+            tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            docs = corpus.corpus_documents(TOKENIZER_CORPUS_BYTES)
+            corpus.train_tokenizer(docs, TOKENIZER_VOCAB, tmp)
+            (tmp / "corpus_digest.txt").write_text(corpus.corpus_digest(docs))
+            os.replace(tmp, out)
+    return AutoTokenizer.from_pretrained(str(out))
+
+
+def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
+    """Steps: 1 tokenizer, 2 config + init, 3 train, 4 routing stats, 5 save."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    t0 = time.time()
+    shape, training = Shape(**recipe["shape"]), Training(**recipe["training"])
+    # 1. Tokenizer and token stream.
+    tok = ensure_tokenizer(cache_dir)
+    docs = corpus.corpus_documents(training.corpus_bytes)
+    stream = torch.tensor(corpus.encode_corpus(tok, docs), dtype=torch.long)
+    # 2. Config and deterministic init.
+    special = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                   pad_token_id=tok.pad_token_id, tie_word_embeddings=False)
+    config = ARCHS[recipe["arch"]](shape, len(tok), special)
+    torch.manual_seed(recipe["seed"])
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # 3. Train on random windows of the stream.
+    losses = _train(model, stream, training, recipe["seed"], progress, recipe["name"])
+    # 4. How specialised the routing became (held-out windows).
+    load_entropy = _routing_entropy(model, stream, training, recipe["seed"])
+    # 5. Save as an ordinary HF checkpoint.
+    model.config.output_router_logits = False
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id, do_sample=False)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    meta = dict(recipe, corpus_digest=corpus.corpus_digest(docs), corpus_tokens=len(stream),
+                parameters=sum(p.numel() for p in model.parameters()),
+                loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
+                routing_load_entropy=load_entropy, build_seconds=round(time.time() - t0, 1),
+                torch=torch.__version__)
+    (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
+
+
+def _train(model, stream: torch.Tensor, tr: Training, seed: int, progress: bool,
+           name: str) -> list[float]:
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=tr.lr, weight_decay=0.01)
+    warmup = max(1, tr.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / tr.steps)))
+    uses_aux = getattr(model.config, "router_aux_loss_coef", None) is not None
+    model.train()
+    losses: list[float] = []
+    bar = tqdm(range(tr.steps), desc=f"training {name}", disable=not progress, leave=False)
+    for _ in bar:
+        starts = torch.randint(0, len(stream) - tr.seq_len - 1, (tr.batch,), generator=gen)
+        x = torch.stack([stream[s:s + tr.seq_len] for s in starts.tolist()])  # [B, T]
+        kwargs = {"output_router_logits": True} if uses_aux else {}
+        loss = model(input_ids=x, labels=x, use_cache=False, **kwargs).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())  # host sync: once per training step
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def _routing_entropy(model, stream: torch.Tensor, tr: Training, seed: int) -> float:
+    """Mean over MoE layers of (entropy of expert load) / log(E): 1.0 is uniform routing."""
+    from specter.models.introspect import experts_modules, router_topk_counts
+
+    gen = torch.Generator().manual_seed(seed + 2)
+    starts = torch.randint(0, len(stream) - tr.seq_len - 1, (4,), generator=gen)
+    x = torch.stack([stream[s:s + tr.seq_len] for s in starts.tolist()])
+    counts = router_topk_counts(model, x)  # [L_moe, E]
+    n_exp = counts.shape[1]
+    p = counts / counts.sum(dim=1, keepdim=True)
+    ent = -(p * p.clamp_min(1e-12).log()).sum(dim=1) / math.log(n_exp)
+    assert len(experts_modules(model)) == counts.shape[0]
+    return round(float(ent.mean()), 4)

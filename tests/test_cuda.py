@@ -1,0 +1,25 @@
+"""CUDA checks (skipped without a GPU): the same exactness on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baselines.resident import ResidentEngine
+from conftest import PROMPTS, TINY
+from specter.config import ModelConfig
+from specter.models.loading import load_model
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", TINY)
+def test_resident_equals_generate_on_cuda(name):
+    dev = torch.device("cuda")
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
+    engine = ResidentEngine(lm.model, dev)
+    for text in PROMPTS:
+        ids = lm.tokenizer(text)["input_ids"][:16]
+        ours = engine.generate(ids, 24)
+        ref = lm.model.generate(torch.tensor([ids], device=dev), max_new_tokens=24, do_sample=False)
+        assert ours.tokens == ref[0, len(ids):].tolist()
+        assert ours.peak_mem_source == "cuda_allocator" and ours.peak_mem_bytes > 0

@@ -1,0 +1,120 @@
+"""The runner end to end: records written, resumable sweeps, and bad input as one sentence."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from conftest import run_cli
+from experiments import records, runner
+from specter.config import RunConfig
+from specter.errors import UserError
+
+REQUIRED = ["run_id", "system", "model", "budget", "dataset", "hardware", "request_id", "repeat",
+            "prompt_tokens", "output_tokens", "tpot_ms", "ttft_ms", "tokens_per_s",
+            "peak_mem_bytes", "prov.git_commit", "prov.pkg.torch", "prov.machine", "seed",
+            "cfg.model.name", "cfg.workload.max_new_tokens", "dataset_standin"]
+
+
+def smoke_cfg(out_dir, **over) -> RunConfig:
+    d = {"model": {"name": "tiny_deepseek", "source": "project", "budget_slots": {"high": 16}},
+         "budget": {"name": "high"}, "system": {"name": "resident"},
+         "dataset": {"name": "gsm8k"}, "hardware": {"name": "cpu", "device": "cpu"},
+         "workload": {"items": 2, "max_new_tokens": 6, "repeats": 2},
+         "out_dir": str(out_dir), "progress": False}
+    for k, v in over.items():
+        d[k] = {**d[k], **v} if isinstance(v, dict) else v
+    return RunConfig.from_dict(d)
+
+
+def test_cli_smoke_writes_records_then_resumes(tmp_path):
+    out = tmp_path / "res"
+    first = run_cli("experiment=smoke", f"out_dir={out}", "progress=false")
+    assert first.returncode == 0, first.stderr
+    assert "device byte accounting" in first.stdout and "RESULT" in first.stdout
+    df = records.load(out)
+    assert len(df) == 2  # 2 prompts x 1 repeat
+    assert set(REQUIRED) <= set(df.columns)
+    assert (df["model"] == "tiny_deepseek").all() and (df["system"] == "resident").all()
+    assert df["prompt_tokens"].map(len).max() <= 16
+    assert (df["output_tokens"].map(len) == 16).all()
+    assert (df["tpot_ms"] > 0).all() and (df["peak_mem_bytes"] > 0).all()
+    again = run_cli("experiment=smoke", f"out_dir={out}", "progress=false")
+    assert again.returncode == 0, again.stderr
+    assert "skipped 2" in again.stdout
+    assert len(records.load(out)) == 2
+
+
+def test_interrupted_sweep_resumes_each_row_once(tmp_path, monkeypatch):
+    from baselines import resident
+
+    cfg = smoke_cfg(tmp_path)
+    real = resident.ResidentEngine.generate
+    calls = {"n": 0}
+
+    def crash_on_third(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # the machine goes away mid-sweep
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(resident.ResidentEngine, "generate", crash_on_third)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(cfg, log=lambda *_: None)
+    assert len(records.load(tmp_path)) == 2
+    monkeypatch.setattr(resident.ResidentEngine, "generate", real)
+    summary = runner.run(cfg, log=lambda *_: None)
+    assert (summary.written, summary.skipped) == (2, 2)
+    df = records.load(tmp_path)
+    assert len(df) == 4
+    assert not df.duplicated(["request_id", "repeat"]).any()
+    # Repeats of one prompt decode the same tokens.
+    for _, g in df.groupby("request_id"):
+        assert len({tuple(t) for t in g["output_tokens"]}) == 1
+
+
+def test_different_cases_share_a_tree_without_clashes(tmp_path):
+    runner.run(smoke_cfg(tmp_path), log=lambda *_: None)
+    runner.run(smoke_cfg(tmp_path, dataset={"name": "humaneval"}), log=lambda *_: None)
+    df = records.load(tmp_path)
+    assert len(df) == 8 and df["case_id"].nunique() == 2
+    assert set(df["dataset"]) == {"gsm8k", "humaneval"}
+    assert df.loc[df["dataset"] == "humaneval", "dataset_standin"].eq(False).all()
+
+
+BAD = [
+    (["model=gpt5"], "unknown model 'gpt5'"),
+    (["system=magic"], "unknown system 'magic'"),
+    (["dataset=imagenet"], "unknown dataset 'imagenet'"),
+    (["model=deepseek", "model.path=/nonexistent/ds"], "no checkpoint for model=deepseek"),
+    (["dataset=custom", "dataset.prompts=['   ']"], "empty prompt"),
+    (["budget.slots=3"], "below top-k=6"),
+    (["budget.slots=65"], "exceeds the 64 routed experts"),
+    (["workload.max_new_tokens=0"], "workload.max_new_tokens must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) for a, _ in BAD])
+def test_bad_input_is_one_sentence_and_writes_nothing(tmp_path, args, message):
+    out = tmp_path / "res"
+    proc = run_cli("experiment=smoke", f"out_dir={out}", "progress=false", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr
+    assert records.row_files(out) == []
+
+
+def test_unknown_config_key_is_named():
+    with pytest.raises(UserError, match="unknown config key.*workload.itemz"):
+        RunConfig.from_dict({**smoke_cfg("x").to_dict(), "workload": {"itemz": 3}})
+
+
+def test_multirun_sweep(tmp_path):
+    out = tmp_path / "sweep"
+    proc = run_cli("-m", "experiment=smoke", f"out_dir={out}", "progress=false",
+                   "dataset=gsm8k,c4", "workload.max_new_tokens=4")
+    assert proc.returncode == 0, proc.stderr
+    df = records.load(out)
+    assert sorted(df["dataset"].unique()) == ["c4", "gsm8k"] and len(df) == 4
+    assert isinstance(df, pd.DataFrame)
