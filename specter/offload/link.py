@@ -1,0 +1,462 @@
+"""The host-to-device link: asynchronous expert copies and the compute-stream clock.
+
+Owns: the streams / threads and events of host-to-device (H2D) copies, the clock of the
+compute stream, and the H2D-hiding bookkeeping (paper-facts.md, "H2D hiding"): the busy
+intervals of the copy engine, the intervals the compute stream waited on a copy, and from
+them `h2d_s`, `exposed_wait_s` and `hidden_frac`.
+Does not own: which experts to move, when, or into which slot (the residency and prefetch
+policies decide; they call `copy` and `wait`), pinning host memory (the caller pins), or the
+cost of compute steps (the cost model supplies the seconds passed to `compute`).
+It moves bytes and keeps time; it decides nothing.
+
+Three kinds behind one interface, chosen once by `make_link` (design.md, "Three kinds of
+link and clock"):
+- `virtual`: a simulated clock with two resources, the compute stream (time `tc`) and one
+  copy engine (free at `te`). Data is copied for real at issue; time moves only by the model,
+  so results are deterministic and exact.
+- `wall`: a background copy-engine thread that completes each transfer no earlier than
+  bytes / bandwidth + latency after it starts (sleeping, never spinning); waits are measured
+  in wall-clock time. A sanity check of real overlap on a CPU machine.
+- `cuda`: a dedicated copy stream, `non_blocking` copies and CUDA events; times are read from
+  the events. The profile is not used for timing: the real PCIe link is measured.
+
+`copy(dst, src, nbytes=None)` charges `nbytes` to the link when given (the cost model may
+charge a real model's expert size while a small model's tensors are moved); by default the
+size of `src`.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specter.errors import UserError
+from specter.offload.intervals import Interval, intersection_length, union_length
+
+KINDS = ("virtual", "wall", "cuda")
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    bandwidth_Bps: float  # H2D bytes per second
+    latency_s: float  # fixed cost per transfer
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth_Bps > 0 and math.isfinite(self.bandwidth_Bps)):
+            raise ValueError(f"bandwidth_Bps must be positive and finite, got {self.bandwidth_Bps}")
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"latency_s must be >= 0 and finite, got {self.latency_s}")
+
+    def transfer_s(self, nbytes: int) -> float:
+        """Seconds the copy engine is busy with one transfer of `nbytes`."""
+        return nbytes / self.bandwidth_Bps + self.latency_s
+
+
+@dataclass
+class LinkStats:
+    n_transfers: int
+    h2d_bytes: int  # bytes charged to the link
+    h2d_s: float  # measure of the union of transfer busy intervals [start, end]
+    exposed_wait_s: float  # measure of the union of the compute stream's wait intervals
+    hidden_frac: float  # (h2d_s - |H2D ∩ waits|) / h2d_s; nan when h2d_s == 0
+
+
+class Transfer(ABC):
+    """Handle of one issued copy. `start` / `end` are seconds on the link's clock once known."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.start: float | None = None
+        self.end: float | None = None
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the copy has completed as seen from the compute stream / host now."""
+
+
+def _copy_data(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    """dst <- src, element for element (shapes may differ when the element counts agree)."""
+    view = src if src.shape == dst.shape else src.reshape(dst.shape)
+    dst.copy_(view, non_blocking=non_blocking)
+
+
+def _charged_bytes(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None) -> int:
+    if dst.numel() != src.numel() or dst.dtype != src.dtype:
+        raise ValueError(f"copy needs the same element count and dtype: dst {tuple(dst.shape)} "
+                         f"{dst.dtype}, src {tuple(src.shape)} {src.dtype}")
+    if nbytes is None:
+        return src.numel() * src.element_size()
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    return int(nbytes)
+
+
+def _check_compute(seconds: float) -> None:
+    if not seconds >= 0:  # also rejects nan
+        raise ValueError(f"compute seconds must be >= 0, got {seconds}")
+
+
+class Link(ABC):
+    """One H2D link and the compute-stream clock; subclasses are the three kinds.
+
+    Stats cover the transfers issued and the waits made since the last `reset_stats()`
+    (construction counts as one).
+    """
+
+    kind: str = ""
+
+    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+        self.profile = profile
+        self.device = device
+        self._transfers: list[Transfer] = []
+        self._waits: list[Interval] = []
+
+    # --- the interface -------------------------------------------------------------------
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> Transfer:
+        """Issue an asynchronous copy of `src` into `dst`; the data really moves."""
+        transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes))
+        self._transfers.append(transfer)
+        return transfer
+
+    @abstractmethod
+    def now(self) -> float:
+        """Compute-stream time in seconds."""
+
+    @abstractmethod
+    def wait(self, t: Transfer) -> None:
+        """The compute stream waits until `t` has completed; a real stall is recorded."""
+
+    @abstractmethod
+    def compute(self, seconds: float) -> None:
+        """A modelled compute step of `seconds` (advances only the virtual clock)."""
+
+    @abstractmethod
+    def synchronize(self) -> None:
+        """Wait for every issued transfer (end of a request); not counted as exposed wait."""
+
+    def stats(self) -> LinkStats:
+        """H2D totals since the last reset; waits for issued transfers first (wall, cuda)."""
+        self._settle()
+        busy = [(t.start, t.end) for t in self._transfers]
+        waits = self._wait_intervals()
+        h2d = union_length(busy)
+        hidden = (h2d - intersection_length(busy, waits)) / h2d if h2d > 0 else math.nan
+        return LinkStats(n_transfers=len(self._transfers),
+                         h2d_bytes=sum(t.nbytes for t in self._transfers),
+                         h2d_s=h2d, exposed_wait_s=union_length(waits), hidden_frac=hidden)
+
+    def reset_stats(self) -> None:
+        self._transfers = []
+        self._waits = []
+
+    def close(self) -> None:
+        """Release threads / streams; the link cannot copy afterwards."""
+
+    def __enter__(self) -> Link:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- per kind ------------------------------------------------------------------------
+    @abstractmethod
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+        """Start one copy charged `nbytes` and return its handle."""
+
+    def _settle(self) -> None:
+        """Make `start` / `end` of every transfer in the window known."""
+
+    def _wait_intervals(self) -> list[Interval]:
+        return list(self._waits)
+
+
+# ======================================================================================
+# virtual
+# ======================================================================================
+class VirtualTransfer(Transfer):
+    def __init__(self, nbytes: int, start: float, end: float, link: VirtualLink) -> None:
+        super().__init__(nbytes)
+        self.start, self.end = start, end
+        self._link = link
+
+    def done(self) -> bool:
+        # complete once the compute clock has reached its end
+        return self.end <= self._link.now()
+
+
+class VirtualLink(Link):
+    """Simulated clock: compute time `tc`, one FIFO copy engine free at `te`, both from 0."""
+
+    kind = "virtual"
+
+    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+        super().__init__(profile, device)
+        self._tc = 0.0
+        self._te = 0.0
+
+    def now(self) -> float:
+        return self._tc
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+        # issued at tc, it starts when the engine is free and occupies it for the modelled time
+        start = max(self._tc, self._te)
+        end = start + self.profile.transfer_s(nbytes)
+        self._te = end
+        _copy_data(dst, src)  # data correctness now; time moves only by the model
+        return VirtualTransfer(nbytes, start, end, self)
+
+    def wait(self, t: Transfer) -> None:
+        # a wait on an unfinished copy moves compute time to its end: an exposed stall
+        if t.end > self._tc:
+            self._waits.append((self._tc, t.end))
+            self._tc = t.end
+
+    def compute(self, seconds: float) -> None:
+        _check_compute(seconds)
+        self._tc += seconds
+
+    def synchronize(self) -> None:
+        # every copy's data is already in place and its times known; the compute clock is
+        # left alone (the engine may be ahead of it, which is fine between requests)
+        return None
+
+
+# ======================================================================================
+# wall
+# ======================================================================================
+class WallTransfer(Transfer):
+    def __init__(self, nbytes: int, issued: float) -> None:
+        super().__init__(nbytes)
+        self.issued = issued  # perf_counter at issue
+        self.error: BaseException | None = None
+        self.finished = threading.Event()  # set by the engine thread after start/end
+
+    def done(self) -> bool:
+        return self.finished.is_set()
+
+
+def _sleep_until(deadline: float) -> None:
+    """Sleep (never spin: a spinning thread holds the GIL) until perf_counter >= deadline."""
+    while (remaining := deadline - time.perf_counter()) > 0:
+        time.sleep(remaining)
+
+
+def _engine_loop(jobs: queue.SimpleQueue, profile: LinkProfile) -> None:
+    """The copy engine: FIFO, one transfer at a time, until it dequeues None.
+
+    Each transfer starts at max(its issue time, end of the previous transfer), copies the data,
+    and completes at max(start + bytes / bandwidth + latency, the moment the real copy
+    finished). Chaining from the previous modelled end (not from the late wake-up) keeps
+    queued transfers free of drift from sleep overshoot.
+    """
+    engine_free = -math.inf
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        t, dst, src = job
+        job = None
+        start = max(t.issued, engine_free)
+        try:
+            _copy_data(dst, src)
+        except Exception as exc:  # surfaced to the caller by wait / synchronize
+            t.error = exc
+        dst = src = None  # do not keep the caller's tensors alive while sleeping
+        end = max(start + profile.transfer_s(t.nbytes), time.perf_counter())
+        _sleep_until(end)
+        t.start, t.end = start, end
+        engine_free = end
+        t.finished.set()
+        t = None
+
+
+def _raise_failed(t: WallTransfer) -> None:
+    if t.error is not None:
+        raise RuntimeError(f"wall link copy failed: {t.error}") from t.error
+
+
+class WallLink(Link):
+    """Real overlap on a CPU: a daemon copy-engine thread, compute waiting on its events."""
+
+    kind = "wall"
+
+    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+        super().__init__(profile, device)
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: WallTransfer | None = None
+        self._closed = False
+        # the thread gets the queue and profile, not self, so the link can be collected
+        self._thread = threading.Thread(target=_engine_loop, args=(self._jobs, profile),
+                                        name="specter-wall-copy-engine", daemon=True)
+        self._thread.start()
+
+    def now(self) -> float:
+        return time.perf_counter()
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+        if self._closed:
+            raise RuntimeError("wall link is closed")
+        t = WallTransfer(nbytes, time.perf_counter())
+        self._jobs.put((t, dst, src))
+        self._last = t
+        return t
+
+    def wait(self, t: Transfer) -> None:
+        # record [t0, t1] only when the compute thread actually blocked
+        if not t.done():
+            t0 = time.perf_counter()
+            t.finished.wait()
+            self._waits.append((t0, time.perf_counter()))
+        _raise_failed(t)
+
+    def compute(self, seconds: float) -> None:
+        _check_compute(seconds)  # the real compute already took real time
+
+    def synchronize(self) -> None:
+        # FIFO engine: the last issued transfer completes after every earlier one
+        if self._last is not None:
+            self._last.finished.wait()
+        for t in self._transfers:
+            _raise_failed(t)
+
+    def _settle(self) -> None:
+        for t in self._transfers:
+            t.finished.wait()
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._jobs.put(None)  # queued transfers finish first
+            self._thread.join()
+
+    def __del__(self) -> None:
+        # a link dropped without close() still stops its thread (without joining it)
+        if not getattr(self, "_closed", True):
+            self._closed = True
+            self._jobs.put(None)
+
+
+# ======================================================================================
+# cuda
+# ======================================================================================
+class CudaTransfer(Transfer):
+    def __init__(self, nbytes: int, start_event: torch.cuda.Event, end_event: torch.cuda.Event,
+                 dst: torch.Tensor, src: torch.Tensor) -> None:
+        super().__init__(nbytes)
+        self.start_event = start_event
+        self.end_event = end_event
+        # keep both tensors alive until the compute stream or the host has waited on the copy
+        self._tensors: tuple[torch.Tensor, ...] = (dst, src)
+
+    def done(self) -> bool:
+        return self.end_event.query()
+
+    def release(self) -> None:
+        self._tensors = ()
+
+
+class CudaLink(Link):
+    """A dedicated copy stream; times are CUDA event timestamps relative to a base event."""
+
+    kind = "cuda"
+
+    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+        super().__init__(profile, device)
+        self._stream = torch.cuda.Stream(device=device)
+        self._event_waits: list[tuple[torch.cuda.Event, CudaTransfer]] = []
+        self._warned_pageable = False
+        self._base: torch.cuda.Event  # recorded by reset_stats
+        self.reset_stats()
+
+    def _compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def _timing_event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    def now(self) -> float:
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+        if src.device.type == "cpu" and not src.is_pinned() and not self._warned_pageable:
+            warnings.warn("cuda link: src is pageable host memory; the copy will not overlap "
+                          "compute (pin expert storage)", stacklevel=3)
+            self._warned_pageable = True
+        # the destination slot may still be read by compute queued before this call
+        self._stream.wait_stream(self._compute_stream())
+        start, end = self._timing_event(), self._timing_event()
+        with torch.cuda.stream(self._stream):
+            start.record(self._stream)
+            _copy_data(dst, src, non_blocking=True)
+            end.record(self._stream)
+        return CudaTransfer(nbytes, start, end, dst, src)
+
+    def wait(self, t: Transfer) -> None:
+        # no host block: the compute stream waits on the copy's end event; the ready event
+        # marks when compute reached this point, so the stall is [ready, end] if end > ready
+        compute = self._compute_stream()
+        ready = self._timing_event()
+        ready.record(compute)
+        compute.wait_event(t.end_event)
+        self._event_waits.append((ready, t))
+        t.release()
+
+    def compute(self, seconds: float) -> None:
+        _check_compute(seconds)  # real kernels take real time
+
+    def synchronize(self) -> None:
+        self._stream.synchronize()
+        # later compute is ordered after every copy too (no stall is recorded for this)
+        self._compute_stream().wait_stream(self._stream)
+        for t in self._transfers:
+            t.release()
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self._event_waits = []
+        self._base = self._timing_event()
+        self._base.record(self._compute_stream())
+
+    def _seconds(self, event: torch.cuda.Event) -> float:
+        return self._base.elapsed_time(event) / 1e3  # ms -> s since the base event
+
+    def _settle(self) -> None:
+        torch.cuda.synchronize(self.device)
+        for t in self._transfers:
+            t.start, t.end = self._seconds(t.start_event), self._seconds(t.end_event)
+            t.release()
+
+    def _wait_intervals(self) -> list[Interval]:
+        stalls = []
+        for ready, t in self._event_waits:
+            r, e = self._seconds(ready), self._seconds(t.end_event)
+            if e > r:
+                stalls.append((r, e))
+        return stalls
+
+
+# ======================================================================================
+# factory
+# ======================================================================================
+def make_link(kind: str, profile: LinkProfile, device: torch.device | str) -> Link:
+    """The link of `kind` ("virtual" | "wall" | "cuda") for copies into `device`."""
+    device = torch.device(device)
+    if kind == "virtual":
+        return VirtualLink(profile, device)
+    if kind == "wall":
+        return WallLink(profile, device)
+    if kind == "cuda":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise UserError(f"link=cuda needs a CUDA GPU and a cuda device (got {device}, "
+                            f"cuda available: {torch.cuda.is_available()}); use link=virtual "
+                            "or link=wall on this machine.")
+        return CudaLink(profile, device)
+    raise UserError(f"unknown link kind {kind!r}; choose one of {', '.join(KINDS)}.")
