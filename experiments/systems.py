@@ -19,6 +19,8 @@ from specter.models.loading import LoadedModel
 
 SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",
+    "lru": "baselines.lru",
+    "mo_sm": "baselines.mo_sm",
 }
 
 

@@ -48,9 +48,22 @@ class DatasetConfig:
 
 @dataclass
 class HardwareConfig:
+    """The machine a run executes on (`device`) and the one its time is measured for.
+
+    clock: "wall" real time; "virtual" time from the cost model of the profile below (the
+    system still runs for real); "emulated" real time with transfers emulated by a sleeping
+    copy-engine thread, slowed as much as this machine's compute is slower than the profile's.
+    """
+
     name: str
     device: str = "auto"  # auto | cpu | cuda
-    clock: str = "wall"
+    clock: str = "wall"  # wall | virtual | emulated
+    charge: str = "own"  # own | real: charge the sizes of the real model a small one stands for
+    matrix_flops: float = 0.0  # the modelled device (virtual / emulated clocks)
+    mem_bandwidth_Bps: float = 0.0
+    launch_overhead_s: float = 0.0
+    h2d_bandwidth_Bps: float = 0.0
+    h2d_latency_s: float = 0.0
 
 
 @dataclass

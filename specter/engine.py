@@ -88,14 +88,54 @@ def eos_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
+class Clock(Protocol):
+    kind: str
+
+    def now(self) -> float: ...
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
+                  clock: Clock, stop: set[int], memory: "DeviceMemory",
+                  before_forward=None) -> Generation:
+    """Prefill, then one token at a time; each token's commit time read from `clock`.
+    `before_forward(tokens, context, prefill)` is told about each forward before it runs."""
+    memory.start()
+    cache = new_cache(model)
+    ids = torch.tensor([prompt_ids], device=device)  # [1, P]
+    start = clock.now()
+    tokens: list[int] = []
+    times: list[float] = []
+    # 1. Prefill the prompt; its last logits give the first token.
+    if before_forward:
+        before_forward(len(prompt_ids), len(prompt_ids), True)
+    logits = forward_logits(model, ids, cache)  # [1, V]
+    while True:
+        # 2. Commit the greedy token.
+        tok = greedy_token(logits[-1])
+        tokens.append(tok)
+        times.append(clock.now())
+        if len(tokens) >= max_new_tokens or tok in stop:
+            break
+        # 3. Decode one step.
+        if before_forward:
+            before_forward(1, len(prompt_ids) + len(tokens), False)
+        logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
+    memory.observe_cache(cache)
+    peak, source = memory.peak()
+    return Generation(tokens=tokens, commit_times_s=times, start_time_s=start,
+                      peak_mem_bytes=peak, peak_mem_source=source)
+
+
 class DeviceMemory:
     """Peak device memory of one request: the CUDA allocator's peak when on CUDA; on CPU the
     measured bytes of the model's parameters plus the largest KV cache seen."""
 
-    def __init__(self, model, device: torch.device):
+    def __init__(self, model, device: torch.device, extra_bytes: int = 0):
         self.cuda = device.type == "cuda"
+        # Parameters on the device, plus buffers the caller holds there (expert slots).
         self.param_bytes = sum(p.numel() * p.element_size() for p in model.parameters()
-                               if p.device.type == device.type)
+                               if p.device.type == device.type) + extra_bytes
         self.peak_kv = 0
 
     def start(self) -> None:

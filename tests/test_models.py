@@ -39,12 +39,14 @@ def test_tiny_checkpoint_is_an_ordinary_hf_folder(name, tiny_models):
 def test_resident_equals_hf_generate(name, tiny_models):
     lm = tiny_models(name)
     engine = ResidentEngine(lm.model, torch.device("cpu"))
+    seen: set[int] = set()
     for text in PROMPTS:
         ids = lm.tokenizer(text)["input_ids"][:16]
         ours = engine.generate(ids, 24).tokens
         ref = lm.model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
         assert ours == ref[0, len(ids):].tolist(), f"{name}: {text!r}"
-        assert len(set(ours)) > 1 or len(ours) < 24  # not a trivially constant output
+        seen.update(ours)
+    assert len(seen) >= 4  # the comparison is not between trivially constant outputs
 
 
 def test_resident_stops_at_eos_like_generate(tiny_models):
@@ -64,15 +66,16 @@ def test_resident_stops_at_eos_like_generate(tiny_models):
 
 
 def test_build_is_deterministic_and_cached(tmp_path):
-    a = zoo.ensure_project_model("tiny_mixtral", seed=3, cache_dir=tmp_path / "a", progress=False)
-    b = zoo.ensure_project_model("tiny_mixtral", seed=3, cache_dir=tmp_path / "b", progress=False)
+    # OLMoE: its training was thread-order dependent before deterministic kernels were forced.
+    a = zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a", progress=False)
+    b = zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "b", progress=False)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     mtime = (a / "model.safetensors").stat().st_mtime
-    assert zoo.ensure_project_model("tiny_mixtral", seed=3, cache_dir=tmp_path / "a") == a
+    assert zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a") == a
     assert (a / "model.safetensors").stat().st_mtime == mtime  # reused, not rebuilt
-    assert zoo.checkpoint_dir("tiny_mixtral", 4, tmp_path / "a") != a  # the seed is in the key
+    assert zoo.checkpoint_dir("tiny_olmoe", 4, tmp_path / "a") != a  # the seed is in the key
 
 
 def test_unknown_project_model_is_a_user_error():

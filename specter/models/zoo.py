@@ -155,7 +155,7 @@ def _recipe(name: str, seed: int) -> dict:
     shape, training = SIZES[size]
     return {"name": name, "arch": arch, "size": size, "seed": seed, "shape": asdict(shape),
             "training": asdict(training), "tokenizer_vocab": TOKENIZER_VOCAB,
-            "recipe_version": 1}
+            "recipe_version": 2}
 
 
 def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None) -> Path:
@@ -218,8 +218,14 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     config = ARCHS[recipe["arch"]](shape, len(tok), special)
     torch.manual_seed(recipe["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    # 3. Train on random windows of the stream.
-    losses = _train(model, stream, training, recipe["seed"], progress, recipe["name"])
+    # 3. Train on random windows of the stream (deterministic kernels: some MoE backward
+    #    ops otherwise accumulate in a thread-dependent order).
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        losses = _train(model, stream, training, recipe["seed"], progress, recipe["name"])
+    finally:
+        torch.use_deterministic_algorithms(was_deterministic)
     # 4. How specialised the routing became (held-out windows).
     load_entropy = _routing_entropy(model, stream, training, recipe["seed"])
     # 5. Save as an ordinary HF checkpoint.
@@ -227,6 +233,9 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, do_sample=False)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
     meta = dict(recipe, corpus_digest=corpus.corpus_digest(docs), corpus_tokens=len(stream),

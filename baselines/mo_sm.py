@@ -1,0 +1,46 @@
+"""`system=mo_sm`: Mixtral-offloading (Eliseev & Mazur, 2023) as paper-facts.md defines it:
+autoregressive decoding, an LRU expert cache, plus speculative expert loading: layer l+1's
+router applied to layer l's hidden state guesses layer l+1's experts, which are copied while
+layer l computes. A wrong guess only costs a transfer; demand misses stay misses, so the
+output is the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baselines.lru import OffloadedGreedyEngine, build_offloaded
+from specter.models.introspect import experts_modules, is_experts_module
+
+
+def router_of(moe_block: nn.Module) -> nn.Module:
+    """The router child of an MoE block: neither the experts nor a shared expert."""
+    for name, child in moe_block.named_children():
+        if not is_experts_module(child) and not name.startswith("shared_expert"):
+            return child
+    raise RuntimeError(f"{type(moe_block).__name__} has no router child")
+
+
+class NextLayerRouterPrefetch:
+    """After layer l's demand copies: run router(l+1) on layer l's expert input, load its
+    top-k experts for layer l+1 (those not resident), behind the demand copies."""
+
+    def __init__(self, model: nn.Module):
+        layers = model.model.layers
+        self.routers = [router_of(layers[i].mlp) for i, _ in experts_modules(model)]
+
+    def after_demand(self, runtime, moe_layer: int, hidden: torch.Tensor) -> None:
+        nxt = moe_layer + 1
+        if nxt >= len(self.routers):
+            return
+        out = self.routers[nxt](hidden)  # (logits, weights, top-k index) on every supported arch
+        guess = out[2]  # [T, k]
+        runtime._charge("router_s", hidden.shape[0])
+        for e in torch.unique(guess).tolist():  # host sync: prefetch is a host decision
+            if not runtime.cache.resident(nxt, e) and runtime.cache.load(nxt, e) is not None:
+                runtime.stats.prefetches += int(runtime.record_demand)
+
+
+def build(ctx) -> OffloadedGreedyEngine:
+    return build_offloaded(ctx, "mo_sm", NextLayerRouterPrefetch(ctx.loaded.model))

@@ -1,0 +1,152 @@
+"""Assembly: a run's hardware config -> link, clock, cost model, and offloaded experts.
+
+Owns: the one place where capabilities are decided (virtual, emulated or real clock; CUDA or
+CPU), the charged sizes (own or the real model's), the emulated clock's calibration, and
+building an `OffloadRuntime` for a model and budget. Systems call `timing_for` and
+`offload_model`; nothing else constructs links.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specter.config import HardwareConfig
+from specter.errors import UserError
+from specter.models.real_configs import REAL_CONFIGS
+from specter.offload.cache import ExpertCache
+from specter.offload.costmodel import (ChargedSizes, CostModel, HardwareProfile, charged_sizes,
+                                       real_charged_sizes)
+from specter.offload.link import Link, LinkProfile, make_link
+from specter.offload.policy import POLICIES
+from specter.offload.runtime import Charger, OffloadRuntime, Prefetcher
+from specter.offload.store import HostExpertStore
+
+NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing
+
+
+class NoCharge:
+    """Real clocks: compute takes the time it takes; nothing to charge."""
+
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+
+@dataclass
+class Timing:
+    link: Link
+    cost: CostModel | None  # None on real clocks without a profile
+    clock: str  # virtual | emulated | wall | cuda
+    time_scale: float = 1.0  # emulated: this machine's step time / the profile's
+
+    @staticmethod
+    def wall(device: torch.device) -> "Timing":
+        kind = "cuda" if device.type == "cuda" else "wall"
+        return Timing(link=make_link(kind, NO_TRANSFERS, device), cost=None, clock=kind)
+
+    def charger(self, model, charge_experts: bool):
+        if self.clock != "virtual":
+            return NoCharge()
+        return Charger(model, self.link, self.cost, charge_experts)
+
+    def link_record(self) -> dict:
+        s = self.link.stats()
+        rec = {"clock": self.clock, "n_transfers": s.n_transfers, "h2d_bytes": s.h2d_bytes,
+               "h2d_ms": s.h2d_s * 1e3, "exposed_wait_ms": s.exposed_wait_s * 1e3,
+               "h2d_hidden_frac": s.hidden_frac, "time_scale": self.time_scale}
+        if self.cost is not None:
+            rec.update(self.cost.sizes.as_record())
+        return rec
+
+
+def profile_of(hw: HardwareConfig) -> HardwareProfile:
+    if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
+        raise UserError(f"hardware={hw.name} has no device profile (matrix_flops, "
+                        "mem_bandwidth_Bps, h2d_bandwidth_Bps) for the "
+                        f"{hw.clock} clock; use hardware=a100_pcie4 or hardware=h200.")
+    return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
+                           mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
+                           launch_overhead_s=hw.launch_overhead_s,
+                           h2d_bandwidth_Bps=hw.h2d_bandwidth_Bps, h2d_latency_s=hw.h2d_latency_s)
+
+
+def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:
+    elem = next(model.parameters()).element_size()
+    if hw.charge == "own":
+        return charged_sizes(model, f"own:{model_name}", elem)
+    if hw.charge != "real":
+        raise UserError(f"hardware.charge must be own or real (got '{hw.charge}').")
+    real = REAL_CONFIGS.get(stands_for or model_name)
+    if real is None:
+        raise UserError(f"hardware.charge=real needs a model that stands for a real one "
+                        f"(deepseek, qwen, phi); model={model_name} does not.")
+    from specter.models.introspect import experts_modules
+
+    return real_charged_sizes(real, len(experts_modules(model)), elem_bytes=2)
+
+
+def timing_for(ctx) -> Timing:
+    """The clock and link a system runs under, from the run's hardware config."""
+    hw, device = ctx.cfg.hardware, ctx.device
+    if hw.clock == "wall":
+        return Timing.wall(device)
+    profile = profile_of(hw)
+    sizes = sizes_for(ctx.loaded.model, hw, ctx.cfg.model.name, ctx.cfg.model.stands_for)
+    cost = CostModel(profile, sizes)
+    link_profile = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps,
+                               latency_s=profile.h2d_latency_s)
+    if hw.clock == "virtual":
+        return Timing(link=make_link("virtual", link_profile, device), cost=cost, clock="virtual")
+    if hw.clock == "emulated":
+        scale = calibrate_time_scale(ctx.loaded.model, device, cost)
+        slowed = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps / scale,
+                             latency_s=profile.h2d_latency_s * scale)
+        return Timing(link=make_link("wall", slowed, device), cost=cost, clock="emulated",
+                      time_scale=scale)
+    raise UserError(f"hardware.clock must be wall, virtual or emulated (got '{hw.clock}').")
+
+
+@torch.no_grad()
+def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: int = 16) -> float:
+    """How much slower this machine decodes than the profile: measured wall seconds of
+    `steps` decode steps / their virtual seconds under the cost model (same model, all
+    experts resident), so emulated transfers keep the profile's transfer:compute ratio."""
+    from specter.engine import forward_logits, new_cache
+
+    virtual = make_link("virtual", NO_TRANSFERS, device)
+    charger = Charger(model, virtual, cost, charge_experts=True)
+    try:
+        cache = new_cache(model)
+        tok = torch.tensor([[1] * 16], device=device)
+        charger.begin_forward(16, 16)
+        forward_logits(model, tok, cache)
+        t0_virtual, t0 = virtual.now(), time.perf_counter()
+        for i in range(steps):
+            charger.begin_forward(1, 17 + i)
+            forward_logits(model, tok[:, :1], cache)
+        wall_s, virtual_s = time.perf_counter() - t0, virtual.now() - t0_virtual
+    finally:
+        charger.remove()
+        virtual.close()
+    return wall_s / virtual_s
+
+
+def offload_model(ctx, timing: Timing, prefetcher: Prefetcher | None = None,
+                  policy: str = "lru") -> OffloadRuntime:
+    """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
+    the device, through `timing`'s link."""
+    if timing.clock in ("wall",):
+        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4 "
+                        "(virtual clock) or hardware=a100_pcie4 hardware.clock=emulated.")
+    model, device = ctx.loaded.model, ctx.device
+    store = HostExpertStore(model, pin=device.type == "cuda")
+    transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
+    cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[policy],
+                        transfer_bytes=transfer_bytes)
+    cost = timing.cost
+    return OffloadRuntime(model, cache, timing.link, cost, prefetcher)

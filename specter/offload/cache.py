@@ -1,0 +1,126 @@
+"""Device expert cache: per MoE layer, `slots` device buffers and which expert each holds.
+
+Owns: slot storage on the device (one flat buffer per slot, so a move is one copy), the
+expert <-> slot maps, in-flight copies, protection (experts in use, in flight or prefetched
+for the current window are never evicted), and the fixed initial resident set that `reset`
+restores before every request (outside timing). Eviction order is the policy's (policy.py);
+moving bytes is the link's (link.py).
+Does not own: deciding what to load (systems and prefetchers call `load`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from specter.offload.link import Link, Transfer
+from specter.offload.policy import EvictionPolicy
+from specter.offload.store import HostExpertStore
+
+
+class LayerCache:
+    def __init__(self, slots: int, numel: int, dtype: torch.dtype, device: torch.device,
+                 policy: EvictionPolicy):
+        self.buf = torch.empty(slots, numel, dtype=dtype, device=device)  # [S, flat]
+        self.slot_of: dict[int, int] = {}
+        self.expert_in: list[int | None] = [None] * slots
+        self.inflight: dict[int, Transfer] = {}
+        self.protected: set[int] = set()
+        self.policy = policy
+
+
+class ExpertCache:
+    def __init__(self, store: HostExpertStore, slots: int, device: torch.device, link: Link,
+                 make_policy: Callable[[], EvictionPolicy], transfer_bytes: int | None = None):
+        layout = store.layout
+        assert layout is not None and 1 <= slots <= layout.num_experts
+        self.store, self.slots, self.link = store, slots, link
+        self.layout = layout
+        # Bytes the link is charged per move (the real model's expert under charged sizes).
+        self.transfer_bytes = transfer_bytes or layout.nbytes
+        self.layers = [LayerCache(slots, layout.numel, layout.dtype, device, make_policy())
+                       for _ in range(store.num_moe_layers)]
+
+    # --- state -------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Experts 0..slots-1 resident in every layer, LRU order by id; nothing in flight or
+        protected. Direct copies, not through the link: this is outside timing."""
+        for l, lc in enumerate(self.layers):
+            lc.slot_of.clear()
+            lc.inflight.clear()
+            lc.protected.clear()
+            for s in range(self.slots):
+                lc.buf[s].copy_(self.store.expert(l, s))
+                lc.slot_of[s] = s
+                lc.expert_in[s] = s
+            lc.policy.reset(range(self.slots))
+
+    def resident(self, l: int, e: int) -> bool:
+        """In a slot (its copy may still be in flight)."""
+        return e in self.layers[l].slot_of
+
+    def ready(self, l: int, e: int) -> bool:
+        """In a slot with no copy outstanding."""
+        lc = self.layers[l]
+        return e in lc.slot_of and e not in lc.inflight
+
+    def resident_set(self, l: int) -> set[int]:
+        return set(self.layers[l].slot_of)
+
+    def protect(self, l: int, experts) -> None:
+        self.layers[l].protected.update(experts)
+
+    def unprotect(self, l: int, e: int) -> None:
+        self.layers[l].protected.discard(e)
+
+    def unprotect_all(self) -> None:
+        for lc in self.layers:
+            lc.protected.clear()
+
+    # --- moves -------------------------------------------------------------------------
+    def free_slots(self, l: int) -> int:
+        """Slots that could take a new expert now (empty or holding an unprotected expert)."""
+        lc = self.layers[l]
+        return sum(1 for e in lc.expert_in if e is None or e not in lc.protected)
+
+    def load(self, l: int, e: int, avoid: set[int] = frozenset()) -> Transfer | None:
+        """Make `e` resident in layer `l`, evicting by policy; returns the copy, or None when
+        it was already resident or no slot can be freed (every resident expert protected).
+        Unprotected experts whose copy is still in flight (a prefetch not needed after all)
+        are evicted only when nothing else can be: the copy must land before its slot is
+        reused, and that wait is charged to the compute stream."""
+        lc = self.layers[l]
+        if e in lc.slot_of:
+            return None
+        empty = [s for s, x in enumerate(lc.expert_in) if x is None]
+        if empty:
+            slot = empty[0]
+        else:
+            unprotected = {x for x in lc.slot_of if x not in lc.protected and x not in avoid}
+            landed = {x for x in unprotected if x not in lc.inflight}
+            if not unprotected:
+                return None
+            victim = lc.policy.victim(landed or unprotected)
+            self.wait(l, victim)
+            slot = lc.slot_of.pop(victim)
+            lc.policy.forget(victim)
+        lc.expert_in[slot] = e
+        lc.slot_of[e] = slot
+        t = self.link.copy(lc.buf[slot], self.store.expert(l, e), nbytes=self.transfer_bytes)
+        lc.inflight[e] = t
+        lc.policy.touch(e)
+        return t
+
+    def wait(self, l: int, e: int) -> None:
+        """The compute stream waits for `e`'s copy, if one is outstanding."""
+        t = self.layers[l].inflight.pop(e, None)
+        if t is not None:
+            self.link.wait(t)
+
+    def touch(self, l: int, e: int) -> None:
+        self.layers[l].policy.touch(e)
+
+    def weights(self, l: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        lc = self.layers[l]
+        return self.layout.views(lc.buf[lc.slot_of[e]])

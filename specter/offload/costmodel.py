@@ -1,0 +1,166 @@
+"""The cost model of the modelled hardware: seconds for each compute step and each transfer.
+
+Owns: hardware profiles (matrix rate, memory bandwidth, launch overhead, H2D link), the
+charged sizes of one decoder layer by role (attention, router, shared experts, dense MLP,
+one routed expert, lm head), and the roofline arithmetic that turns (role, tokens, context)
+into seconds. The virtual clock advances by these numbers; nothing here runs a model.
+Does not own: when a step happens (the offloading runtime charges steps as they run).
+
+Charged sizes come from the modelled model itself ("own") or from the real model a
+project-made model stands for ("real": the real config is instantiated on the meta device,
+no weights). With real sizes, each modelled MoE layer stands for
+`layer_multiplier = real MoE layers / modelled MoE layers` real layers, and every per-layer
+charge (compute and transfer bytes) is multiplied by it, so a simulated TPOT lands on the
+real model's scale while routing and tokens still come from the small model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from specter.models.introspect import experts_modules, is_experts_module
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    matrix_flops: float  # dense fp16 matrix FLOP/s
+    mem_bandwidth_Bps: float  # device memory bytes/s
+    launch_overhead_s: float  # per kernel
+    h2d_bandwidth_Bps: float  # host-to-device link bytes/s
+    h2d_latency_s: float  # per transfer
+
+
+@dataclass(frozen=True)
+class ChargedSizes:
+    """Parameter counts of one decoder layer by role, at `elem_bytes` per parameter."""
+
+    source: str  # "own:<model>" or "real:<hub id>"
+    elem_bytes: int
+    attn_params: int
+    router_params: int
+    shared_params: int
+    dense_mlp_params: int
+    expert_params: int  # one routed expert (gate, up, down)
+    lm_head_params: int
+    kv_elems_per_token: int  # K+V elements one token adds in one layer
+    heads: int
+    head_dim: int
+    layer_multiplier: float
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert_params * self.elem_bytes
+
+    def as_record(self) -> dict:
+        return {f"charged.{k}": v for k, v in asdict(self).items()}
+
+
+def layer_roles(layer: nn.Module) -> dict[str, int]:
+    """Parameter counts of one decoder layer split by role (generic over architectures)."""
+    count = lambda m: sum(p.numel() for p in m.parameters())  # noqa: E731
+    roles = {"attn": 0, "router": 0, "shared": 0, "dense_mlp": 0, "experts": 0}
+    for name, child in layer.named_children():
+        if name == "mlp" and any(is_experts_module(m) for m in child.modules()):
+            for sub_name, sub in child.named_children():
+                if is_experts_module(sub):
+                    roles["experts"] += count(sub)
+                elif sub_name.startswith("shared_expert"):
+                    roles["shared"] += count(sub)
+                else:
+                    roles["router"] += count(sub)
+        elif name == "mlp":
+            roles["dense_mlp"] += count(child)
+        else:  # attention and norms
+            roles["attn"] += count(child)
+    return roles
+
+
+def charged_sizes(model: nn.Module, source: str, elem_bytes: int,
+                  layer_multiplier: float = 1.0) -> ChargedSizes:
+    cfg = model.config
+    layers = model.model.layers
+    moe = experts_modules(model)
+    moe_idx, experts = moe[0]
+    dense = [i for i in range(len(layers)) if i not in {j for j, _ in moe}]
+    moe_roles = layer_roles(layers[moe_idx])
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    if getattr(cfg, "kv_lora_rank", None) is not None:  # MLA as HF caches it: full K and V
+        kv = kv_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
+        head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    else:
+        kv = 2 * kv_heads * head_dim
+    return ChargedSizes(
+        source=source, elem_bytes=elem_bytes, attn_params=moe_roles["attn"],
+        router_params=moe_roles["router"], shared_params=moe_roles["shared"],
+        dense_mlp_params=layer_roles(layers[dense[0]])["dense_mlp"] if dense else 0,
+        expert_params=experts.gate_up_proj[0].numel() + experts.down_proj[0].numel(),
+        lm_head_params=model.lm_head.weight.numel(), kv_elems_per_token=kv, heads=heads,
+        head_dim=head_dim, layer_multiplier=layer_multiplier)
+
+
+def real_charged_sizes(real_config: dict, modelled_moe_layers: int, elem_bytes: int = 2) -> ChargedSizes:
+    """Sizes of a real model from its config alone (meta device: no memory, no weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**real_config)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    real_moe_layers = len(experts_modules(meta))
+    return charged_sizes(meta, f"real:{real_config.get('_name_or_path', cfg.model_type)}",
+                         elem_bytes, real_moe_layers / modelled_moe_layers)
+
+
+class CostModel:
+    """Roofline seconds for the compute steps of a decode/verify forward."""
+
+    def __init__(self, hw: HardwareProfile, sizes: ChargedSizes):
+        self.hw, self.sizes = hw, sizes
+
+    def matmul_s(self, tokens: int, params: int, kernels: int = 1) -> float:
+        """tokens x params GEMM/GEMV: max(compute, weight+activation traffic) + launches."""
+        if params == 0:
+            return 0.0
+        flops = 2.0 * tokens * params
+        traffic = params * self.sizes.elem_bytes
+        return max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
+            + kernels * self.hw.launch_overhead_s
+
+    def _scaled(self, seconds: float) -> float:
+        return seconds * self.sizes.layer_multiplier
+
+    def attention_s(self, tokens: int, context: int) -> float:
+        """Projections and norms, plus reading the KV cache of `context` positions."""
+        s = self.sizes
+        proj = self.matmul_s(tokens, s.attn_params, kernels=6)
+        kv_read = context * s.kv_elems_per_token * s.elem_bytes / self.hw.mem_bandwidth_Bps
+        scores = 4.0 * tokens * context * s.heads * s.head_dim / self.hw.matrix_flops
+        return self._scaled(proj + max(kv_read, scores))
+
+    def router_s(self, tokens: int) -> float:
+        return self._scaled(self.matmul_s(tokens, self.sizes.router_params, kernels=2))
+
+    def shared_s(self, tokens: int) -> float:
+        return self._scaled(self.matmul_s(tokens, self.sizes.shared_params, kernels=3))
+
+    def dense_mlp_s(self, tokens: int) -> float:
+        return self._scaled(self.matmul_s(tokens, self.sizes.dense_mlp_params, kernels=3))
+
+    def expert_s(self, tokens: int) -> float:
+        """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
+        return self._scaled(self.matmul_s(tokens, self.sizes.expert_params, kernels=3))
+
+    def lm_head_s(self, tokens: int) -> float:
+        return self.matmul_s(tokens, self.sizes.lm_head_params)
+
+    def expert_transfer_bytes(self) -> int:
+        """Bytes the link is charged for one modelled expert move."""
+        return int(round(self.sizes.expert_bytes * self.sizes.layer_multiplier))
+
+    def transfer_s(self, nbytes: int) -> float:
+        return nbytes / self.hw.h2d_bandwidth_Bps + self.hw.h2d_latency_s

@@ -1,0 +1,208 @@
+"""The offloaded-experts runtime: transformers' experts interface -> store, cache, link, clock.
+
+Owns: registering the `specter` experts implementation (transformers calls it once per MoE
+layer with the router's choice; routers, attention, norms and shared experts stay Hugging
+Face's and untouched), executing a layer's routed experts from device slots (resident ones
+first while misses stream in, results summed in expert order exactly as HF's eager path
+does, so outputs are bitwise those of the resident model), the per-request demand
+statistics, and `Charger`: forward hooks that charge each compute step to the clock with the
+cost model (a no-op charge on real clocks).
+Does not own: what to prefetch (a `Prefetcher` passed in), what to evict (policy.py), how
+bytes move and time passes (link.py), the decode loop (engine.py and the systems).
+
+T = tokens in this forward, k = top-k, H = hidden, E = routed experts.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from specter.models.introspect import experts_modules
+from specter.offload.cache import ExpertCache
+from specter.offload.costmodel import CostModel
+from specter.offload.link import Link
+
+IMPL_NAME = "specter_offload"
+
+
+def _specter_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    runtime: OffloadRuntime = self._specter_runtime
+    return runtime.experts_forward(self._specter_moe_layer, self, hidden_states, top_k_index,
+                                   top_k_weights)
+
+
+def register_experts_implementation() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _specter_experts_forward)
+
+
+class Prefetcher(Protocol):
+    """Policy hook called after a layer's demand loads are issued (e.g. MO-SM's next-layer
+    guess). It may call `runtime.cache.load(...)` and record its own stats."""
+
+    def after_demand(self, runtime: "OffloadRuntime", moe_layer: int,
+                     hidden: torch.Tensor) -> None: ...
+
+
+@dataclass
+class DemandStats:
+    hits: int = 0
+    misses: int = 0
+    inflight_hits: int = 0  # needed while its (prefetch) copy was still in flight
+    prefetches: int = 0
+    distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+
+    def as_record(self) -> dict:
+        total = self.hits + self.misses
+        per_layer = [len(self.distinct[l]) for l in sorted(self.distinct)]
+        return {"demand_hits": self.hits, "demand_misses": self.misses,
+                "hit_rate": self.hits / total if total else float("nan"),
+                "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
+                "distinct_experts_per_layer": per_layer,
+                "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0}
+
+
+class Charger:
+    """Forward hooks charging each compute step of the model to the link's clock.
+
+    Attention (+norms) at each decoder layer's `self_attn`, dense MLPs, shared experts and the
+    lm head at their modules; routed experts are charged by whoever runs them (the offload
+    runtime per expert, or this charger from the router's choice when experts stay HF's).
+    """
+
+    def __init__(self, model: nn.Module, link: Link, cost: CostModel, charge_experts: bool):
+        self.link, self.cost = link, cost
+        self.tokens, self.context = 1, 1
+        self.handles = []
+        moe_ids = {id(m) for _, m in experts_modules(model)}
+        for layer in model.model.layers:
+            self._hook(layer.self_attn, lambda: cost.attention_s(self.tokens, self.context))
+            mlp = layer.mlp
+            if not any(id(m) in moe_ids for m in mlp.modules()):
+                self._hook(mlp, lambda: cost.dense_mlp_s(self.tokens))
+                continue
+            for name, sub in mlp.named_children():
+                if name in ("shared_expert", "shared_experts"):  # (a sigmoid gate's cost is negligible)
+                    self._hook(sub, lambda: cost.shared_s(self.tokens))
+                elif id(sub) in moe_ids and charge_experts:
+                    self.handles.append(sub.register_forward_pre_hook(self._charge_hf_experts))
+        self.handles.append(model.lm_head.register_forward_hook(
+            lambda m, i, o: link.compute(cost.lm_head_s(o.shape[-2]))))
+
+    def _hook(self, module: nn.Module, seconds) -> None:
+        self.handles.append(module.register_forward_hook(lambda m, i, o: self.link.compute(seconds())))
+
+    def _charge_hf_experts(self, module, args) -> None:
+        _, top_k_index, _ = args
+        counts = torch.bincount(top_k_index.flatten())  # tokens per expert
+        self.link.compute(self.cost.router_s(self.tokens))
+        for n in counts[counts > 0].tolist():  # host sync: one per layer, charging only
+            self.link.compute(self.cost.expert_s(n))
+
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False) -> None:
+        """Tokens in the next forward and the context length attention will read."""
+        self.tokens, self.context = tokens, context
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+class OffloadRuntime:
+    """Routed experts in host memory, `slots` per layer on the device, every forward through
+    `experts_forward`."""
+
+    def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
+                 prefetcher: Prefetcher | None = None):
+        self.model, self.cache, self.link, self.cost = model, cache, link, cost
+        self.prefetcher = prefetcher
+        self.stats = DemandStats()
+        self.record_demand = True  # False during prefill (hit rate excludes it)
+        register_experts_implementation()
+        self.modules = [m for _, m in experts_modules(model)]
+        for l, m in enumerate(self.modules):
+            m._specter_runtime = self
+            m._specter_moe_layer = l
+            # The fused device copies are gone: the store holds every expert on the host.
+            m.gate_up_proj = nn.Parameter(torch.empty(0, dtype=m.gate_up_proj.dtype,
+                                                      device=m.gate_up_proj.device), requires_grad=False)
+            m.down_proj = nn.Parameter(torch.empty(0, dtype=m.down_proj.dtype,
+                                                   device=m.down_proj.device), requires_grad=False)
+        model.config._experts_implementation = IMPL_NAME
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.stats = DemandStats()
+        self.link.reset_stats()
+
+    @torch.no_grad()
+    def experts_forward(self, l: int, module: nn.Module, hidden: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
+        cache = self.cache
+        self._charge("router_s", hidden.shape[0])  # the router that just ran
+        needed = torch.unique(top_k_index).tolist()  # host sync: residency is a host decision
+        # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
+        hits = [e for e in needed if cache.resident(l, e)]
+        misses = [e for e in needed if not cache.resident(l, e)]
+        if self.record_demand:
+            self.stats.hits += len(hits)
+            self.stats.misses += len(misses)
+            self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
+            self.stats.distinct[l].update(needed)
+        cache.protect(l, needed)  # needed and not yet computed: never evicted
+        waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
+        # 2. Speculative loads for later layers go behind the demand copies.
+        if self.prefetcher is not None:
+            self.prefetcher.after_demand(self, l, hidden)
+        # 3. Resident experts compute first while misses stream in; a computed expert is
+        # released, so a forward needing more experts than slots streams them through.
+        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for e in hits + misses:
+            if not cache.resident(l, e):
+                waiting = self._issue(l, waiting)
+                if not cache.resident(l, e):
+                    raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
+            cache.wait(l, e)
+            token_idx, out = self._expert(module, l, e, hidden, top_k_index, top_k_weights)
+            self._charge("expert_s", token_idx.numel())
+            cache.touch(l, e)
+            cache.unprotect(l, e)
+            outs[e] = (token_idx, out)
+            if waiting:
+                waiting = self._issue(l, waiting)
+        # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
+        final = torch.zeros_like(hidden)
+        for e in needed:
+            token_idx, out = outs[e]
+            final.index_add_(0, token_idx, out.to(final.dtype))
+        return final
+
+    def _issue(self, l: int, experts: list[int]) -> list[int]:
+        """Load `experts` in order while a slot can be freed; returns those left waiting."""
+        for i, e in enumerate(experts):
+            if self.cache.load(l, e) is None:
+                return experts[i:]
+        return []
+
+    def _charge(self, step: str, n: int) -> None:
+        """Advance the clock by a cost-model step (`step` names a CostModel method); real
+        clocks have no cost model here: the step took its time."""
+        if self.cost is not None:
+            self.link.compute(getattr(self.cost, step)(n))
+
+    def _expert(self, module, l, e, hidden, top_k_index, top_k_weights):
+        gate_up, down = self.cache.weights(l, e)  # [2I, H], [H, I] views of the device slot
+        # (k-slot, token) pairs in HF's order: grouped by k-slot, tokens ascending.
+        pos, token_idx = torch.where(top_k_index.T == e)
+        x = hidden[token_idx]  # [n, H]
+        h = module._apply_gate(nn.functional.linear(x, gate_up))  # [n, I]
+        y = nn.functional.linear(h, down)  # [n, H]
+        return token_idx, y * top_k_weights[token_idx, pos, None]

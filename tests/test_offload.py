@@ -1,0 +1,141 @@
+"""Offloaded experts: lossless against `resident` on every tiny architecture and budget, the
+cache's invariants, and the cost model against hand arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TINY
+from experiments.systems import BuildContext, build_engine
+from specter.budget import resolve_slots
+from specter.config import RunConfig
+from specter.models import zoo
+from specter.models.loading import load_model
+from specter.models.real_configs import REAL_CONFIGS
+from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
+
+A100 = {"name": "a100_pcie4", "device": "cpu", "clock": "virtual", "charge": "own",
+        "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
+        "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6}
+
+
+def make_engine(name: str, system: str, slots: int | None, hardware=None, budget="high"):
+    cfg = RunConfig.from_dict({
+        "model": {"name": name, "source": "project",
+                  "stands_for": zoo.STANDS_FOR[zoo.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
+        "system": {"name": system}, "dataset": {"name": "gsm8k"},
+        "hardware": hardware or A100, "workload": {}, "progress": False})
+    loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates it
+    budget_r = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
+    return build_engine(BuildContext(cfg, loaded, budget_r, torch.device("cpu"))), loaded
+
+
+def decode_all(engine, tokenizer, n=20):
+    outs = []
+    for text in PROMPTS:
+        engine.reset()
+        outs.append(engine.generate(tokenizer(text)["input_ids"][:16], n))
+    return outs
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_lru_is_lossless_at_every_budget(name):
+    resident, loaded = make_engine(name, "resident", None)
+    ref = [g.tokens for g in decode_all(resident, loaded.tokenizer)]
+    e, k = loaded.spec.num_experts, loaded.spec.top_k
+    for slots in sorted({k, (k + e) // 2, e}):
+        lru, _ = make_engine(name, "lru", slots)
+        gens = decode_all(lru, loaded.tokenizer)
+        assert [g.tokens for g in gens] == ref, f"{name} at {slots} slots"
+        misses = sum(g.stats["demand_misses"] for g in gens)
+        if slots == e:
+            assert misses == 0
+        if slots == k:
+            assert misses > 0 and all(g.stats["h2d_bytes"] > 0 for g in gens)
+
+
+def test_offloaded_logits_equal_resident_logits():
+    resident, loaded = make_engine("tiny_qwen", "resident", None)
+    lru, _ = make_engine("tiny_qwen", "lru", 4)
+    lru.reset()
+    ids = torch.tensor([loaded.tokenizer(PROMPTS[0])["input_ids"][:16]])
+    with torch.no_grad():
+        a = resident.model(input_ids=ids).logits
+        b = lru.model(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5, rtol=0)
+
+
+def test_virtual_clock_is_deterministic_and_offloading_costs_time():
+    lru_a, loaded = make_engine("tiny_deepseek", "lru", 6)
+    lru_b, _ = make_engine("tiny_deepseek", "lru", 6)
+    res, _ = make_engine("tiny_deepseek", "resident", None)
+    ga, gb = decode_all(lru_a, loaded.tokenizer), decode_all(lru_b, loaded.tokenizer)
+    gr = decode_all(res, loaded.tokenizer)
+    assert [g.commit_times_s for g in ga] == [g.commit_times_s for g in gb]
+    for a, r in zip(ga, gr):
+        assert a.commit_times_s[-1] - a.start_time_s > r.commit_times_s[-1] - r.start_time_s
+        assert 0 < a.stats["hit_rate"] < 1 and a.stats["h2d_bytes"] > 0
+
+
+def test_real_sizes_charged_expose_transfer_time():
+    # DeepSeek-V2-Lite's 17.3 MB experts (0.56 ms each on PCIe 4.0) cannot hide behind
+    # 26 us expert GEMVs: at top-k slots, misses stall the compute stream.
+    real = dict(A100, charge="real")
+    lru, loaded = make_engine("tiny_deepseek", "lru", 6, hardware=real)
+    res, _ = make_engine("tiny_deepseek", "resident", None, hardware=real)
+    for g, r in zip(decode_all(lru, loaded.tokenizer), decode_all(res, loaded.tokenizer)):
+        assert g.tokens == r.tokens
+        assert g.stats["exposed_wait_ms"] > 0 and 0 <= g.stats["h2d_hidden_frac"] < 1
+        assert g.stats["charged.source"] == "real:deepseek-ai/DeepSeek-V2-Lite"
+        tpot = lambda x: (x.commit_times_s[-1] - x.commit_times_s[0]) / (len(x.tokens) - 1)  # noqa: E731
+        assert tpot(g) > tpot(r)
+
+
+def test_mo_sm_is_lossless_and_prefetches():
+    res, loaded = make_engine("tiny_qwen", "resident", None)
+    mo, _ = make_engine("tiny_qwen", "mo_sm", 8)
+    ref = [g.tokens for g in decode_all(res, loaded.tokenizer)]
+    gens = decode_all(mo, loaded.tokenizer)
+    assert [g.tokens for g in gens] == ref
+    assert sum(g.stats["prefetches"] for g in gens) > 0
+
+
+def test_cache_never_evicts_needed_experts_and_counts_hits():
+    lru, loaded = make_engine("tiny_deepseek", "lru", 6)
+    lru.reset()
+    cache = lru.runtime.cache
+    assert all(cache.resident_set(l) == set(range(6)) for l in range(len(cache.layers)))
+    cache.protect(0, {0, 1, 2, 3, 4, 5})
+    assert cache.load(0, 10) is None  # every slot protected: refuse rather than evict
+    cache.unprotect_all()
+    t = cache.load(0, 10)
+    assert t is not None and cache.resident(0, 10) and not cache.resident(0, 0)  # LRU victim
+    cache.wait(0, 10)
+    gate_up, down = cache.weights(0, 10)
+    store_gu, store_dn = cache.layout.views(cache.store.expert(0, 10))
+    assert torch.equal(gate_up, store_gu) and torch.equal(down, store_dn)
+
+
+def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
+    hw = HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
+    sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled_moe_layers=26)
+    cost = CostModel(hw, sizes)
+    # One DeepSeek-V2-Lite expert: gate, up, down, each 2048 x 1408, FP16.
+    params = 3 * 2048 * 1408
+    assert sizes.expert_params == params and sizes.expert_bytes == 2 * params == 17_301_504
+    assert sizes.layer_multiplier == 1.0  # 26 real MoE layers charged as 26
+    transfer = 17_301_504 / 31.5e9 + 10e-6  # 0.5593 ms
+    gemv = max(2 * params / 312e12, 2 * params / 1.555e12) + 3 * 5e-6  # memory-bound: 0.0261 ms
+    assert cost.transfer_s(cost.expert_transfer_bytes()) == pytest.approx(transfer, rel=1e-12)
+    assert cost.expert_s(1) == pytest.approx(gemv, rel=1e-12)
+    print(f"DeepSeek-V2-Lite expert on a100_pcie4: transfer {transfer * 1e3:.4f} ms, "
+          f"GEMV {gemv * 1e3:.4f} ms, ratio {transfer / gemv:.1f}x")
+    assert "transfer 0.5593 ms" in capsys.readouterr().out
+
+
+def test_offloading_on_a_plain_cpu_clock_is_refused():
+    from specter.errors import UserError
+
+    with pytest.raises(UserError, match="needs a modelled link"):
+        make_engine("tiny_phi", "lru", 2, hardware={"name": "cpu", "device": "cpu", "clock": "wall"})
