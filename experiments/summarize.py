@@ -28,8 +28,8 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     out = df.groupby(KEYS + ["system"], dropna=False).agg(METRICS).reset_index()
     out["rows"] = df.groupby(KEYS + ["system"], dropna=False).size().values
     base = out[out["system"] == "resident"].set_index(KEYS)["tpot_ms"]
-    out["x_resident"] = [r.tpot_ms / base.get(tuple(r[k] for k in KEYS), float("nan"))
-                         for r in out.itertuples()]
+    out["x_resident"] = [r["tpot_ms"] / base.get(tuple(r[k] for k in KEYS), float("nan"))
+                         for _, r in out.iterrows()]
     return out
 
 
