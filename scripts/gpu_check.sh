@@ -20,18 +20,30 @@ echo "== CUDA-marked tests" | tee "$OUT/tests.txt"
 "$PY" -m pytest -q -m cuda tests 2>&1 | tee -a "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
-echo "== short benchmark: resident on CUDA, tiny and small DeepSeek-shaped models" | tee "$OUT/bench.txt"
-for model in tiny_deepseek small_deepseek; do
-  "$PY" run.py model=$model system=resident hardware=cuda dataset=gsm8k \
-    workload.items=2 workload.repeats=1 workload.max_new_tokens=64 \
-    out_dir="$OUT/records" progress=false 2>&1 | tee -a "$OUT/bench.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-done
+echo "== pinned H2D bandwidth" | tee "$OUT/h2d.txt"
+"$PY" - <<'PY' 2>&1 | tee -a "$OUT/h2d.txt"
+import torch, time
+for mb in (17, 64, 256):
+    src = torch.empty(mb << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    dst.copy_(src, non_blocking=True); torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    print(f"{mb} MiB pinned H2D: {10 * (mb << 20) / (time.perf_counter() - t) / 1e9:.2f} GB/s")
+PY
+
+echo "== short benchmark: resident, lru, mo_sm on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
+"$PY" run.py -m model=small_deepseek system=resident,lru,mo_sm hardware=cuda dataset=gsm8k \
+  workload.items=2 workload.repeats=1 workload.max_new_tokens=64 \
+  out_dir="$OUT/records" progress=false 2>&1 | tee -a "$OUT/bench.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"
 import sys
-from experiments import records
+from experiments import records, summarize
 df = records.load(sys.argv[1] + "/records")
 if len(df):
-    print(df.groupby(["model", "system", "device"])[["tpot_ms", "ttft_ms", "peak_mem_bytes"]].mean().to_string())
+    print(summarize.table(df).to_string(index=False))
 PY
 exit $status
