@@ -1,8 +1,9 @@
 """The one engine protocol every system answers, and the greedy decode steps they share.
 
 Owns: `Engine` (reset before a request, outside timing; generate a request), `Generation`
-(committed tokens with their commit times and the system's own statistics), the wall clock,
-and the plain prefill / decode-one-token steps over a Hugging Face model and `DynamicCache`.
+(committed tokens with their commit times and the system's own statistics), and the greedy
+prefill / decode-one-token loop over a Hugging Face model and `DynamicCache`, timed by any
+`Clock` (a link's compute-stream clock: virtual, emulated or real).
 Does not own: where experts live (offloading runtime), speculation (spec/), metrics
 arithmetic (metrics.py).
 
@@ -11,7 +12,6 @@ Systems differ in policy, not in model code: each one drives the same transforme
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -36,20 +36,6 @@ class Engine(Protocol):
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         ...
-
-
-class WallClock:
-    """Real time. On CUDA, `now()` waits for queued kernels first so times mean completion."""
-
-    kind = "wall"
-
-    def __init__(self, device: torch.device):
-        self._cuda = device.type == "cuda"
-
-    def now(self) -> float:
-        if self._cuda:
-            torch.cuda.synchronize()  # host sync: a timestamp must follow the work it times
-        return time.perf_counter()
 
 
 def new_cache(model):
