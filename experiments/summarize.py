@@ -16,7 +16,7 @@ from experiments import records
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "hit_rate": "mean", "h2d_hidden_frac": "mean",
-           "exposed_wait_ms": "mean", "n_output_tokens": "mean"}
+           "exposed_wait_ms": "mean", "n_output_tokens": "mean", "distinct_4": "mean"}
 
 
 def table(df: pd.DataFrame) -> pd.DataFrame:

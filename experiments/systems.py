@@ -21,6 +21,7 @@ SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",
     "lru": "baselines.lru",
     "mo_sm": "baselines.mo_sm",
+    "transformers": "baselines.transformers_offload",
 }
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Offloading baselines side by side (issue 3's benchmark; not a timed test):
 # small DeepSeek-shaped model, modelled A100 + PCIe 4.0 x16, high and low budgets,
-# resident / lru / mo_sm under the virtual clock with the model's own sizes and with
+# resident / lru / mo_sm / transformers under the virtual clock with the model's own sizes and with
 # DeepSeek-V2-Lite's sizes charged, then the emulated (wall-clock) check. Resumable.
 # Usage: scripts/bench_offload.sh [OUT_DIR] [extra run.py overrides...]
 set -euo pipefail
@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 OUT="${1:-results/bench_offload}"; shift || true
 COMMON=(model=small_deepseek dataset=gsm8k hardware=a100_pcie4 out_dir="$OUT" progress=false "$@")
-"$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm budget=high,low hardware.charge=own,real
-"$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm budget=high hardware.charge=real \
+"$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm,transformers budget=high,low hardware.charge=own,real
+"$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm,transformers budget=high hardware.charge=real \
   hardware.clock=emulated workload.repeats=1
 "$PY" -m experiments.summarize "$OUT"

@@ -23,3 +23,23 @@ def test_resident_equals_generate_on_cuda(name):
         ref = lm.model.generate(torch.tensor([ids], device=dev), max_new_tokens=24, do_sample=False)
         assert ours.tokens == ref[0, len(ids):].tolist()
         assert ours.peak_mem_source == "cuda_allocator" and ours.peak_mem_bytes > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
+def test_transformers_offload_on_cuda_equals_resident_and_times_real_copies(name):
+    from baselines.transformers_offload import TransformersOffloadEngine
+    from specter.offload.build import Timing
+
+    dev = torch.device("cuda")
+    ref_lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
+    engine = TransformersOffloadEngine(lm.model, dev, Timing.wall(dev), slots=lm.spec.top_k)
+    resident = ResidentEngine(ref_lm.model, dev)
+    for text in PROMPTS:
+        ids = lm.tokenizer(text)["input_ids"][:16]
+        engine.reset()
+        ours = engine.generate(ids, 24)
+        assert ours.tokens == resident.generate(ids, 24).tokens
+        assert ours.stats["offloaded_expert_layers"] > 0 and ours.stats["h2d_ms"] > 0
+        assert ours.stats["n_transfers"] == ours.stats["offloaded_expert_layers"] * len(ours.tokens)

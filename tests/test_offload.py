@@ -119,12 +119,12 @@ def test_cache_never_evicts_needed_experts_and_counts_hits():
 
 def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
     hw = HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
-    sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled_moe_layers=26)
+    sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(27, 26, 1))
     cost = CostModel(hw, sizes)
     # One DeepSeek-V2-Lite expert: gate, up, down, each 2048 x 1408, FP16.
     params = 3 * 2048 * 1408
     assert sizes.expert_params == params and sizes.expert_bytes == 2 * params == 17_301_504
-    assert sizes.layer_multiplier == 1.0  # 26 real MoE layers charged as 26
+    assert (sizes.attn_multiplier, sizes.moe_multiplier, sizes.dense_multiplier) == (1, 1, 1)
     transfer = 17_301_504 / 31.5e9 + 10e-6  # 0.5593 ms
     gemv = max(2 * params / 312e12, 2 * params / 1.555e12) + 3 * 5e-6  # memory-bound: 0.0261 ms
     assert cost.transfer_s(cost.expert_transfer_bytes()) == pytest.approx(transfer, rel=1e-12)
@@ -139,3 +139,60 @@ def test_offloading_on_a_plain_cpu_clock_is_refused():
 
     with pytest.raises(UserError, match="needs a modelled link"):
         make_engine("tiny_phi", "lru", 2, hardware={"name": "cpu", "device": "cpu", "clock": "wall"})
+
+
+def test_real_sizes_scale_each_role_by_its_own_layer_count():
+    """A 4-layer model (1 dense, 3 MoE) standing for DeepSeek-V2-Lite (27 = 1 dense + 26 MoE):
+    attention x 27/4, MoE block x 26/3, the dense MLP x 1/1; one decode step then charges
+    exactly the real model's per-token sum."""
+    hw = HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
+    per_layer = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(27, 26, 1))
+    small = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(4, 3, 1))
+    assert small.attn_multiplier == 27 / 4 and small.moe_multiplier == 26 / 3
+    assert small.dense_multiplier == 1.0 and small.unmodelled_dense_layers == 0
+    real, modelled = CostModel(hw, per_layer), CostModel(hw, small)
+    step = lambda c, layers, moe, dense: (layers * c.attention_s(1, 100)  # noqa: E731
+                                           + moe * (c.router_s(1) + c.shared_s(1) + 6 * c.expert_s(1))
+                                           + dense * c.dense_mlp_s(1) + c.lm_head_s(1))
+    assert step(modelled, 4, 3, 1) == pytest.approx(step(real, 27, 26, 1), rel=1e-12)
+    no_dense = CostModel(hw, real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(4, 4, 0)))
+    assert no_dense.sizes.unmodelled_dense_layers == 1
+    assert no_dense.lm_head_s(1) == pytest.approx(real.lm_head_s(1) + real.dense_mlp_s(1))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_transformers_offload_is_lossless_at_every_budget(name):
+    """HF generate with accelerate's offload hooks: resident's tokens at top-k slots (every
+    experts layer moved per forward), half the experts, and all (nothing moved)."""
+    from baselines.transformers_offload import resident_layers
+
+    resident, loaded = make_engine(name, "resident", None)
+    ref = decode_all(resident, loaded.tokenizer)
+    e, k = loaded.spec.num_experts, loaded.spec.top_k
+    for slots in sorted({k, e // 2, e}):
+        hf, _ = make_engine(name, "transformers", slots)
+        gens = decode_all(hf, loaded.tokenizer)
+        assert [g.tokens for g in gens] == [g.tokens for g in ref], f"{name} at {slots} slots"
+        n_moe = len(loaded.spec.moe_layers)
+        for g, r in zip(gens, ref):
+            n_off = g.stats["offloaded_expert_layers"]
+            assert g.stats["resident_expert_layers"] == resident_layers(slots, e, n_moe)
+            assert n_off == n_moe - resident_layers(slots, e, n_moe)
+            forwards = len(g.tokens)  # prefill + one per later token
+            assert g.stats["n_transfers"] == n_off * forwards
+            assert g.stats["accelerate_moved_bytes"] > 0 if n_off else g.stats["h2d_bytes"] == 0
+            assert g.stats["h2d_hidden_frac"] == 0 or n_off == 0  # synchronous: nothing hidden
+            if n_off:  # every offloaded forward waits for its copy: slower than resident
+                assert g.commit_times_s[-1] - g.start_time_s > r.commit_times_s[-1] - r.start_time_s
+
+
+def test_transformers_offload_charges_the_real_models_offloaded_bytes():
+    """DeepSeek-V2-Lite sizes at 48 of 64 slots: 19 of its 26 layers fit, 7 x 64 experts x
+    17.3 MB move per token, spread over the tiny model's offloaded layers."""
+    from baselines.transformers_offload import resident_layers
+
+    assert resident_layers(48, 64, 26) == 19 and resident_layers(6, 64, 26) == 2
+    hf, loaded = make_engine("tiny_deepseek", "transformers", 48, hardware=dict(A100, charge="real"))
+    g = decode_all(hf, loaded.tokenizer, n=5)[0]
+    per_token = g.stats["h2d_bytes"] / len(g.tokens)
+    assert per_token == pytest.approx(7 * 64 * 17_301_504, rel=1e-6)

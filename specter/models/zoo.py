@@ -54,7 +54,7 @@ class Training:
 TINY = (Shape(hidden=64, layers=3, heads=4, expert_inter=32, dense_inter=128),
         Training(steps=300, batch=8, seq_len=64, lr=5e-3, corpus_bytes=400_000))
 SMALL = (Shape(hidden=192, layers=4, heads=4, expert_inter=96, dense_inter=384),
-         Training(steps=500, batch=16, seq_len=128, lr=2e-3, corpus_bytes=TOKENIZER_CORPUS_BYTES))
+         Training(steps=1000, batch=16, seq_len=128, lr=3e-3, corpus_bytes=TOKENIZER_CORPUS_BYTES))
 
 
 def _deepseek(s: Shape, vocab: int, special: dict):
@@ -155,7 +155,7 @@ def _recipe(name: str, seed: int) -> dict:
     shape, training = SIZES[size]
     return {"name": name, "arch": arch, "size": size, "seed": seed, "shape": asdict(shape),
             "training": asdict(training), "tokenizer_vocab": TOKENIZER_VOCAB,
-            "recipe_version": 2}
+            "recipe_version": 3}
 
 
 def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None) -> Path:

@@ -18,7 +18,7 @@ from specter.errors import UserError
 from specter.models.real_configs import REAL_CONFIGS
 from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import (ChargedSizes, CostModel, HardwareProfile, charged_sizes,
-                                       real_charged_sizes)
+                                       layer_counts, real_charged_sizes)
 from specter.offload.link import Link, LinkProfile, make_link
 from specter.offload.policy import POLICIES
 from specter.offload.runtime import Charger, OffloadRuntime, Prefetcher
@@ -85,9 +85,7 @@ def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None
     if real is None:
         raise UserError(f"hardware.charge=real needs a model that stands for a real one "
                         f"(deepseek, qwen, phi); model={model_name} does not.")
-    from specter.models.introspect import experts_modules
-
-    return real_charged_sizes(real, len(experts_modules(model)), elem_bytes=2)
+    return real_charged_sizes(real, layer_counts(model), elem_bytes=2)
 
 
 def timing_for(ctx) -> Timing:

@@ -8,10 +8,13 @@ Does not own: when a step happens (the offloading runtime charges steps as they 
 
 Charged sizes come from the modelled model itself ("own") or from the real model a
 project-made model stands for ("real": the real config is instantiated on the meta device,
-no weights). With real sizes, each modelled MoE layer stands for
-`layer_multiplier = real MoE layers / modelled MoE layers` real layers, and every per-layer
-charge (compute and transfer bytes) is multiplied by it, so a simulated TPOT lands on the
-real model's scale while routing and tokens still come from the small model.
+no weights). With real sizes, each modelled layer stands for several real ones, by role:
+attention (and norms) by `attn_multiplier = real layers / modelled layers`, the MoE block
+(router, shared experts, routed experts and their transfer bytes) by
+`moe_multiplier = real MoE layers / modelled MoE layers`, a dense MLP by
+`dense_multiplier = real dense layers / modelled dense layers` (if the modelled model has no
+dense layer but the real one has, their cost is charged with the lm head). A simulated TPOT
+so lands on the real model's scale while routing and tokens still come from the small model.
 """
 
 from __future__ import annotations
@@ -49,7 +52,10 @@ class ChargedSizes:
     kv_elems_per_token: int  # K+V elements one token adds in one layer
     heads: int
     head_dim: int
-    layer_multiplier: float
+    attn_multiplier: float = 1.0
+    moe_multiplier: float = 1.0
+    dense_multiplier: float = 1.0
+    unmodelled_dense_layers: int = 0  # real dense layers with no modelled counterpart
 
     @property
     def expert_bytes(self) -> int:
@@ -79,8 +85,15 @@ def layer_roles(layer: nn.Module) -> dict[str, int]:
     return roles
 
 
+def layer_counts(model: nn.Module) -> tuple[int, int, int]:
+    """(decoder layers, MoE layers, dense-MLP layers)."""
+    layers, moe = len(model.model.layers), len(experts_modules(model))
+    return layers, moe, layers - moe
+
+
 def charged_sizes(model: nn.Module, source: str, elem_bytes: int,
-                  layer_multiplier: float = 1.0) -> ChargedSizes:
+                  modelled: tuple[int, int, int] | None = None) -> ChargedSizes:
+    """Sizes of `model`; `modelled` = layer_counts of the model whose layers run, if another."""
     cfg = model.config
     layers = model.model.layers
     moe = experts_modules(model)
@@ -101,19 +114,28 @@ def charged_sizes(model: nn.Module, source: str, elem_bytes: int,
         dense_mlp_params=layer_roles(layers[dense[0]])["dense_mlp"] if dense else 0,
         expert_params=experts.gate_up_proj[0].numel() + experts.down_proj[0].numel(),
         lm_head_params=model.lm_head.weight.numel(), kv_elems_per_token=kv, heads=heads,
-        head_dim=head_dim, layer_multiplier=layer_multiplier)
+        head_dim=head_dim, **_multipliers(layer_counts(model), modelled))
 
 
-def real_charged_sizes(real_config: dict, modelled_moe_layers: int, elem_bytes: int = 2) -> ChargedSizes:
+def _multipliers(real: tuple[int, int, int], modelled: tuple[int, int, int] | None) -> dict:
+    if modelled is None:
+        return {}
+    (rl, rm, rd), (ml, mm, md) = real, modelled
+    return {"attn_multiplier": rl / ml, "moe_multiplier": rm / mm,
+            "dense_multiplier": rd / md if md else 0.0,
+            "unmodelled_dense_layers": 0 if md else rd}
+
+
+def real_charged_sizes(real_config: dict, modelled: tuple[int, int, int],
+                       elem_bytes: int = 2) -> ChargedSizes:
     """Sizes of a real model from its config alone (meta device: no memory, no weights)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(**real_config)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
-    real_moe_layers = len(experts_modules(meta))
     return charged_sizes(meta, f"real:{real_config.get('_name_or_path', cfg.model_type)}",
-                         elem_bytes, real_moe_layers / modelled_moe_layers)
+                         elem_bytes, modelled)
 
 
 class CostModel:
@@ -131,36 +153,37 @@ class CostModel:
         return max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
             + kernels * self.hw.launch_overhead_s
 
-    def _scaled(self, seconds: float) -> float:
-        return seconds * self.sizes.layer_multiplier
-
     def attention_s(self, tokens: int, context: int) -> float:
         """Projections and norms, plus reading the KV cache of `context` positions."""
         s = self.sizes
         proj = self.matmul_s(tokens, s.attn_params, kernels=6)
         kv_read = context * s.kv_elems_per_token * s.elem_bytes / self.hw.mem_bandwidth_Bps
         scores = 4.0 * tokens * context * s.heads * s.head_dim / self.hw.matrix_flops
-        return self._scaled(proj + max(kv_read, scores))
+        return (proj + max(kv_read, scores)) * self.sizes.attn_multiplier
 
     def router_s(self, tokens: int) -> float:
-        return self._scaled(self.matmul_s(tokens, self.sizes.router_params, kernels=2))
+        return self.matmul_s(tokens, self.sizes.router_params, kernels=2) * self.sizes.moe_multiplier
 
     def shared_s(self, tokens: int) -> float:
-        return self._scaled(self.matmul_s(tokens, self.sizes.shared_params, kernels=3))
+        return self.matmul_s(tokens, self.sizes.shared_params, kernels=3) * self.sizes.moe_multiplier
 
     def dense_mlp_s(self, tokens: int) -> float:
-        return self._scaled(self.matmul_s(tokens, self.sizes.dense_mlp_params, kernels=3))
+        return self.matmul_s(tokens, self.sizes.dense_mlp_params, kernels=3) \
+            * self.sizes.dense_multiplier
 
     def expert_s(self, tokens: int) -> float:
         """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
-        return self._scaled(self.matmul_s(tokens, self.sizes.expert_params, kernels=3))
+        return self.matmul_s(tokens, self.sizes.expert_params, kernels=3) * self.sizes.moe_multiplier
 
     def lm_head_s(self, tokens: int) -> float:
-        return self.matmul_s(tokens, self.sizes.lm_head_params)
+        """The lm head, plus any real dense MLP layers the modelled model lacks."""
+        s = self.sizes
+        unmodelled = s.unmodelled_dense_layers * self.matmul_s(tokens, s.dense_mlp_params, kernels=3)
+        return self.matmul_s(tokens, s.lm_head_params) + unmodelled
 
     def expert_transfer_bytes(self) -> int:
         """Bytes the link is charged for one modelled expert move."""
-        return int(round(self.sizes.expert_bytes * self.sizes.layer_multiplier))
+        return int(round(self.sizes.expert_bytes * self.sizes.moe_multiplier))
 
     def transfer_s(self, nbytes: int) -> float:
         return nbytes / self.hw.h2d_bandwidth_Bps + self.hw.h2d_latency_s

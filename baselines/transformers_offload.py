@@ -1,0 +1,196 @@
+"""`system=transformers`: Hugging Face `generate` with accelerate's offloading of the experts.
+
+The peers' own code path, not ours: decoding is `model.generate(do_sample=False)` with the
+model's stock experts implementation, and the offloaded experts are moved by accelerate's
+`AlignDevicesHook(offload=True)`, which copies a module's weights from a CPU state dict to
+the execution device before every forward and drops them after (accelerate 1.15,
+hooks.py). That hook is what `dispatch_model` / `from_pretrained(device_map=...)` attach to
+every module a device map sends to "cpu"; it is attached here directly because
+`dispatch_model` offloads nothing when the main device is the CPU itself.
+
+What stays on the device is what `device_map="auto"` with the same memory budget keeps:
+whole experts modules, first layers first (accelerate fills the device in module order).
+The budget's `slots` per layer buy `floor(slots * L / E)` whole layers of L MoE layers; the
+rest are offloaded, every expert of them moved on every forward, prefill and decode alike.
+
+Time. Under the virtual and emulated clocks every offloaded forward pays its weights on the
+same link as every other system: one transfer of the layer's charged bytes, waited for at
+once (accelerate's copy is synchronous: nothing is hidden). With the real model's sizes
+charged, the bytes of the real model's offloaded layers are spread over the modelled
+offloaded layers, so a token moves what the real model would. On CUDA the copies are real;
+they are timed with events around accelerate's pre-forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+from torch import nn
+
+from specter.engine import DeviceMemory, Generation, eos_ids
+from specter.errors import UserError
+from specter.models.introspect import experts_modules
+from specter.offload.build import Timing, timing_for
+
+
+def resident_layers(slots: int, num_experts: int, moe_layers: int) -> int:
+    """Whole experts modules the budget holds: `slots * moe_layers` expert slots in all."""
+    return min(moe_layers, slots * moe_layers // num_experts)
+
+
+def _accelerate():
+    try:
+        from accelerate.hooks import AlignDevicesHook, ModelHook, add_hook_to_module
+    except ImportError as e:  # pinned in pyproject; say so rather than trace back
+        raise UserError("system=transformers needs the accelerate package "
+                        "(pip install -e . installs the pinned version).") from e
+    return AlignDevicesHook, ModelHook, add_hook_to_module
+
+
+class _ClockStreamer:
+    """`generate`'s streamer: the first `put` is the prompt, each later one a committed token;
+    stamps each token with the clock's time."""
+
+    def __init__(self, clock):
+        self.clock, self.times, self.prompt_seen = clock, [], False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.times.append(self.clock.now())
+
+    def end(self) -> None:
+        pass
+
+
+class TransformersOffloadEngine:
+    name = "transformers"
+
+    def __init__(self, model: nn.Module, device: torch.device, timing: Timing, slots: int,
+                 stop_on_eos: bool = True):
+        AlignDevicesHook, ModelHook, add_hook_to_module = _accelerate()
+        self.model, self.device, self.timing = model, device, timing
+        self.link = timing.link
+        self.real_clock = timing.clock == "cuda"  # copies timed by events, not charged
+        self.stop_on_eos = stop_on_eos
+        moe = experts_modules(model)
+        num_experts = moe[0][1].gate_up_proj.shape[0]
+        self.n_resident = resident_layers(slots, num_experts, len(moe))
+        offloaded = [m for _, m in moe[self.n_resident:]]
+        self.n_offloaded = len(offloaded)
+        self.bytes_per_move = self._charged_layer_bytes(num_experts, slots, len(moe))
+        self.moved_bytes = 0  # real bytes accelerate copied (this machine's tensors)
+        self.cuda_copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._pending: torch.cuda.Event | None = None
+        engine = self
+
+        class MarkCopied(ModelHook):
+            """Runs right after accelerate's pre-forward, i.e. once the weights are there."""
+
+            def pre_forward(self, module, *args, **kwargs):
+                engine._copied(module)
+                return args, kwargs
+
+        for m in offloaded:
+            weights = {name: t.detach().to("cpu") for name, t in m.state_dict().items()}
+            add_hook_to_module(m, AlignDevicesHook(execution_device=device, offload=True,
+                                                   weights_map=weights))
+            add_hook_to_module(m, MarkCopied(), append=True)
+            # Before every other pre-hook (the compute charger's): the copy comes first.
+            m.register_forward_pre_hook(self._before_copy, prepend=True)
+        self.memory = DeviceMemory(model, device)  # offloaded experts are on "meta" now
+        self.charger = timing.charger(model, charge_experts=True)
+        model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+
+    def _charged_layer_bytes(self, num_experts: int, slots: int, moe_layers: int) -> int:
+        """Link bytes charged per offloaded layer forward on a modelled clock."""
+        cost = self.timing.cost
+        if cost is None or self.n_offloaded == 0:
+            return 0
+        real_layers = round(cost.sizes.moe_multiplier * moe_layers)
+        real_offloaded = real_layers - resident_layers(slots, num_experts, real_layers)
+        per_real_layer = num_experts * cost.sizes.expert_bytes
+        return int(round(real_offloaded * per_real_layer / self.n_offloaded))
+
+    # -- hooks -------------------------------------------------------------------------
+    def _begin_forward(self, module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        cache = kwargs.get("cache")
+        tokens = ids.shape[-1]
+        past = cache.get_seq_length() if cache is not None else 0
+        self.charger.begin_forward(tokens, past + tokens, prefill=past == 0)
+
+    def _before_copy(self, module, args) -> None:
+        if self.real_clock:
+            self._pending = torch.cuda.Event(enable_timing=True)
+            self._pending.record()
+        elif self.bytes_per_move:
+            # One transfer of the layer's charged bytes on the shared link, waited for now.
+            t = self.link.copy(self._scratch_dst, self._scratch_src, nbytes=self.bytes_per_move)
+            self.link.wait(t)
+
+    def _copied(self, module) -> None:
+        self.moved_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+        if self._pending is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.cuda_copies.append((self._pending, end))
+            self._pending = None
+
+    _scratch_src = torch.zeros(1)
+    _scratch_dst = torch.zeros(1)
+
+    # -- engine protocol ---------------------------------------------------------------
+    def reset(self) -> None:
+        """Nothing resident changes between requests; statistics cleared."""
+        self.link.synchronize()
+        self.link.reset_stats()
+        self.moved_bytes = 0
+        self.cuda_copies = []
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        gc = copy.deepcopy(self.model.generation_config)
+        gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, max_new_tokens, None
+        gc.temperature = gc.top_p = gc.top_k = None
+        stop = sorted(eos_ids(self.model)) if self.stop_on_eos else []
+        gc.eos_token_id = stop or None
+        gc.return_dict_in_generate = True
+        self.memory.start()
+        streamer = _ClockStreamer(self.link)
+        ids = torch.tensor([prompt_ids], device=self.device)
+        start = self.link.now()
+        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=gc, streamer=streamer)
+        tokens = out.sequences[0, len(prompt_ids):].tolist()  # one sequence: no padding
+        assert len(streamer.times) == len(tokens), "the streamer saw every committed token"
+        self.memory.observe_cache(out.cache)
+        peak, source = self.memory.peak()
+        gen = Generation(tokens=tokens, commit_times_s=streamer.times,
+                         start_time_s=start, peak_mem_bytes=peak, peak_mem_source=source)
+        gen.stats.update(self.timing.link_record())
+        gen.stats.update({"resident_expert_layers": self.n_resident,
+                          "offloaded_expert_layers": self.n_offloaded,
+                          "accelerate_moved_bytes": self.moved_bytes})
+        if self.real_clock:
+            gen.stats.update(self._cuda_copy_record())
+        return gen
+
+    def _cuda_copy_record(self) -> dict:
+        torch.cuda.synchronize(self.device)
+        h2d_s = sum(a.elapsed_time(b) for a, b in self.cuda_copies) / 1e3
+        return {"n_transfers": len(self.cuda_copies), "h2d_bytes": self.moved_bytes,
+                "h2d_ms": h2d_s * 1e3, "exposed_wait_ms": h2d_s * 1e3,  # synchronous copies
+                "h2d_hidden_frac": 0.0 if self.cuda_copies else math.nan}
+
+
+def build(ctx) -> TransformersOffloadEngine:
+    timing = timing_for(ctx)  # before any hook: the emulated clock calibrates on the model
+    if timing.clock == "wall" and ctx.device.type == "cpu":
+        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4 "
+                        "(virtual clock) or hardware=a100_pcie4 hardware.clock=emulated.")
+    return TransformersOffloadEngine(ctx.loaded.model, ctx.device, timing, ctx.budget.slots,
+                                     stop_on_eos=ctx.cfg.workload.stop_on_eos)
