@@ -71,11 +71,12 @@ def _humaneval_package_prompts() -> list[str] | None:
     return [p["prompt"] for p in problems]
 
 
-def load_workload(name: str, items: int, cache_dir: Path | None = None) -> Workload:
-    """The first `items` non-empty texts of dataset `name`: local cache, then package, then stand-in."""
+def load_workload(name: str, items: int | None, cache_dir: Path | None = None) -> Workload:
+    """The first `items` non-empty texts of dataset `name` (all of them for None): local cache,
+    then package, then stand-in."""
     if name not in DATASETS:
         raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
-    if items < 1:
+    if items is not None and items < 1:
         raise UserError(f"items must be at least 1 (got {items}); ask for 1 or more prompts.")
 
     cache_file = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{name}.jsonl"
@@ -95,6 +96,7 @@ def load_workload(name: str, items: int, cache_dir: Path | None = None) -> Workl
         texts, source, standin, origin = _read_jsonl_texts(standin_file), "standin", True, str(standin_file)
 
     non_empty = [t for t in texts if t.strip()]
+    items = len(non_empty) if items is None else items
     if len(non_empty) < items:
         raise UserError(
             f"{name} has only {len(non_empty)} non-empty items in {origin} but {items} were asked; "

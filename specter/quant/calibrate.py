@@ -1,0 +1,228 @@
+"""Quantizing a model's routed experts: calibration, GPTQ / RTN per expert, the saved result.
+
+Owns: the calibration tokens (from the workload loaders, skipping the items a benchmark
+evaluates), per-expert Hessians from the tokens the router actually sends to each expert
+(gate_up's input is the hidden state, down's the gated intermediate), the quantization of
+every routed expert (GPTQ, with RTN for experts that saw fewer than `min_tokens` tokens), and
+`QuantizedExperts`: saved as safetensors plus metadata (bits, group, method, checksum of
+the source weights) and reused while the source weights and spec are unchanged.
+Does not own: executing quantized experts (kernels.py, draft.py).
+
+Calibration runs one MoE layer at a time (one pass over the calibration windows per layer),
+so only one layer's Hessians exist at once: E x (H^2 + I^2) float64, about 3 GB for
+DeepSeek-V2-Lite. Inputs come from the full-precision model (no sequential re-quantization
+of earlier layers), a common GPTQ simplification, recorded in the metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specter.errors import UserError
+from specter.models.introspect import experts_modules
+from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum
+from specter.quant.gptq import Hessian, gptq_quantize
+
+METHODS = ("gptq", "rtn")
+CALIB_DATASETS = ("gsm8k", "wikitext2", "humaneval", "gpqa", "c4")
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    method: str = "gptq"
+    bits: int = 4
+    group: int = 128
+    damp: float = 0.01
+    min_tokens: int = 32  # fewer calibration tokens than this: RTN for that expert
+    calib_tokens: int = 8192
+    calib_skip: int = 5  # items per dataset a benchmark evaluates; never calibrated on
+    seq_len: int = 256
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise UserError(f"unknown quantization method '{self.method}'; choose one of: "
+                            f"{', '.join(METHODS)}.")
+        if self.bits not in (2, 3, 4, 8):
+            raise UserError(f"quantization bits must be 2, 3, 4 or 8 (got {self.bits}).")
+
+    @property
+    def tag(self) -> str:
+        return f"{self.method}-w{self.bits}g{self.group}"
+
+
+@dataclass
+class QuantizedExperts:
+    """Every routed expert of a model, quantized: per MoE layer, per expert, two matrices."""
+
+    spec: QuantSpec
+    gate_up: list[list[QuantizedMatrix]]  # [moe layer][expert], each [2I, H]
+    down: list[list[QuantizedMatrix]]  # [moe layer][expert], each [H, I]
+    meta: dict = field(default_factory=dict)
+
+    def packed_bytes(self) -> int:
+        return sum(m.packed_bytes() for layer in self.gate_up + self.down for m in layer)
+
+    def to(self, device: torch.device) -> "QuantizedExperts":
+        move = lambda layers: [[m.to(device) for m in layer] for layer in layers]  # noqa: E731
+        return QuantizedExperts(self.spec, move(self.gate_up), move(self.down), self.meta)
+
+
+# -- calibration data ---------------------------------------------------------------------
+def calibration_windows(tokenizer, spec: QuantSpec, data_dir: Path | None = None) -> list[torch.Tensor]:
+    """Token windows [1, <= seq_len] from the five workloads' texts after the evaluated items,
+    interleaved by dataset, up to `calib_tokens` tokens."""
+    from specter.workloads import load_workload
+
+    per_dataset = [list(load_workload(name, items=None, cache_dir=data_dir).texts)[spec.calib_skip:]
+                   for name in CALIB_DATASETS]
+    ids: list[int] = []
+    for i in range(max(len(t) for t in per_dataset)):
+        for texts in per_dataset:
+            if i < len(texts):
+                ids.extend(tokenizer(texts[i])["input_ids"])
+        if len(ids) >= spec.calib_tokens:
+            break
+    ids = ids[:spec.calib_tokens]
+    return [torch.tensor([ids[s:s + spec.seq_len]]) for s in range(0, len(ids), spec.seq_len)]
+
+
+# -- per-expert Hessians -------------------------------------------------------------------
+@torch.no_grad()
+def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor],
+                   device: torch.device) -> tuple[list[Hessian], list[Hessian]]:
+    """Hessians of every expert of one MoE layer from the tokens routed to it."""
+    _, module = experts_modules(model)[moe_layer]
+    n_exp, two_i, hid = module.gate_up_proj.shape
+    h_gu = [Hessian(hid, device) for _ in range(n_exp)]
+    h_dn = [Hessian(two_i // 2, device) for _ in range(n_exp)]
+
+    def hook(m, args):
+        hidden, top_k_index, _ = args
+        for e in torch.unique(top_k_index).tolist():
+            token_idx = (top_k_index == e).any(dim=-1).nonzero().squeeze(-1)
+            x = hidden[token_idx]
+            h_gu[e].add(x)
+            h_dn[e].add(m._apply_gate(nn.functional.linear(x, m.gate_up_proj[e])))
+
+    handle = module.register_forward_pre_hook(hook)
+    try:
+        for w in windows:
+            model(input_ids=w.to(device), use_cache=False)
+    finally:
+        handle.remove()
+    return h_gu, h_dn
+
+
+def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tensor] | None,
+                     device: torch.device, progress: bool = False) -> QuantizedExperts:
+    """Quantize every routed expert of `model` (weights left untouched)."""
+    from tqdm import tqdm
+
+    mods = [m for _, m in experts_modules(model)]
+    if spec.method == "gptq" and not windows:
+        raise UserError("GPTQ needs calibration windows; none were given.")
+    gate_up, down, tokens, fallback = [], [], [], []
+    for l in tqdm(range(len(mods)), desc=f"quantizing experts ({spec.tag})", disable=not progress,
+                  leave=False):
+        m = mods[l]
+        n_exp = m.gate_up_proj.shape[0]
+        hess = layer_hessians(model, l, windows, device) if spec.method == "gptq" else None
+        gu_l, dn_l, tok_l, fb_l = [], [], [], []
+        for e in range(n_exp):
+            w_gu, w_dn = m.gate_up_proj[e].detach(), m.down_proj[e].detach()
+            n = hess[0][e].n if hess else 0
+            use_rtn = hess is None or n < spec.min_tokens
+            if use_rtn:
+                gu_l.append(rtn_quantize(w_gu, spec.bits, spec.group))
+                dn_l.append(rtn_quantize(w_dn, spec.bits, spec.group))
+            else:
+                gu_l.append(gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp))
+                dn_l.append(gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp))
+            tok_l.append(n)
+            fb_l.append(bool(use_rtn and spec.method == "gptq"))
+        gate_up.append(gu_l)
+        down.append(dn_l)
+        tokens.append(tok_l)
+        fallback.append(fb_l)
+    meta = {"spec": asdict(spec), "source_checksum": source_checksum(model),
+            "calib_tokens_per_expert": tokens, "rtn_fallback": fallback,
+            "calib_windows": len(windows or []),
+            "calibration": "full-precision inputs, one MoE layer at a time (not sequential)"}
+    return QuantizedExperts(spec, gate_up, down, meta)
+
+
+def source_checksum(model: nn.Module) -> str:
+    return weights_checksum([t for _, m in experts_modules(model)
+                             for t in (m.gate_up_proj, m.down_proj)])
+
+
+# -- saving and reuse ----------------------------------------------------------------------
+def save(qe: QuantizedExperts, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, layers in (("gate_up", qe.gate_up), ("down", qe.down)):
+        for l, layer in enumerate(layers):
+            tensors[f"{name}.{l}.codes"] = torch.stack([m.codes for m in layer]).contiguous().cpu()
+            tensors[f"{name}.{l}.scales"] = torch.stack([m.scales for m in layer]).contiguous().cpu()
+    meta = dict(qe.meta, shapes={"gate_up": list(qe.gate_up[0][0].shape),
+                                 "down": list(qe.down[0][0].shape)},
+                groups={"gate_up": qe.gate_up[0][0].group, "down": qe.down[0][0].group})
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "experts.safetensors"), metadata={"format": "specter-int"})
+    (tmp / "quant.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+
+
+def load(path: Path) -> QuantizedExperts:
+    from safetensors.torch import load_file
+
+    meta = json.loads((path / "quant.json").read_text())
+    spec = QuantSpec(**meta["spec"])
+    t = load_file(str(path / "experts.safetensors"))
+    out = {}
+    for name in ("gate_up", "down"):
+        shape, group = tuple(meta["shapes"][name]), meta["groups"][name]
+        layers = []
+        l = 0
+        while f"{name}.{l}.codes" in t:
+            codes, scales = t[f"{name}.{l}.codes"], t[f"{name}.{l}.scales"]
+            layers.append([QuantizedMatrix(codes[e], scales[e], spec.bits, group, shape)
+                           for e in range(codes.shape[0])])
+            l += 1
+        out[name] = layers
+    return QuantizedExperts(spec, out["gate_up"], out["down"], meta)
+
+
+def ensure_quantized(model: nn.Module, tokenizer, spec: QuantSpec, cache_dir: Path,
+                     device: torch.device, data_dir: Path | None = None,
+                     progress: bool = False) -> tuple[QuantizedExperts, Path, bool]:
+    """The quantized experts of `model` under `spec`: loaded when a matching file exists
+    (same source checksum and spec), else made and saved. Returns (experts, path, reused)."""
+    from filelock import FileLock
+
+    out = cache_dir / "quant" / f"{source_checksum(model)}-{spec.tag}-{_spec_digest(spec)}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out) + ".lock"):
+        if (out / "quant.json").exists():
+            return load(out), out, True
+        windows = calibration_windows(tokenizer, spec, data_dir) if spec.method == "gptq" else None
+        qe = quantize_experts(model, spec, windows, device, progress)
+        save(qe, out)
+    return qe, out, False
+
+
+def _spec_digest(spec: QuantSpec) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:8]

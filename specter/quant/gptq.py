@@ -1,0 +1,79 @@
+"""GPTQ (Frantar et al., 2023) for one weight matrix, in the project's quantized layout.
+
+Owns: accumulating the Hessian H = 2/n * sum x x^T of a matrix's inputs, and the GPTQ
+column-by-column quantization with error feedback through the Cholesky factor of H^-1
+(lazy batch updates in blocks of 128 columns; damping `damp * mean(diag H)`; columns never
+seen (zero diagonal) are zeroed; no act-order). Scales are chosen group-wise from the
+error-updated weights when each group starts, as the reference implementation does with
+`static_groups=False`.
+Does not own: which inputs reach which expert (calibrate.py) or execution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specter.quant.formats import (QuantizedMatrix, effective_group, group_scales, pack_codes,
+                                   quantize_codes)
+
+
+class Hessian:
+    """Running H = 2/n * X^T X over input rows x [n, in] (float64 accumulation)."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
+        self.h = torch.zeros(in_features, in_features, dtype=torch.float64, device=device)
+        self.n = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, x.shape[-1]).to(torch.float64)
+        m = x.shape[0]
+        if m == 0:
+            return
+        self.h *= self.n / (self.n + m)
+        self.n += m
+        x = x * (2.0 / self.n) ** 0.5
+        self.h += x.T @ x
+
+
+def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int,
+                  damp: float = 0.01, block: int = 128) -> QuantizedMatrix:
+    """Quantize w [out, in] given H [in, in]; returns codes + scales (w's dtype)."""
+    out, cols = w.shape
+    g = effective_group(cols, group)
+    W = w.detach().to(torch.float64).clone()
+    H = hessian.to(torch.float64).clone()
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    H += damp * torch.mean(torch.diag(H)) * torch.eye(cols, dtype=H.dtype, device=H.device)
+    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
+    Q = torch.zeros_like(W)
+    scales = torch.zeros(out, cols // g, dtype=torch.float64, device=W.device)
+    scale = None
+    for i1 in range(0, cols, block):
+        i2 = min(i1 + block, cols)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for i in range(i2 - i1):
+            c = i1 + i
+            if c % g == 0:  # a new group: its scale from the current (updated) weights
+                cur = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :g]
+                scale = group_scales(cur, bits)
+                scales[:, c // g] = scale
+            col = W1[:, i]
+            q = quantize_codes(col.unsqueeze(1), scale, bits).squeeze(1)
+            Q[:, c] = q
+            deq = (q - (1 << (bits - 1))) * scale
+            err = (col - deq) / Hinv1[i, i]
+            W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
+            Err1[:, i] = err
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
+    return QuantizedMatrix(pack_codes(Q.to(torch.uint8), bits), scales.to(w.dtype), bits, g,
+                           (out, cols))
+
+
+def reconstruction_error(w: torch.Tensor, qm: QuantizedMatrix, hessian: torch.Tensor) -> float:
+    """The GPTQ objective per output row: tr((W - W_hat) H (W - W_hat)^T) / out, i.e. the mean
+    squared output error on the calibration inputs (H = 2/n X^T X, so halved)."""
+    d = (w.to(torch.float64) - qm.dequantize(torch.float64))
+    return float(torch.einsum("oi,ij,oj->", d, hessian.to(torch.float64), d) / (2 * w.shape[0]))

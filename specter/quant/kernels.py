@@ -1,0 +1,215 @@
+"""Executing quantized routed experts: one layer's experts applied to the tokens routed to them.
+
+Owns: three interchangeable backends with the same call
+`backend(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`:
+- `reference`: dequantize each needed expert, then ordinary matmuls (any bits, any device):
+  the definition the others are tested against.
+- `cpu_int4`: torch's CPU INT4 GEMM (`_weight_int4pack_mm_for_cpu`), weights repacked once
+  into its layout (INT4 only, groups of 32 to 256).
+- `triton`: a fused multi-expert INT4 GEMM in Triton: every routed expert of a layer in one
+  launch per projection, (token, k-slot) pairs gathered by expert into blocks of BLOCK_M
+  rows (INT4 only). Runs on CUDA, and on the CPU under `TRITON_INTERPRET=1` for tests.
+All accumulate in fp32. Results are summed in expert-id order, (k-slot, token) order within
+an expert, as Hugging Face's eager experts loop does.
+Does not own: quantization (gptq.py, formats.py) or when the draft runs (draft.py).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from specter.errors import UserError
+from specter.quant.formats import QuantizedMatrix
+
+BACKENDS = ("reference", "cpu_int4", "triton")
+
+
+def _route(top_k_index: torch.Tensor):
+    """Per needed expert (ascending): (k-slot positions, token indices) in HF's order."""
+    for e in torch.unique(top_k_index).tolist():
+        pos, token_idx = torch.where(top_k_index.T == e)
+        yield e, pos, token_idx
+
+
+class ReferenceExperts:
+    """Dequantize-then-matmul over one layer's quantized experts."""
+
+    def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act):
+        self.gate_up, self.down, self.act = gate_up, down, act
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        h = self.act(nn.functional.linear(x, self.gate_up[e].dequantize(x.dtype)))
+        return nn.functional.linear(h, self.down[e].dequantize(x.dtype))
+
+    def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        final = torch.zeros_like(hidden)
+        for e, pos, token_idx in _route(top_k_index):
+            y = self.expert(e, hidden[token_idx])
+            final.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).to(final.dtype))
+        return final
+
+
+def _int4pack_cpu(qm: QuantizedMatrix, dtype: torch.dtype):
+    """(packed weight, scales_and_zeros [K/g, N, 2]) for `_weight_int4pack_mm_for_cpu`:
+    w = (q - 8) * scale + zero with zero = 0 (symmetric)."""
+    q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    scales = qm.scales.to(dtype).T.contiguous()  # [K/g, N]
+    sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+    return packed, sz
+
+
+class CpuInt4Experts(ReferenceExperts):
+    """torch's CPU INT4 GEMM per expert."""
+
+    def __init__(self, gate_up, down, act, dtype: torch.dtype = torch.float32):
+        super().__init__(gate_up, down, act)
+        for qm in gate_up + down:
+            if qm.bits != 4 or qm.group not in (32, 64, 128, 256):
+                raise UserError(f"the cpu_int4 backend needs 4-bit weights in groups of 32 to "
+                                f"256 (got {qm.bits}-bit, group {qm.group}); use the reference "
+                                "backend.")
+        self.dtype = dtype
+        self.packed = [(_int4pack_cpu(g, dtype), _int4pack_cpu(d, dtype))
+                       for g, d in zip(gate_up, down)]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        (wg, szg), (wd, szd) = self.packed[e]
+        xd = x.to(self.dtype)
+        h = self.act(torch._weight_int4pack_mm_for_cpu(xd, wg, self.gate_up[e].group, szg))
+        return torch._weight_int4pack_mm_for_cpu(h, wd, self.down[e].group, szd).to(x.dtype)
+
+
+# -- Triton ----------------------------------------------------------------------------------
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_KERNELS: dict[bool, object] = {}
+
+
+def _kernel():
+    """Build the Triton kernel on first use (importing triton is slow and optional); one per
+    mode, since `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    key = interpret_mode()
+    if key in _KERNELS:
+        return _KERNELS[key]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_ptr,
+                      block_expert_ptr, N, K, stride_xm, stride_ce, stride_cn, stride_se,
+                      stride_sn, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[dst_row] = x[src_row] @ dequant(W[e]).T for one block of rows routed to e."""
+        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        src = tl.load(src_row_ptr + offs_m).to(tl.int64)  # -1: padding
+        dst = tl.load(dst_row_ptr + offs_m).to(tl.int64)
+        valid = src >= 0
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < K
+            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :],
+                        mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            byte = tl.load(codes_ptr + e * stride_ce + offs_n[:, None] * stride_cn
+                           + (offs_k[None, :] // 2), mask=n_ok[:, None] & k_ok[None, :], other=0)
+            q = (byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
+            s = tl.load(scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
+                        + offs_k[None, :] // GROUP, mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            w = (q.to(tl.float32) - 8.0) * s  # [BLOCK_N, BLOCK_K]
+            acc += tl.dot(x, tl.trans(w))
+        tl.store(out_ptr + dst[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
+    _KERNELS[key] = moe_int4_gemm
+    return moe_int4_gemm
+
+
+def align_blocks(top_k_index: torch.Tensor, block_m: int):
+    """Group (token, k-slot) pairs by expert into blocks of `block_m` rows, padded with -1.
+    Returns (pair ids [blocks * block_m], expert of each block [blocks]); a pair id p is
+    token p // k, slot p % k. Within an expert pairs keep (k-slot, token) order."""
+    T, k = top_k_index.shape
+    flat = top_k_index.T.reshape(-1)  # slot-major: (k-slot, token) order
+    pair_ids = (torch.arange(T, device=flat.device).repeat(k) * k
+                + torch.arange(k, device=flat.device).repeat_interleave(T))
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    padded = (counts + block_m - 1) // block_m * block_m
+    rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=flat.device)
+    starts = torch.cumsum(padded, 0) - padded
+    src_starts = torch.cumsum(counts, 0) - counts
+    for s, c, ps in zip(starts.tolist(), counts.tolist(), src_starts.tolist()):
+        rows[s:s + c] = pair_ids[order[ps:ps + c]]
+    block_expert = torch.repeat_interleave(experts, padded // block_m)
+    return rows, block_expert.to(torch.int32)
+
+
+class TritonExperts:
+    """All of a layer's routed experts in one Triton launch per projection (INT4)."""
+
+    BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
+
+    def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act):
+        if not triton_available():
+            raise UserError("the triton backend needs the triton package (a GPU extra: "
+                            "pip install -e .[gpu]); use the reference or cpu_int4 backend.")
+        for qm in gate_up + down:
+            if qm.bits != 4:
+                raise UserError(f"the triton backend runs 4-bit weights only (got {qm.bits}-bit).")
+        self.act = act
+        self.gu_codes = torch.stack([m.codes for m in gate_up])  # [E, 2I, H/2]
+        self.gu_scales = torch.stack([m.scales for m in gate_up])  # [E, 2I, H/g]
+        self.dn_codes = torch.stack([m.codes for m in down])
+        self.dn_scales = torch.stack([m.scales for m in down])
+        self.gu_group, self.dn_group = gate_up[0].group, down[0].group
+
+    def _gemm(self, x, codes, scales, group, rows, block_expert, src_rows, out_rows, n_out):
+        E, N, _ = codes.shape
+        K = x.shape[1]
+        out = torch.zeros(n_out, N, dtype=x.dtype, device=x.device)
+        grid = (block_expert.numel(), (N + self.BLOCK_N - 1) // self.BLOCK_N)
+        _kernel()[grid](x, codes, scales, out, src_rows, out_rows, block_expert, N, K,
+                        x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
+                        scales.stride(1), out.stride(0), GROUP=group, BLOCK_M=self.BLOCK_M,
+                        BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K)
+        return out
+
+    def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        T, k = top_k_index.shape
+        pairs, block_expert = align_blocks(top_k_index, self.BLOCK_M)
+        token_rows = torch.where(pairs >= 0, pairs // k, pairs)
+        h = self._gemm(hidden, self.gu_codes, self.gu_scales, self.gu_group, None, block_expert,
+                       token_rows, pairs, T * k)  # [T*k, 2I]
+        h = self.act(h)
+        y = self._gemm(h, self.dn_codes, self.dn_scales, self.dn_group, None, block_expert,
+                       pairs, pairs, T * k)  # [T*k, H]
+        return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).to(hidden.dtype)
+
+
+def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32):
+    if backend == "reference":
+        return ReferenceExperts(gate_up, down, act)
+    if backend == "cpu_int4":
+        return CpuInt4Experts(gate_up, down, act, dtype)
+    if backend == "triton":
+        return TritonExperts(gate_up, down, act)
+    raise UserError(f"unknown INT4 backend '{backend}'; choose one of: {', '.join(BACKENDS)}.")
+
+
+def interpret_mode() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

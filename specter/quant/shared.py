@@ -1,0 +1,132 @@
+"""One model instance, two precisions: the INT4 self-draft and the full-precision target.
+
+Owns: the experts implementation that switches a model between `target` mode (routed experts
+as the target runs them: Hugging Face's own code, or the offloading runtime when one is
+attached first) and `draft` mode (the same layers' routed experts from their INT4 copy on
+the device), the switch itself, and the memory accounting of the shared instance against
+two separate models.
+Everything but the routed experts (embeddings, attention, norms, routers, shared experts, lm
+head) is the same tensors in both modes: there is one model object and no copy.
+Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (spec/).
+
+Use: `sw = SharedInstance(model, quantized, backend)`; `with sw.draft(): model(...)`.
+Attach an `OffloadRuntime` before the `SharedInstance` so target mode goes through it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from specter.models.introspect import experts_modules
+from specter.quant.calibrate import QuantizedExperts
+from specter.quant.kernels import make_experts
+
+IMPL_NAME = "specter_shared"
+
+
+def _shared_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    shared: SharedInstance = self._specter_shared
+    if shared.mode == "draft":
+        return shared.draft_layers[self._specter_shared_layer](hidden_states, top_k_index,
+                                                               top_k_weights)
+    return shared.target_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _shared_experts_forward)
+
+
+def _target_function(model: nn.Module, module: nn.Module):
+    """The experts function the model used before the switch was attached."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(model.config, "_experts_implementation", None) or "eager"
+    eager = type(module).forward.__wrapped__  # HF's own loop, under use_experts_implementation
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, eager) if name != "eager" else eager
+
+
+class SharedInstance:
+    """Switches one model between its target experts and their INT4 draft copy."""
+
+    def __init__(self, model: nn.Module, quantized: QuantizedExperts, backend: str = "reference",
+                 device: torch.device | None = None):
+        _register()
+        self.model, self.quantized, self.backend = model, quantized, backend
+        mods = [m for _, m in experts_modules(model)]
+        self.device = device or next(model.parameters()).device
+        self.target_forward = _target_function(model, mods[0])
+        dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
+        on_device = quantized.to(self.device)
+        self.draft_layers = [make_experts(backend, on_device.gate_up[l], on_device.down[l],
+                                          m._apply_gate, dtype) for l, m in enumerate(mods)]
+        self.draft_bytes = on_device.packed_bytes()
+        for l, m in enumerate(mods):
+            m._specter_shared = self
+            m._specter_shared_layer = l
+        model.config._experts_implementation = IMPL_NAME
+        self.mode = "target"
+
+    @contextmanager
+    def draft(self):
+        """Run the model as the draft inside the block."""
+        previous, self.mode = self.mode, "draft"
+        try:
+            yield self
+        finally:
+            self.mode = previous
+
+
+@dataclass(frozen=True)
+class MemoryAccount:
+    """Device bytes of a draft + target pair, shared instance vs two separate models."""
+
+    source: str
+    non_expert_bytes: int  # embeddings, attention, norms, routers, shared experts, head
+    draft_expert_bytes: int  # every routed expert at INT4 (codes + scales)
+    target_slot_bytes: int  # the target's resident expert slots
+    kv_bytes: int  # one KV cache at `context` tokens
+    context: int
+
+    @property
+    def shared_bytes(self) -> int:  # one instance: one copy of the rest, one KV cache
+        return self.non_expert_bytes + self.draft_expert_bytes + self.target_slot_bytes + self.kv_bytes
+
+    @property
+    def separate_bytes(self) -> int:  # a draft model and a target model, each with its KV
+        return 2 * self.non_expert_bytes + self.draft_expert_bytes + self.target_slot_bytes \
+            + 2 * self.kv_bytes
+
+    @property
+    def saving(self) -> float:
+        return 1 - self.shared_bytes / self.separate_bytes
+
+    def as_record(self) -> dict:
+        rec = {f"mem.{k}": v for k, v in asdict(self).items()}
+        rec.update({"mem.shared_bytes": self.shared_bytes, "mem.separate_bytes": self.separate_bytes,
+                    "mem.saving": self.saving})
+        return rec
+
+
+def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
+    """INT4 codes plus one scale per group of one expert."""
+    return expert_params // 2 + expert_params // group * scale_bytes
+
+
+def account_model(source: str, spec, slots: int, context: int, draft_bytes: int | None = None,
+                  group: int = 128) -> MemoryAccount:
+    """From an `MoESpec` (measured tensors of a loaded model, or a real config on meta)."""
+    n_moe = spec.num_moe_layers
+    if draft_bytes is None:
+        params = 3 * spec.hidden * spec.expert_inter  # gate, up, down
+        draft_bytes = n_moe * spec.num_experts * int4_expert_bytes(params, group, 2)
+    return MemoryAccount(source=source, non_expert_bytes=spec.non_expert_bytes,
+                         draft_expert_bytes=draft_bytes,
+                         target_slot_bytes=spec.slot_bytes(slots),
+                         kv_bytes=spec.kv_bytes_per_token * context, context=context)
