@@ -7,11 +7,12 @@ ARGS    ?=
 
 .PHONY: run test setup gpu-check clean-venv
 
-.venv/.installed: pyproject.toml Makefile
+.venv/.installed: pyproject.toml Makefile requirements/crosscheck.txt
 	python3 -m venv .venv
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
 	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet --no-deps -r requirements/crosscheck.txt
 	touch $@
 
 setup: .venv/.installed

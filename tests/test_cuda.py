@@ -43,3 +43,29 @@ def test_transformers_offload_on_cuda_equals_resident_and_times_real_copies(name
         assert ours.tokens == resident.generate(ids, 24).tokens
         assert ours.stats["offloaded_expert_layers"] > 0 and ours.stats["h2d_ms"] > 0
         assert ours.stats["n_transfers"] == ours.stats["offloaded_expert_layers"] * len(ours.tokens)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)])
+def test_triton_int4_kernel_matches_reference_on_cuda(dtype, tol):
+    from specter.quant import kernels
+    from specter.quant.formats import rtn_quantize
+
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(7)
+    E, H, I, T, k = 16, 256, 128, 37, 4
+    gate_up = [rtn_quantize(torch.randn(2 * I, H, generator=g) / 16, 4, 128).to(dev) for _ in range(E)]
+    down = [rtn_quantize(torch.randn(H, I, generator=g) / 16, 4, 128).to(dev) for _ in range(E)]
+    for qm in gate_up + down:
+        qm.scales = qm.scales.to(dtype)
+
+    def act(x):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    hidden = torch.randn(T, H, generator=g).to(dev, dtype)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)]).to(dev)
+    w = torch.softmax(torch.randn(T, k, generator=g), -1).to(dev, dtype)
+    ref = kernels.ReferenceExperts(gate_up, down, act)(hidden.float(), idx, w.float())
+    out = kernels.TritonExperts(gate_up, down, act)(hidden, idx, w).float()
+    assert float((out - ref).abs().max() / ref.abs().max()) < tol

@@ -97,15 +97,38 @@ def test_cpu_int4_backend_matches_reference(seed):
     assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
 
 
-@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
-@pytest.mark.parametrize("seed", [0, 1])
-def test_triton_kernel_matches_reference_under_the_interpreter(seed, monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+TRITON_CHECK = """
+import torch, sys
+sys.path[:0] = [{tests!r}]
+from test_quant import _random_layer, _routing, _act
+from specter.quant import kernels
+worst = 0.0
+for seed in (0, 1, 2):
     gate_up, down = _random_layer(E=5, H=64, I=32, seed=seed)
-    hidden, idx, w = _routing(T=11, E=5, k=2, H=64, seed=seed)  # not a multiple of BLOCK_M
+    hidden, idx, w = _routing(T=11, E=5, k=2, H=64, seed=seed)  # 22 rows: not whole blocks
     ref = kernels.ReferenceExperts(gate_up, down, _act)(hidden, idx, w)
     out = kernels.TritonExperts(gate_up, down, _act)(hidden, idx, w)
-    assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+    worst = max(worst, float((out - ref).abs().max() / ref.abs().max()))
+print("max relative error", worst)
+assert worst < 1e-3, worst
+"""
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
+def test_triton_kernel_matches_reference_under_the_interpreter():
+    """The fused kernel on the CPU through Triton's interpreter (fresh process: the
+    interpreter must be chosen before triton is first imported)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    code = TRITON_CHECK.format(tests=str(Path(__file__).parent))
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).parents[1], timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "max relative error" in res.stdout
 
 
 def test_align_blocks_groups_pairs_by_expert():
@@ -114,3 +137,110 @@ def test_align_blocks_groups_pairs_by_expert():
     assert block_expert.tolist() == [0, 1, 2]
     # pair p = token p // k, slot p % k; within an expert (k-slot, token) order
     assert rows.view(3, 4).tolist() == [[2, 1, -1, -1], [3, 5, -1, -1], [0, 4, -1, -1]]
+
+
+# -- on project-made models ------------------------------------------------------------------
+def _tiny(name="tiny_qwen"):
+    return load_model(ModelConfig(name=name, source="project", dtype="float32"),
+                      torch.device("cpu"), progress=False)
+
+
+SMALL_SPEC = calibrate.QuantSpec(method="gptq", bits=4, group=32, calib_tokens=1024)
+
+
+def test_quantized_experts_are_saved_reused_and_rebuilt_when_the_source_changes(tmp_path):
+    lm = _tiny()
+    qe, path, reused = calibrate.ensure_quantized(lm.model, lm.tokenizer, SMALL_SPEC, tmp_path,
+                                                  torch.device("cpu"))
+    assert not reused and (path / "experts.safetensors").exists()
+    again, path2, reused2 = calibrate.ensure_quantized(lm.model, lm.tokenizer, SMALL_SPEC,
+                                                       tmp_path, torch.device("cpu"))
+    assert reused2 and path2 == path
+    assert again.meta["source_checksum"] == qe.meta["source_checksum"]
+    for a, b in zip(qe.gate_up[1] + qe.down[2], again.gate_up[1] + again.down[2]):
+        assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+    with torch.no_grad():  # the source weights change: a new quantization, not the old file
+        experts_modules(lm.model)[0][1].down_proj[3].mul_(1.01)
+    _, path3, reused3 = calibrate.ensure_quantized(lm.model, lm.tokenizer, SMALL_SPEC, tmp_path,
+                                                   torch.device("cpu"))
+    assert not reused3 and path3 != path
+    _, path4, reused4 = calibrate.ensure_quantized(  # another spec: another file
+        lm.model, lm.tokenizer, calibrate.QuantSpec(method="rtn", bits=4, group=32), tmp_path,
+        torch.device("cpu"))
+    assert not reused4 and path4 not in (path, path3)
+
+
+def test_gptq_experts_see_only_their_routed_tokens_and_fall_back_to_rtn():
+    lm = _tiny()
+    spec = calibrate.QuantSpec(method="gptq", bits=4, group=32, calib_tokens=256, min_tokens=40)
+    windows = calibrate.calibration_windows(lm.tokenizer, spec)
+    assert sum(w.shape[1] for w in windows) == 256
+    qe = calibrate.quantize_experts(lm.model, spec, windows, torch.device("cpu"))
+    tokens, fallback = qe.meta["calib_tokens_per_expert"], qe.meta["rtn_fallback"]
+    k = lm.spec.top_k
+    assert all(sum(layer) == 256 * k for layer in tokens)  # each token reaches k experts
+    flat = [(n, fb) for tl, fl in zip(tokens, fallback) for n, fb in zip(tl, fl)]
+    assert all(fb == (n < 40) for n, fb in flat) and any(fb for _, fb in flat)
+    _, m = experts_modules(lm.model)[0]
+    e = next(i for i, fb in enumerate(fallback[0]) if fb)
+    rtn = rtn_quantize(m.gate_up_proj[e].detach(), 4, 32)
+    assert torch.equal(qe.gate_up[0][e].codes, rtn.codes)
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_deepseek", "tiny_phi"])
+def test_shared_instance_shares_everything_but_the_routed_experts(name):
+    from specter.quant.shared import SharedInstance
+
+    lm = _tiny(name)
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:16]])
+    with torch.no_grad():
+        target_before = lm.model(input_ids=ids).logits
+    qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
+                                    None, torch.device("cpu"))
+    tensors_before = {n: p.data_ptr() for n, p in lm.model.named_parameters()}
+    sw = SharedInstance(lm.model, qe, backend="reference")
+    with torch.no_grad():
+        target = lm.model(input_ids=ids).logits
+        with sw.draft():
+            draft = lm.model(input_ids=ids).logits
+        target_again = lm.model(input_ids=ids).logits
+    # One instance: not a parameter was copied or replaced by attaching the draft.
+    assert {n: p.data_ptr() for n, p in lm.model.named_parameters()} == tensors_before
+    assert torch.equal(target, target_before) and torch.equal(target_again, target_before)
+    assert not torch.equal(draft, target)  # the routed experts really are the INT4 copy
+    # The draft is the target with its routed experts replaced by their dequantized INT4 copy.
+    ref = _tiny(name)
+    with torch.no_grad():
+        for l, (_, m) in enumerate(experts_modules(ref.model)):
+            m.gate_up_proj.copy_(torch.stack([q.dequantize() for q in qe.gate_up[l]]))
+            m.down_proj.copy_(torch.stack([q.dequantize() for q in qe.down[l]]))
+        expect = ref.model(input_ids=ids).logits
+    assert torch.allclose(draft, expect, atol=1e-4, rtol=1e-4)
+    assert sw.draft_bytes == qe.packed_bytes() > 0
+
+
+def test_memory_account_of_the_shared_instance():
+    from specter.models.introspect import moe_spec
+    from specter.quant.shared import account_model
+
+    lm = _tiny("tiny_qwen")
+    acct = account_model("own:tiny_qwen", lm.spec, slots=15, context=512)
+    assert acct.separate_bytes - acct.shared_bytes == acct.non_expert_bytes + acct.kv_bytes
+    assert 0 < acct.saving < 1
+    assert moe_spec(lm.model).non_expert_bytes == acct.non_expert_bytes
+
+
+@pytest.mark.skipif(not __import__("specter.quant.gptq_import", fromlist=["x"]).gptqmodel_available(),
+                    reason="needs gptqmodel (make setup installs it)")
+def test_builtin_gptq_within_ten_percent_of_gptqmodel(tmp_path):
+    """Same tiny model, same calibration windows, plain GPTQ on both sides: the built-in
+    GPTQ's reconstruction error, summed and per matrix, within 10% of gptqmodel's or better;
+    gptqmodel's checkpoint imports into the INT4 layout (the errors are computed from it)."""
+    from experiments.crosscheck_gptq import crosscheck
+
+    df = crosscheck("tiny_qwen", group=32, calib_tokens=2048, cache_dir=None)
+    assert len(df) > 100
+    ratio = df["ours"] / df["gptqmodel"]
+    assert df["ours"].sum() <= 1.1 * df["gptqmodel"].sum()
+    assert ratio.median() <= 1.1
+    assert (df["rtn"].sum() > 3 * df["gptqmodel"].sum())  # the import is GPTQ, not garbage

@@ -30,7 +30,7 @@ from specter.models.introspect import experts_modules
 from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum
 from specter.quant.gptq import Hessian, gptq_quantize
 
-METHODS = ("gptq", "rtn")
+METHODS = ("gptq", "rtn", "gptqmodel")  # gptqmodel: imported from its checkpoint
 CALIB_DATASETS = ("gsm8k", "wikitext2", "humaneval", "gpqa", "c4")
 
 

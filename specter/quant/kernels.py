@@ -102,39 +102,10 @@ def _kernel():
     if key in _KERNELS:
         return _KERNELS[key]
     import triton
-    import triton.language as tl
 
-    @triton.jit
-    def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_ptr,
-                      block_expert_ptr, N, K, stride_xm, stride_ce, stride_cn, stride_se,
-                      stride_sn, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[dst_row] = x[src_row] @ dequant(W[e]).T for one block of rows routed to e."""
-        pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        src = tl.load(src_row_ptr + offs_m).to(tl.int64)  # -1: padding
-        dst = tl.load(dst_row_ptr + offs_m).to(tl.int64)
-        valid = src >= 0
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = offs_k < K
-            x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :],
-                        mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            byte = tl.load(codes_ptr + e * stride_ce + offs_n[:, None] * stride_cn
-                           + (offs_k[None, :] // 2), mask=n_ok[:, None] & k_ok[None, :], other=0)
-            q = (byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
-            s = tl.load(scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
-                        + offs_k[None, :] // GROUP, mask=n_ok[:, None] & k_ok[None, :],
-                        other=0.0).to(tl.float32)
-            w = (q.to(tl.float32) - 8.0) * s  # [BLOCK_N, BLOCK_K]
-            acc += tl.dot(x, tl.trans(w))
-        tl.store(out_ptr + dst[:, None] * stride_om + offs_n[None, :],
-                 acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+    from specter.quant import triton_moe
 
+    moe_int4_gemm = triton.jit(triton_moe.moe_int4_gemm)
     _KERNELS[key] = moe_int4_gemm
     return moe_int4_gemm
 

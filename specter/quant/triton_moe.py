@@ -1,0 +1,42 @@
+"""The fused multi-expert INT4 GEMM, as a plain function for `triton.jit` (kernels.py jits it
+once per mode: compiled on CUDA, or interpreted on the CPU with TRITON_INTERPRET=1).
+
+One program computes a BLOCK_M x BLOCK_N tile of out[dst_row] = x[src_row] @ W_e^T for a
+block of (token, k-slot) rows that all go to expert e, dequantizing the packed INT4 codes of
+W_e (two per byte, low nibble first; w = (q - 8) * scale per group) on the fly, with fp32
+accumulation. Rows padded with -1 are masked out.
+"""
+
+import triton.language as tl
+
+
+def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_ptr,
+                  block_expert_ptr, N, K, stride_xm, stride_ce, stride_cn, stride_se,
+                  stride_sn, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[dst_row] = x[src_row] @ dequant(W[e]).T for one block of rows routed to e."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    src = tl.load(src_row_ptr + offs_m).to(tl.int64)  # -1: padding
+    dst = tl.load(dst_row_ptr + offs_m).to(tl.int64)
+    valid = src >= 0
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + src[:, None] * stride_xm + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        byte = tl.load(codes_ptr + e * stride_ce + offs_n[:, None] * stride_cn
+                       + (offs_k[None, :] // 2), mask=n_ok[:, None] & k_ok[None, :], other=0)
+        q = (byte.to(tl.int32) >> ((offs_k[None, :] % 2) * 4)) & 0xF
+        s = tl.load(scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
+                    + offs_k[None, :] // GROUP, mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) - 8.0) * s  # [BLOCK_N, BLOCK_K]
+        acc += tl.dot(x, tl.trans(w))
+    tl.store(out_ptr + dst[:, None] * stride_om + offs_n[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+
