@@ -76,6 +76,19 @@ class WorkloadConfig:
 
 
 @dataclass
+class QuantConfig:
+    """The INT4 self-draft: how the target's routed experts are quantized and executed."""
+
+    method: str = "gptq"  # gptq | rtn | gptqmodel (made by gptqmodel, imported)
+    bits: int = 4  # 2 | 3 | 4 | 8 (the draft kernels run 4; others for the precision study)
+    group: int = 128
+    damp: float = 0.01
+    min_tokens: int = 32  # experts seeing fewer calibration tokens fall back to RTN
+    calib_tokens: int = 8192
+    backend: str = "auto"  # auto | reference | cpu_int4 | triton
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig
     budget: BudgetConfig
@@ -83,6 +96,7 @@ class RunConfig:
     dataset: DatasetConfig
     hardware: HardwareConfig
     workload: WorkloadConfig
+    quant: QuantConfig = field(default_factory=QuantConfig)
     experiment: str = "default"
     out_dir: str = "results/default"
     seed: int = 0  # run randomness (sampling); does not change a project-made model
@@ -150,4 +164,5 @@ def _check(f, value: Any, prefix: str) -> Any:
 
 _NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetConfig,
            ("RunConfig", "system"): SystemConfig, ("RunConfig", "dataset"): DatasetConfig,
-           ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig}
+           ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig,
+           ("RunConfig", "quant"): QuantConfig}

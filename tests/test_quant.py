@@ -244,3 +244,36 @@ def test_builtin_gptq_within_ten_percent_of_gptqmodel(tmp_path):
     assert df["ours"].sum() <= 1.1 * df["gptqmodel"].sum()
     assert ratio.median() <= 1.1
     assert (df["rtn"].sum() > 3 * df["gptqmodel"].sum())  # the import is GPTQ, not garbage
+
+
+def test_fidelity_experiment_records_routing_agreement_by_bits(tmp_path):
+    """`experiment=fidelity` on a tiny model at 2 and 8 bits: records with per-layer and
+    per-position top-k agreement; 8-bit routes (almost) like the target, 2-bit less;
+    the table script reads them back."""
+    import subprocess
+    import sys
+
+    from conftest import REPO, run_cli
+    from experiments import records
+
+    out = tmp_path / "fid"
+    res = run_cli("-m", "experiment=fidelity", "model=tiny_qwen", "dataset=humaneval",
+                  "workload.items=2", "workload.max_new_tokens=12", "quant.group=32",
+                  "quant.calib_tokens=512", "quant.method=gptq", "quant.bits=2,8",
+                  f"out_dir={out}", "progress=false")
+    assert res.returncode == 0, res.stderr
+    df = records.load(out)
+    assert len(df) == 4 and set(df["draft.bits"]) == {2, 8}
+    n_moe = 3
+    for _, r in df.iterrows():
+        assert len(r["fidelity_per_layer"]) == n_moe
+        assert len(r["fidelity_per_position"]) == len(r["output_tokens"]) == r["fidelity_positions"]
+        assert 0 <= r["fidelity_topk"] <= 1 and 0 <= r["draft_token_match"] <= 1
+    by_bits = df.groupby("draft.bits")["fidelity_topk"].mean()
+    assert by_bits[8] > 0.99 and by_bits[2] < by_bits[8]  # 2 bits visibly moves the routing
+    first = df["fidelity_per_layer"].map(lambda v: v[0])
+    assert (first == 1.0).all()  # the first MoE layer's router sees no quantized expert yet
+    assert (df["draft.backend"] == "reference").all()  # 2 and 8 bits: no INT4 kernel
+    table = subprocess.run([sys.executable, "-m", "experiments.fidelity_table", str(out)],
+                           cwd=REPO, capture_output=True, text=True)
+    assert table.returncode == 0 and "SUMMARY" in table.stdout, table.stderr

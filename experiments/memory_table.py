@@ -1,0 +1,70 @@
+"""Device memory of the shared draft/target instance against two separate models.
+
+`python -m experiments.memory_table [--context 12288] [--csv FILE]`
+
+For the three real models (sizes from their configs on the meta device, FP16 target, INT4
+GPTQ draft in groups of 128 with FP16 scales) at their high and low budgets: non-expert
+weights, the INT4 draft experts, the target's resident expert slots and one KV cache at
+`--context` tokens. Shared = one instance (one copy of everything but the routed experts,
+one KV cache); separate = a draft model and a target model, each with its own non-expert
+weights and KV cache. The arithmetic is `specter.quant.shared.MemoryAccount`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def rows(context: int) -> list[dict]:
+    from pathlib import Path
+
+    import torch
+    import yaml
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specter.budget import resolve_slots
+    from specter.config import BudgetConfig, ModelConfig
+    from specter.models.introspect import moe_spec
+    from specter.models.real_configs import REAL_CONFIGS
+    from specter.quant.shared import account_model
+
+    out = []
+    conf = Path(__file__).resolve().parents[1] / "conf" / "model"
+    for name, real in REAL_CONFIGS.items():
+        cfg = AutoConfig.for_model(**real)
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
+        spec = moe_spec(meta)
+        mcfg = ModelConfig(**yaml.safe_load((conf / f"{name}.yaml").read_text()))
+        for budget in ("high", "low"):
+            slots = resolve_slots(BudgetConfig(name=budget), mcfg, spec.num_experts, spec.top_k).slots
+            a = account_model(f"real:{real.get('_name_or_path', name)}", spec, slots, context)
+            gb = 1e9
+            out.append({"model": name, "budget": budget, "slots": slots, "context": context,
+                        "non_expert_GB": a.non_expert_bytes / gb,
+                        "int4_draft_GB": a.draft_expert_bytes / gb,
+                        "target_slots_GB": a.target_slot_bytes / gb, "kv_GB": a.kv_bytes / gb,
+                        "shared_GB": a.shared_bytes / gb, "separate_GB": a.separate_bytes / gb,
+                        "saving": a.saving})
+    return out
+
+
+def main(argv: list[str]) -> int:
+    import pandas as pd
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--context", type=int, default=12288)
+    ap.add_argument("--csv")
+    args = ap.parse_args(argv)
+    df = pd.DataFrame(rows(args.context))
+    print(df.to_string(index=False, float_format=lambda v: f"{v:.3f}"))
+    if args.csv:
+        df.to_csv(args.csv, index=False)
+    print("SUMMARY " + json.dumps(df.to_dict(orient="records")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

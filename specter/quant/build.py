@@ -1,0 +1,82 @@
+"""Assembly of the INT4 self-draft for a run: the quantized experts (made, reused or imported
+from gptqmodel) and the backend that executes them. Systems call `draft_for(ctx)`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specter.errors import UserError
+from specter.models.introspect import experts_modules
+from specter.models.zoo import default_cache_dir
+from specter.quant import calibrate
+from specter.quant.calibrate import QuantizedExperts, QuantSpec
+from specter.quant.formats import effective_group
+from specter.quant.kernels import BACKENDS, triton_available
+
+
+@dataclass
+class Draft:
+    experts: QuantizedExperts
+    path: Path
+    reused: bool
+    backend: str
+
+    def as_record(self) -> dict:
+        m = self.experts.meta
+        fallback = m.get("rtn_fallback") or []
+        n = sum(len(layer) for layer in fallback)
+        groups = sorted({q.group for layer in self.experts.gate_up + self.experts.down
+                         for q in layer})
+        return {"draft.method": self.experts.spec.method, "draft.bits": self.experts.spec.bits,
+                "draft.group": self.experts.spec.group, "draft.effective_groups": str(groups),
+                "draft.backend": self.backend,
+                "draft.bytes": self.experts.packed_bytes(), "draft.path": str(self.path),
+                "draft.rtn_fallback_frac": sum(map(sum, fallback)) / n if n else math.nan}
+
+
+def spec_of(q) -> QuantSpec:
+    return QuantSpec(method=q.method, bits=q.bits, group=q.group, damp=q.damp,
+                     min_tokens=q.min_tokens, calib_tokens=q.calib_tokens)
+
+
+def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]) -> str:
+    if name not in BACKENDS + ("auto",):
+        raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
+    if name != "auto":
+        return name
+    if bits != 4:
+        return "reference"
+    if device.type == "cuda":
+        return "triton" if triton_available() else "reference"
+    return "cpu_int4" if groups <= {32, 64, 128, 256} else "reference"
+
+
+def draft_for(ctx) -> Draft:
+    """The quantized routed experts of `ctx.loaded.model` under `ctx.cfg.quant`."""
+    q, model = ctx.cfg.quant, ctx.loaded.model
+    spec = spec_of(q)
+    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
+    data_dir = Path(ctx.cfg.data_dir) if ctx.cfg.data_dir else None
+    if q.method == "gptqmodel":
+        from specter.quant.gptq_import import import_gptq, quantize_with_gptqmodel
+
+        if q.bits != 4:
+            raise UserError("quant.method=gptqmodel is imported into the INT4 layout: use quant.bits=4.")
+        _, m = experts_modules(model)[0]
+        hidden, inter = m.gate_up_proj.shape[2], m.down_proj.shape[2]
+        group = min(effective_group(hidden, q.group), effective_group(inter, q.group))
+        windows = calibrate.calibration_windows(ctx.loaded.tokenizer, spec, data_dir)
+        out = cache_dir / "quant" / (f"gptqmodel-plain-{calibrate.source_checksum(model)}"
+                                     f"-w4g{group}-t{q.calib_tokens}")
+        reused = (out / "quantize_config.json").exists()
+        path = quantize_with_gptqmodel(ctx.loaded.checkpoint, windows, 4, group, out)
+        experts = import_gptq(path, model)
+    else:
+        experts, path, reused = calibrate.ensure_quantized(
+            model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
+    groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
+    return Draft(experts, path, reused, resolve_backend(q.backend, q.bits, ctx.device, groups))
