@@ -124,12 +124,31 @@ def gptqmodel_available() -> bool:
 def quantize_with_gptqmodel(checkpoint: Path, windows: list[torch.Tensor], bits: int, group: int,
                             out: Path) -> Path:
     """Quantize the routed experts of a local checkpoint with gptqmodel (attention, shared
-    experts and dense MLPs excluded), on the given calibration windows; cached at `out`."""
+    experts and dense MLPs excluded), on the given calibration windows; cached at `out`.
+
+    Runs in a child process: gptqmodel (through `defuser`) patches transformers' MoE classes
+    for the whole process, after which this process's models would have no fused experts."""
+    import subprocess
+    import sys
+    import tempfile
+
     if (out / "quantize_config.json").exists():
         return out
     if not gptqmodel_available():
         raise UserError("the gptqmodel reference needs the gptqmodel package "
-                        "(make crosscheck-deps installs the pinned version).")
+                        "(make setup installs the pinned version).")
+    with tempfile.TemporaryDirectory() as tmp:
+        calib = Path(tmp) / "calib.pt"
+        torch.save([w[0].tolist() for w in windows], calib)
+        res = subprocess.run([sys.executable, "-m", "specter.quant.gptq_import", str(checkpoint),
+                              str(calib), str(bits), str(group), str(out)],
+                             capture_output=True, text=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"gptqmodel failed on {checkpoint}:\n{res.stderr[-4000:]}")
+    return out
+
+
+def _gptqmodel_child(checkpoint: str, calib_file: str, bits: int, group: int, out: str) -> None:
     os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(1, min(2, os.cpu_count() or 1))))
     from gptqmodel import GPTQModel, QuantizeConfig
 
@@ -139,12 +158,19 @@ def quantize_with_gptqmodel(checkpoint: Path, windows: list[torch.Tensor], bits:
     # (gptqmodel 7 turns GAR on by default), the same 1% damping.
     qc = QuantizeConfig(bits=bits, group_size=group, desc_act=False, sym=True, dynamic=skip,
                         act_group_aware=False, damp_percent=0.01)
-    calib = [{"input_ids": w[0].tolist(), "attention_mask": [1] * w.shape[1]} for w in windows]
-    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    calib = [{"input_ids": ids, "attention_mask": [1] * len(ids)} for ids in torch.load(calib_file)]
+    out_path = Path(out)
+    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    model = GPTQModel.load(str(checkpoint), qc)
+    model = GPTQModel.load(checkpoint, qc)
     model.quantize(calib, batch_size=1)
     model.save(str(tmp))
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
-    return out
+    shutil.rmtree(out_path, ignore_errors=True)
+    os.replace(tmp, out_path)
+
+
+if __name__ == "__main__":
+    import sys
+
+    c, f, b, g, o = sys.argv[1:6]
+    _gptqmodel_child(c, f, int(b), int(g), o)
