@@ -22,6 +22,7 @@ SYSTEMS: dict[str, str] = {
     "lru": "baselines.lru",
     "mo_sm": "baselines.mo_sm",
     "transformers": "baselines.transformers_offload",
+    "lru_s": "baselines.lru_s",
     "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
 }
 

@@ -89,6 +89,13 @@ class QuantConfig:
 
 
 @dataclass
+class SpecConfig:
+    """Self-speculative decoding (systems that speculate)."""
+
+    k: int | None = None  # draft depth K; None: the model's paper K (model.paper_k), else 4
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig
     budget: BudgetConfig
@@ -97,6 +104,7 @@ class RunConfig:
     hardware: HardwareConfig
     workload: WorkloadConfig
     quant: QuantConfig = field(default_factory=QuantConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
     experiment: str = "default"
     out_dir: str = "results/default"
     seed: int = 0  # run randomness (sampling); does not change a project-made model
@@ -117,6 +125,8 @@ class RunConfig:
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):
             if value < 1:
                 raise UserError(f"{key} must be at least 1 (got {value}).")
+        if self.spec.k is not None and self.spec.k < 1:
+            raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {self.spec.k}).")
         if self.budget.slots is not None and self.budget.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {self.budget.slots}).")
 
@@ -165,4 +175,4 @@ def _check(f, value: Any, prefix: str) -> Any:
 _NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetConfig,
            ("RunConfig", "system"): SystemConfig, ("RunConfig", "dataset"): DatasetConfig,
            ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig,
-           ("RunConfig", "quant"): QuantConfig}
+           ("RunConfig", "quant"): QuantConfig, ("RunConfig", "spec"): SpecConfig}

@@ -67,15 +67,22 @@ def test_offloaded_logits_equal_resident_logits():
 
 
 def test_virtual_clock_is_deterministic_and_offloading_costs_time():
-    lru_a, loaded = make_engine("tiny_deepseek", "lru", 6)
-    lru_b, _ = make_engine("tiny_deepseek", "lru", 6)
-    res, _ = make_engine("tiny_deepseek", "resident", None)
+    slow = dict(A100, h2d_bandwidth_Bps=0.2e9)  # a slow link: the tiny experts' misses show
+    lru_a, loaded = make_engine("tiny_deepseek", "lru", 6, hardware=slow)
+    lru_b, _ = make_engine("tiny_deepseek", "lru", 6, hardware=slow)
+    res, _ = make_engine("tiny_deepseek", "resident", None, hardware=slow)
+    fast, _ = make_engine("tiny_deepseek", "lru", 6)
     ga, gb = decode_all(lru_a, loaded.tokenizer), decode_all(lru_b, loaded.tokenizer)
-    gr = decode_all(res, loaded.tokenizer)
+    gr, gf = decode_all(res, loaded.tokenizer), decode_all(fast, loaded.tokenizer)
     assert [g.commit_times_s for g in ga] == [g.commit_times_s for g in gb]
-    for a, r in zip(ga, gr):
-        assert a.commit_times_s[-1] - a.start_time_s > r.commit_times_s[-1] - r.start_time_s
+    span = lambda g: g.commit_times_s[-1] - g.start_time_s  # noqa: E731
+    for a, r, f in zip(ga, gr, gf):
+        assert span(a) > span(r) and a.stats["exposed_wait_ms"] > 0
         assert 0 < a.stats["hit_rate"] < 1 and a.stats["h2d_bytes"] > 0
+        # Same routing, same compute charges: only the link differs, so only the waits do.
+        assert f.tokens == a.tokens and f.stats["demand_misses"] == a.stats["demand_misses"]
+        assert span(a) - span(f) == pytest.approx(
+            (a.stats["exposed_wait_ms"] - f.stats["exposed_wait_ms"]) / 1e3, rel=1e-6, abs=1e-12)
 
 
 def test_real_sizes_charged_expose_transfer_time():
@@ -196,3 +203,17 @@ def test_transformers_offload_charges_the_real_models_offloaded_bytes():
     g = decode_all(hf, loaded.tokenizer, n=5)[0]
     per_token = g.stats["h2d_bytes"] / len(g.tokens)
     assert per_token == pytest.approx(7 * 64 * 17_301_504, rel=1e-6)
+
+
+def test_offloaded_and_resident_runs_charge_the_same_compute():
+    """With a link that costs nothing, offloading must cost nothing: every compute step is
+    charged the same whether the experts are HF's or the runtime's (a dense-MLP charge on
+    MoE layers once slipped in when the offloaded experts were not recognised)."""
+    free = dict(A100, h2d_bandwidth_Bps=1e18, h2d_latency_s=0.0, charge="real")
+    for name in ("tiny_deepseek", "tiny_qwen"):
+        res, loaded = make_engine(name, "resident", None, hardware=free)
+        lru, _ = make_engine(name, "lru", loaded.spec.top_k, hardware=free)
+        for r, l in zip(decode_all(res, loaded.tokenizer), decode_all(lru, loaded.tokenizer)):
+            assert l.tokens == r.tokens and l.stats["demand_misses"] > 0
+            assert l.commit_times_s[-1] - l.start_time_s == pytest.approx(
+                r.commit_times_s[-1] - r.start_time_s, rel=1e-6)  # transfers: ~1e-11 s each

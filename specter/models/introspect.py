@@ -40,6 +40,10 @@ class MoESpec:
 
 
 def is_experts_module(m: nn.Module) -> bool:
+    """Fused routed experts (3D gate_up_proj / down_proj), or ones whose weights the offload
+    runtime moved to host memory (it tags them with their MoE layer)."""
+    if hasattr(m, "_specter_moe_layer"):
+        return True
     gu, dn = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
     return isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3
 

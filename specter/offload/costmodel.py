@@ -175,6 +175,15 @@ class CostModel:
         """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
         return self.matmul_s(tokens, self.sizes.expert_params, kernels=3) * self.sizes.moe_multiplier
 
+    def draft_expert_s(self, tokens: int, bits: int = 4, group: int = 128) -> float:
+        """One routed expert from its quantized copy: the same FLOPs, `bits`-bit weights plus
+        one 2-byte scale per group read."""
+        p = self.sizes.expert_params
+        traffic = p * bits / 8 + p / group * 2
+        seconds = max(2.0 * tokens * p / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
+            + 3 * self.hw.launch_overhead_s
+        return seconds * self.sizes.moe_multiplier
+
     def lm_head_s(self, tokens: int) -> float:
         """The lm head, plus any real dense MLP layers the modelled model lacks."""
         s = self.sizes

@@ -58,6 +58,7 @@ class DemandStats:
     inflight_hits: int = 0  # needed while its (prefetch) copy was still in flight
     prefetches: int = 0
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
+    forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
 
     def as_record(self) -> dict:
         total = self.hits + self.misses
@@ -66,7 +67,9 @@ class DemandStats:
                 "hit_rate": self.hits / total if total else float("nan"),
                 "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
                 "distinct_experts_per_layer": per_layer,
-                "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0}
+                "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0,
+                "distinct_experts_per_forward": (sum(self.forward_distinct) / len(self.forward_distinct)
+                                                 if self.forward_distinct else float("nan"))}
 
 
 class Charger:
@@ -157,6 +160,7 @@ class OffloadRuntime:
             self.stats.misses += len(misses)
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
+            self.stats.forward_distinct.append(len(needed))
         cache.protect(l, needed)  # needed and not yet computed: never evicted
         waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
         # 2. Speculative loads for later layers go behind the demand copies.

@@ -31,6 +31,8 @@ IMPL_NAME = "specter_shared"
 def _shared_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     shared: SharedInstance = self._specter_shared
     if shared.mode == "draft":
+        if shared.on_draft_experts is not None:
+            shared.on_draft_experts(top_k_index)
         return shared.draft_layers[self._specter_shared_layer](hidden_states, top_k_index,
                                                                top_k_weights)
     return shared.target_forward(self, hidden_states, top_k_index, top_k_weights)
@@ -72,6 +74,8 @@ class SharedInstance:
             m._specter_shared_layer = l
         model.config._experts_implementation = IMPL_NAME
         self.mode = "target"
+        # Told of each draft experts call (top_k_index [T, k]): the virtual clock's charge.
+        self.on_draft_experts = None
 
     @contextmanager
     def draft(self):

@@ -1,0 +1,1 @@
+"""INT4 self-draft: quantized routed experts, kernels, and the shared draft/target instance."""

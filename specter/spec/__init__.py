@@ -1,0 +1,1 @@
+"""Self-speculative decoding over one model instance and one KV cache."""

@@ -1,0 +1,126 @@
+"""Self-speculative greedy decoding over one model instance and one KV cache.
+
+Owns: the draft / verify / accept loop. The INT4 draft (`SharedInstance.draft()`) proposes K
+tokens one forward at a time, appending temporary entries to the cache; they are cropped;
+the target verifies the pending token and the K proposals in one forward of K+1 positions;
+the longest prefix of proposals equal to the target's own greedy choices is accepted, plus
+the target's token after it (the correction, or a bonus when all K match). The cache is then
+cropped to the committed tokens, so it holds exactly the target's KV for them, and the output
+is the target's greedy output token for token.
+Does not own: where experts live (the target mode's experts implementation), what is
+prefetched during the draft (orchestrator, issue 6), sampling (greedy only here).
+
+Invariant between windows: the cache holds the target's KV for every committed token but the
+last one (`pending`), which the next window feeds first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specter.engine import Generation, forward_logits, new_cache
+
+
+@dataclass
+class SpecStats:
+    k: int
+    windows: int = 0
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    accepted_lens: list[int] = field(default_factory=list)
+    draft_s: list[float] = field(default_factory=list)  # clock time of each window's draft
+    verify_s: list[float] = field(default_factory=list)  # ... and of its verification
+
+    def as_record(self) -> dict:
+        mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
+        return {"k": self.k, "windows": self.windows,
+                "draft_ms_per_window": mean(self.draft_s) * 1e3,
+                "verify_ms_per_window": mean(self.verify_s) * 1e3,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
+                "mean_accepted_len": (sum(self.accepted_lens) / len(self.accepted_lens)
+                                      if self.accepted_lens else float("nan")),
+                "accepted_lens": self.accepted_lens}
+
+
+@torch.no_grad()
+def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
+                       device: torch.device, clock, stop: set[int], memory,
+                       before_forward=None, on_window=None) -> Generation:
+    """Greedy self-speculative decoding; `before_forward(tokens, context, phase)` is told of
+    every forward (phase: "prefill" | "draft" | "verify"); `on_window(stats)` after each."""
+    if k < 1:
+        raise ValueError(f"k must be at least 1 (got {k})")
+    memory.start()
+    cache = new_cache(model)
+    start = clock.now()
+    tokens: list[int] = []
+    times: list[float] = []
+    stats = SpecStats(k=k)
+    tell = before_forward or (lambda *a: None)
+    # 1. Prefill all but the last prompt token; the last one is the first pending token.
+    #    (The target's first output token then comes out of the first verification.)
+    n_prompt = len(prompt_ids)
+    if n_prompt > 1:
+        tell(n_prompt - 1, n_prompt - 1, "prefill")
+        forward_logits(model, torch.tensor([prompt_ids[:-1]], device=device), cache)
+    pending = prompt_ids[-1]
+    committed = n_prompt  # tokens whose ids are known (prompt + outputs)
+    while len(tokens) < max_new_tokens:
+        # 2. Draft: at most the tokens still wanted after the target's own next token.
+        k_eff = min(k, max_new_tokens - len(tokens) - 1)
+        proposals: list[int] = []
+        base = cache.get_seq_length()  # == committed - 1
+        t_draft = clock.now()
+        if k_eff > 0:
+            with shared.draft():
+                tok = pending
+                for i in range(k_eff):
+                    tell(1, base + i + 1, "draft")
+                    logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
+                    tok = int(logits[-1].argmax())  # host sync: the next draft step needs it
+                    proposals.append(tok)
+                    if tok in stop:
+                        break
+            cache.crop(-(cache.get_seq_length() - base))
+        t_verify = clock.now()
+        stats.draft_s.append(t_verify - t_draft)
+        # 3. Verify pending + proposals in one target forward.
+        block = [pending] + proposals
+        tell(len(block), base + len(block), "verify")
+        logits = forward_logits(model, torch.tensor([block], device=device), cache,
+                                logits_to_keep=len(block))
+        target = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
+        # 4. Accept the longest matching prefix, then the target's next token.
+        n_acc = 0
+        while n_acc < len(proposals) and proposals[n_acc] == target[n_acc]:
+            n_acc += 1
+        new = proposals[:n_acc] + [target[n_acc]]
+        stats.windows += 1
+        stats.drafted += len(proposals)
+        stats.accepted += n_acc
+        stats.accepted_lens.append(n_acc)
+        now = clock.now()
+        stats.verify_s.append(now - t_verify)
+        done = False
+        for t in new:
+            tokens.append(t)
+            times.append(now)
+            if t in stop or len(tokens) >= max_new_tokens:
+                done = True
+                break
+        # 5. Keep the target's KV of the committed tokens only (all but the new pending one).
+        committed += len(new)
+        cache.crop(-(cache.get_seq_length() - (committed - 1)))
+        pending = new[-1]
+        memory.observe_cache(cache)
+        if on_window:
+            on_window(stats)
+        if done:
+            break
+    peak, source = memory.peak()
+    gen = Generation(tokens=tokens, commit_times_s=times, start_time_s=start,
+                     peak_mem_bytes=peak, peak_mem_source=source)
+    gen.stats.update(stats.as_record())
+    return gen

@@ -1,0 +1,125 @@
+"""Self-speculative greedy decoding is the target's greedy decoding, token for token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TINY
+from specter.config import ModelConfig
+from specter.engine import DeviceMemory, eos_ids
+from specter.models.loading import load_model
+from specter.offload.build import Timing
+from specter.quant import calibrate
+from specter.quant.shared import SharedInstance
+from specter.spec.decode import speculative_greedy
+
+CPU = torch.device("cpu")
+
+
+def _setup(name, bits=4):
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
+    qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=bits, group=32),
+                                    None, CPU)
+    return lm, SharedInstance(lm.model, qe, backend="reference")
+
+
+def _hf(model, ids, n, eos):
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                         eos_token_id=sorted(eos) or None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def _spec(lm, sw, ids, n, k, stop):
+    return speculative_greedy(lm.model, sw, ids, n, k, CPU, Timing.wall(CPU).link, stop,
+                              DeviceMemory(lm.model, CPU))
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_speculative_greedy_equals_hf_generate(name):
+    lm, sw = _setup(name)
+    stop = eos_ids(lm.model)
+    for text in PROMPTS:
+        ids = lm.tokenizer(text)["input_ids"][:16]
+        with torch.no_grad():
+            ref = _hf(lm.model, ids, 24, stop)
+        for k in (1, 3, 8):
+            gen = _spec(lm, sw, ids, 24, k, stop)
+            assert gen.tokens == ref, (name, k)
+            assert gen.stats["k"] == k and 0 <= gen.stats["acceptance_rate"] <= 1
+
+
+def test_k_beyond_the_tokens_left_and_eos_inside_a_window():
+    lm, sw = _setup("tiny_qwen", bits=2)  # 2-bit: rejections happen too
+    ids = lm.tokenizer(PROMPTS[1])["input_ids"][:16]
+    with torch.no_grad():
+        free = _hf(lm.model, ids, 30, set())
+    for n, k in ((1, 8), (3, 8), (5, 16)):
+        assert _spec(lm, sw, ids, n, k, set()).tokens == free[:n]
+    eos = {free[6]}  # a token the target emits 7th: the run must stop right there
+    with torch.no_grad():
+        ref = _hf(lm.model, ids, 30, eos)
+    assert ref[-1] in eos and len(ref) <= 7
+    for k in (2, 4, 12):
+        gen = _spec(lm, sw, ids, 30, k, eos)
+        assert gen.tokens == ref
+    accepted = _spec(lm, sw, ids, 30, 4, set()).stats
+    assert accepted["windows"] >= 30 / 5 and sum(accepted["accepted_lens"]) <= 30
+
+
+def test_speculative_decoding_over_offloaded_experts_is_lossless():
+    """Target experts through the offload runtime at top-k slots, draft from INT4."""
+    from experiments.systems import BuildContext
+    from specter.budget import ResolvedBudget
+    from specter.config import RunConfig
+    from specter.offload.build import offload_model, timing_for
+
+    for name in ("tiny_deepseek", "tiny_phi"):
+        lm, _ = _setup(name)
+        stop = eos_ids(lm.model)
+        ids = lm.tokenizer(PROMPTS[0])["input_ids"][:16]
+        with torch.no_grad():
+            ref = _hf(lm.model, ids, 20, stop)
+        cfg = RunConfig.from_dict({
+            "model": {"name": name, "source": "project"}, "budget": {"name": "high"},
+            "system": {"name": "lru"}, "dataset": {"name": "gsm8k"},
+            "hardware": {"name": "a100_pcie4", "device": "cpu", "clock": "virtual",
+                         "charge": "own", "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12,
+                         "launch_overhead_s": 5e-6, "h2d_bandwidth_Bps": 31.5e9,
+                         "h2d_latency_s": 1e-5},
+            "workload": {}, "progress": False})
+        ctx = BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU)
+        qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
+                                        None, CPU)
+        timing = timing_for(ctx)
+        runtime = offload_model(ctx, timing)
+        sw = SharedInstance(lm.model, qe, backend="reference")
+        for k in (2, 5):
+            runtime.reset()
+            gen = speculative_greedy(lm.model, sw, ids, 20, k, CPU, timing.link, stop,
+                                     DeviceMemory(lm.model, CPU))
+            assert gen.tokens == ref, (name, k)
+            assert runtime.stats.misses > 0  # the target really streamed experts
+
+
+def test_lru_s_system_through_the_runner(tmp_path):
+    """system=lru_s at top-k slots under the virtual clock: resident's tokens, acceptance and
+    window statistics recorded; a bad K is one sentence."""
+    from conftest import run_cli
+    from experiments import records
+
+    common = ["model=tiny_deepseek", "dataset=humaneval", "workload.items=2",
+              "workload.max_new_tokens=16", "workload.repeats=1", "hardware=a100_pcie4",
+              "hardware.charge=own", "budget.slots=6", "quant.group=32", "quant.calib_tokens=512",
+              "progress=false"]
+    res = run_cli("-m", "system=resident,lru_s", "spec.k=3", f"out_dir={tmp_path}", *common)
+    assert res.returncode == 0, res.stderr
+    df = records.load(tmp_path)
+    ref = df[df["system"] == "resident"].sort_values("request_id")
+    spec = df[df["system"] == "lru_s"].sort_values("request_id")
+    assert list(spec["output_tokens"].map(list)) == list(ref["output_tokens"].map(list))
+    assert (spec["k"] == 3).all() and spec["acceptance_rate"].between(0, 1).all()
+    assert (spec["draft_ms_per_window"] > 0).all() and (spec["verify_ms_per_window"] > 0).all()
+    assert (spec["demand_misses"] > 0).all() and (spec["draft.method"] == "gptq").all()
+    bad = run_cli("system=lru_s", "spec.k=0", f"out_dir={tmp_path}/bad", *common)
+    assert bad.returncode == 2 and "spec.k" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
