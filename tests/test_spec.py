@@ -123,3 +123,94 @@ def test_lru_s_system_through_the_runner(tmp_path):
     assert (spec["demand_misses"] > 0).all() and (spec["draft.method"] == "gptq").all()
     bad = run_cli("system=lru_s", "spec.k=0", f"out_dir={tmp_path}/bad", *common)
     assert bad.returncode == 2 and "spec.k" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+# -- sampling --------------------------------------------------------------------------------
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson chi-square of counts against probs, cells with expected count < 5 lumped."""
+    n = counts.sum()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def chi2_crit_999(df: int) -> float:
+    """Upper 0.1% point of chi-square(df) (Wilson-Hilferty; within 1% for df >= 3)."""
+    z = 3.0902
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def _first_token_counts(rule, p, q, trials, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[1])
+    for _ in range(trials):
+        proposals = [int(torch.multinomial(q[i], 1, generator=g)) for i in range(q.shape[0])]
+        n_acc, nxt = rule(p, q, proposals, g)
+        counts[(proposals[:n_acc] + [nxt])[0]] += 1
+    return counts
+
+
+def _biased_resample_from_p(p, q, proposals, g):
+    """A wrong rule: after a rejection, draw from p instead of the residual."""
+    for i, x in enumerate(proposals):
+        if torch.rand((), generator=g).item() * q[i, x] < p[i, x]:
+            continue
+        return i, int(torch.multinomial(p[i], 1, generator=g))
+    return len(proposals), int(torch.multinomial(p[-1], 1, generator=g))
+
+
+def test_speculative_sampling_rule_reproduces_the_target_distribution():
+    from specter.spec.decode import accept_sampled
+
+    p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05]] * 4)
+    q = torch.tensor([[0.1, 0.1, 0.5, 0.1, 0.1, 0.1]] * 3)
+    stat, df = _chi2(_first_token_counts(accept_sampled, p, q, 20000), p[0])
+    assert stat < chi2_crit_999(df), stat
+    bad, df_bad = _chi2(_first_token_counts(_biased_resample_from_p, p, q, 20000), p[0])
+    assert bad > chi2_crit_999(df_bad), bad  # the test has the power to catch a biased rule
+
+
+def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribution():
+    """Tiny model, T = 1, a deliberately poor draft (experts with noise added, then INT4):
+    the first sampled token over many seeds follows softmax(target logits / T) however the
+    draft proposes; the same check rejects a biased rule."""
+    import specter.spec.decode as decode
+    from specter.models.introspect import experts_modules
+    from specter.quant.formats import rtn_quantize
+
+    lm = load_model(ModelConfig(name="tiny_qwen", source="project", dtype="float32"), CPU,
+                    progress=False)
+    g = torch.Generator().manual_seed(0)
+    noisy = lambda w: rtn_quantize(w + 8 * w.std() * torch.randn(w.shape, generator=g), 4, 32)  # noqa: E731
+    mods = [m for _, m in experts_modules(lm.model)]
+    qe = calibrate.QuantizedExperts(
+        calibrate.QuantSpec(method="rtn"),
+        [[noisy(m.gate_up_proj[e].detach()) for e in range(m.gate_up_proj.shape[0])] for m in mods],
+        [[noisy(m.down_proj[e].detach()) for e in range(m.down_proj.shape[0])] for m in mods])
+    sw = SharedInstance(lm.model, qe, backend="reference")
+    ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
+    with torch.no_grad():
+        p = torch.softmax(lm.model(input_ids=torch.tensor([ids])).logits[0, -1], dim=-1)
+
+    def counts_with(rule, trials=800):
+        saved, decode.accept_sampled = decode.accept_sampled, rule
+        try:
+            c = torch.zeros_like(p)
+            for seed in range(trials):
+                g = torch.Generator().manual_seed(seed)
+                gen = speculative_greedy(lm.model, sw, ids, 2, 4, CPU, Timing.wall(CPU).link,
+                                         set(), DeviceMemory(lm.model, CPU), temperature=1.0,
+                                         generator=g)
+                c[gen.tokens[0]] += 1
+            return c
+        finally:
+            decode.accept_sampled = saved
+
+    stat, df = _chi2(counts_with(decode.accept_sampled), p)
+    assert stat < chi2_crit_999(df), (stat, df)
+    bad, df_bad = _chi2(counts_with(_biased_resample_from_p), p)
+    assert bad > chi2_crit_999(df_bad), (bad, df_bad)

@@ -8,7 +8,7 @@ the target's token after it (the correction, or a bonus when all K match). The c
 cropped to the committed tokens, so it holds exactly the target's KV for them, and the output
 is the target's greedy output token for token.
 Does not own: where experts live (the target mode's experts implementation), what is
-prefetched during the draft (orchestrator, issue 6), sampling (greedy only here).
+prefetched during the draft (orchestrator, issue 6).
 
 Invariant between windows: the cache holds the target's KV for every committed token but the
 last one (`pending`), which the next window feeds first.
@@ -21,6 +21,24 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.engine import Generation, forward_logits, new_cache
+
+
+def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
+                   gen: torch.Generator) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023): p [n+1, V] target
+    probabilities at each verified position, q [n, V] the draft's at the n proposals.
+    Proposal i is kept with probability min(1, p_i(x) / q_i(x)); at the first rejection the
+    next token is drawn from norm(max(0, p_i - q_i)); if all n are kept, from p_n. Every
+    committed token is then distributed exactly as the target's. Returns (kept, next token)."""
+    for i, x in enumerate(proposals):
+        r = torch.rand((), generator=gen).item()
+        if r * q[i, x] < p[i, x]:  # r < p/q without dividing by a zero q
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[i]
+        return i, int(torch.multinomial(dist, 1, generator=gen))
+    return len(proposals), int(torch.multinomial(p[len(proposals)], 1, generator=gen))
 
 
 @dataclass
@@ -47,9 +65,15 @@ class SpecStats:
 @torch.no_grad()
 def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
                        device: torch.device, clock, stop: set[int], memory,
-                       before_forward=None, on_window=None) -> Generation:
-    """Greedy self-speculative decoding; `before_forward(tokens, context, phase)` is told of
-    every forward (phase: "prefill" | "draft" | "verify"); `on_window(stats)` after each."""
+                       before_forward=None, on_window=None, temperature: float = 0.0,
+                       generator: torch.Generator | None = None) -> Generation:
+    """Self-speculative decoding, greedy (temperature 0: the target's greedy tokens) or
+    sampled (temperature > 0: `accept_sampled`, tokens distributed as the target's sampling);
+    `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
+    "draft" | "verify"); `on_window(stats)` after each window."""
+    sampling = temperature > 0
+    if sampling and generator is None:
+        raise ValueError("sampling needs a torch.Generator (seeded per request)")
     if k < 1:
         raise ValueError(f"k must be at least 1 (got {k})")
     memory.start()
@@ -71,6 +95,7 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         # 2. Draft: at most the tokens still wanted after the target's own next token.
         k_eff = min(k, max_new_tokens - len(tokens) - 1)
         proposals: list[int] = []
+        q_rows: list[torch.Tensor] = []  # the draft's probabilities (sampling only)
         base = cache.get_seq_length()  # == committed - 1
         t_draft = clock.now()
         if k_eff > 0:
@@ -79,7 +104,12 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                 for i in range(k_eff):
                     tell(1, base + i + 1, "draft")
                     logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
-                    tok = int(logits[-1].argmax())  # host sync: the next draft step needs it
+                    if sampling:
+                        q = torch.softmax(logits[-1].float().cpu() / temperature, dim=-1)
+                        q_rows.append(q)
+                        tok = int(torch.multinomial(q, 1, generator=generator))
+                    else:
+                        tok = int(logits[-1].argmax())  # host sync: the next draft step needs it
                     proposals.append(tok)
                     if tok in stop:
                         break
@@ -91,12 +121,19 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         tell(len(block), base + len(block), "verify")
         logits = forward_logits(model, torch.tensor([block], device=device), cache,
                                 logits_to_keep=len(block))
-        target = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
-        # 4. Accept the longest matching prefix, then the target's next token.
-        n_acc = 0
-        while n_acc < len(proposals) and proposals[n_acc] == target[n_acc]:
-            n_acc += 1
-        new = proposals[:n_acc] + [target[n_acc]]
+        # 4. Accept the longest matching prefix, then the target's next token (greedy), or
+        #    by speculative sampling.
+        if sampling:
+            p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
+            q = torch.stack(q_rows) if q_rows else p[:0]
+            n_acc, nxt = accept_sampled(p, q, proposals, generator)
+            new = proposals[:n_acc] + [nxt]
+        else:
+            target = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
+            n_acc = 0
+            while n_acc < len(proposals) and proposals[n_acc] == target[n_acc]:
+                n_acc += 1
+            new = proposals[:n_acc] + [target[n_acc]]
         stats.windows += 1
         stats.drafted += len(proposals)
         stats.accepted += n_acc
