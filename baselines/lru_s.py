@@ -22,8 +22,10 @@ DEFAULT_K = 4
 
 
 def depth_of(ctx) -> int:
-    """spec.k, else the model's paper K, else DEFAULT_K."""
-    return ctx.cfg.spec.k or ctx.cfg.model.paper_k or DEFAULT_K
+    """spec.k (an integer), else the model's paper K, else DEFAULT_K; `auto` is resolved
+    after the engine exists (build_speculative)."""
+    k = ctx.cfg.spec.k
+    return k if isinstance(k, int) else (ctx.cfg.model.paper_k or DEFAULT_K)
 
 
 class SpeculativeOffloadEngine:
@@ -41,7 +43,7 @@ class SpeculativeOffloadEngine:
         self.charger = timing.charger(model, charge_experts=False)
         if timing.cost is not None and timing.clock == "virtual":
             self.shared.on_draft_experts = self._charge_draft_experts
-        self._tokens = 1
+        self.k_source = "spec.k"
 
     def _charge_draft_experts(self, top_k_index: torch.Tensor) -> None:
         cost, link = self.timing.cost, self.timing.link
@@ -66,6 +68,7 @@ class SpeculativeOffloadEngine:
         gen.stats.update(self.runtime.stats.as_record())
         gen.stats.update(self.timing.link_record())
         gen.stats.update(self.draft.as_record())
+        gen.stats["k_source"] = self.k_source
         return gen
 
 
@@ -73,8 +76,20 @@ def build_speculative(ctx, name: str, prefetcher=None) -> SpeculativeOffloadEngi
     timing = timing_for(ctx)
     draft = draft_for(ctx)  # quantize (or reuse) from the full-precision experts first
     runtime = offload_model(ctx, timing, prefetcher)  # then move the target's experts out
-    return SpeculativeOffloadEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
-                                    depth_of(ctx), stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    engine = SpeculativeOffloadEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
+                                      depth_of(ctx), stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    if ctx.cfg.spec.k is None:
+        engine.k_source = "model.paper_k" if ctx.cfg.model.paper_k else f"default {DEFAULT_K}"
+    elif ctx.cfg.spec.k == "auto":
+        from pathlib import Path
+
+        from specter.models.zoo import default_cache_dir
+        from specter.spec.depth import auto_depth
+
+        cache = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
+        engine.k, path, reused = auto_depth(ctx, engine, cache)
+        engine.k_source = f"auto ({'reused' if reused else 'profiled'}: {path})"
+    return engine
 
 
 def build(ctx) -> SpeculativeOffloadEngine:

@@ -92,7 +92,12 @@ class QuantConfig:
 class SpecConfig:
     """Self-speculative decoding (systems that speculate)."""
 
-    k: int | None = None  # draft depth K; None: the model's paper K (model.paper_k), else 4
+    k: int | str | None = None  # draft depth K; "auto": the depth profiler; None: model.paper_k, else 4
+    # The depth profiler (k=auto): K values swept, prompts (the five datasets round-robin, after
+    # the evaluated items) and runs per prompt; its choice is stored and reused.
+    profile_ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])
+    profile_prompts: int = 25
+    profile_runs: int = 3
 
 
 @dataclass
@@ -125,8 +130,15 @@ class RunConfig:
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):
             if value < 1:
                 raise UserError(f"{key} must be at least 1 (got {value}).")
-        if self.spec.k is not None and self.spec.k < 1:
-            raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {self.spec.k}).")
+        k = self.spec.k
+        if isinstance(k, str) and k != "auto":
+            raise UserError(f"spec.k must be a positive integer or auto (got '{k}').")
+        if isinstance(k, int) and k < 1:
+            raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {k}).")
+        if not self.spec.profile_ks or min(self.spec.profile_ks) < 1:
+            raise UserError("spec.profile_ks must list draft depths of at least 1.")
+        if self.spec.profile_prompts < 1 or self.spec.profile_runs < 1:
+            raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
         if self.budget.slots is not None and self.budget.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {self.budget.slots}).")
 

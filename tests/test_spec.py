@@ -214,3 +214,31 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
     assert stat < chi2_crit_999(df), (stat, df)
     bad, df_bad = _chi2(counts_with(_biased_resample_from_p), p)
     assert bad > chi2_crit_999(df_bad), (bad, df_bad)
+
+
+def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
+    from conftest import run_cli
+    from experiments import records
+
+    common = ["system=lru_s", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
+              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4",
+              "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
+              "spec.profile_ks=[1,3]", "spec.profile_prompts=2", "spec.profile_runs=1",
+              f"cache_dir={tmp_path}/cache", "progress=false"]
+    first = run_cli(f"out_dir={tmp_path}/a", *common)
+    assert first.returncode == 0, first.stderr
+    assert "depth profile: K= 1" in first.stdout and "depth profile: K= 3" in first.stdout
+    stored = list((tmp_path / "cache" / "depth").glob("*.json"))
+    assert len(stored) == 1
+    import json
+
+    profile = json.loads(stored[0].read_text())
+    best = min(profile["sweep"], key=lambda r: (r["tpot_ms"], r["k"]))["k"]
+    assert profile["best_k"] == best
+    df = records.load(tmp_path / "a")
+    assert (df["k"] == best).all() and df["k_source"].str.contains("profiled").all()
+    second = run_cli(f"out_dir={tmp_path}/b", *common)
+    assert second.returncode == 0 and "depth profile: K=" not in second.stdout
+    assert records.load(tmp_path / "b")["k_source"].str.contains("reused").all()
+    bad = run_cli(f"out_dir={tmp_path}/c", *common[:-6], "spec.k=deep", "progress=false")
+    assert bad.returncode == 2 and "spec.k must be a positive integer or auto" in bad.stderr
