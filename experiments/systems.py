@@ -23,6 +23,7 @@ SYSTEMS: dict[str, str] = {
     "mo_sm": "baselines.mo_sm",
     "transformers": "baselines.transformers_offload",
     "lru_s": "baselines.lru_s",
+    "specmoeoff": "baselines.specmoeoff",
     "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
 }
 

@@ -242,3 +242,42 @@ def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     assert records.load(tmp_path / "b")["k_source"].str.contains("reused").all()
     bad = run_cli(f"out_dir={tmp_path}/c", *common[:-6], "spec.k=deep", "progress=false")
     assert bad.returncode == 2 and "spec.k must be a positive integer or auto" in bad.stderr
+
+
+def test_verification_block_equals_token_by_token_within_fp32_rounding():
+    """The verify forward groups the block's tokens by expert (one GEMM per expert over its
+    tokens, scattered back) in the offload runtime: its logits equal K+1 single-token
+    forwards within fp32 rounding."""
+    from specter.engine import forward_logits, new_cache
+    from test_offload import make_engine
+
+    lru, loaded = make_engine("tiny_deepseek", "lru", 6)
+    lru.reset()
+    ids = loaded.tokenizer(PROMPTS[2])["input_ids"][:14]
+    with torch.no_grad():
+        cache = new_cache(lru.model)
+        forward_logits(lru.model, torch.tensor([ids[:6]]), cache)
+        block = forward_logits(lru.model, torch.tensor([ids[6:]]), cache, logits_to_keep=8)
+        cache = new_cache(lru.model)
+        forward_logits(lru.model, torch.tensor([ids[:6]]), cache)
+        single = torch.cat([forward_logits(lru.model, torch.tensor([[t]]), cache) for t in ids[6:]])
+    assert torch.allclose(block, single, atol=1e-5, rtol=1e-5)
+    assert lru.runtime.stats.forward_distinct  # the block really went through the runtime
+
+
+@pytest.mark.parametrize("model", ["tiny_deepseek", "tiny_qwen"])
+def test_specmoeoff_is_lossless_and_prefetches(tmp_path, model):
+    from conftest import run_cli
+    from experiments import records
+
+    res = run_cli("-m", "system=resident,specmoeoff", f"model={model}", "dataset=humaneval",
+                  "workload.items=2", "workload.max_new_tokens=16", "workload.repeats=1",
+                  "hardware=a100_pcie4", "budget=low", "quant.group=32", "quant.calib_tokens=512",
+                  f"out_dir={tmp_path}", "progress=false")
+    assert res.returncode == 0, res.stderr
+    df = records.load(tmp_path)
+    ref = df[df["system"] == "resident"].sort_values("request_id")
+    smo = df[df["system"] == "specmoeoff"].sort_values("request_id")
+    assert list(smo["output_tokens"].map(list)) == list(ref["output_tokens"].map(list))
+    assert (smo["k"] == 3).all() and (smo["prefetches"] > 0).all()
+    assert smo["k_source"].str.contains("K=3").all()

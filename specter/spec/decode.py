@@ -62,15 +62,56 @@ class SpecStats:
                 "accepted_lens": self.accepted_lens}
 
 
+class SeparateDraft:
+    """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
+    the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
+    committed tokens; tokens it has not seen (the target's corrections) are fed in one block
+    at the start of the next window."""
+
+    def __init__(self, model):
+        self.model = model
+        self.cache = None
+
+    def start(self) -> None:
+        self.cache = new_cache(self.model)
+
+    def propose(self, seq: list[int], k_eff: int, pick, tell, stop: set[int], device,
+                after_step=None) -> list[int]:
+        have = self.cache.get_seq_length()
+        feed = seq[have:]  # the committed tokens it has not seen, ending with `pending`
+        proposals: list[int] = []
+        for i in range(k_eff):
+            tell(len(feed), have + len(feed), "draft")
+            logits = forward_logits(self.model, torch.tensor([feed], device=device), self.cache)
+            have += len(feed)
+            tok = pick(logits[-1])
+            proposals.append(tok)
+            feed = [tok]
+            if after_step:
+                after_step(i + 1, k_eff)
+            if tok in stop:
+                break
+        return proposals
+
+    def commit(self, n_valid: int) -> None:
+        """Keep the draft's KV of the first `n_valid` tokens only."""
+        excess = self.cache.get_seq_length() - n_valid
+        if excess > 0:
+            self.cache.crop(-excess)
+
+
 @torch.no_grad()
 def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
                        device: torch.device, clock, stop: set[int], memory,
                        before_forward=None, on_window=None, temperature: float = 0.0,
-                       generator: torch.Generator | None = None) -> Generation:
+                       generator: torch.Generator | None = None,
+                       separate: SeparateDraft | None = None, after_draft_step=None) -> Generation:
     """Self-speculative decoding, greedy (temperature 0: the target's greedy tokens) or
     sampled (temperature > 0: `accept_sampled`, tokens distributed as the target's sampling);
     `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
-    "draft" | "verify"); `on_window(stats)` after each window."""
+    "draft" | "verify"); `on_window(stats)` after each window; `separate`: draft with a
+    second model and its own cache instead of `shared`; `after_draft_step(i, k_eff)` after
+    each draft token (a prefetcher's hook)."""
     sampling = temperature > 0
     if sampling and generator is None:
         raise ValueError("sampling needs a torch.Generator (seeded per request)")
@@ -91,6 +132,17 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         forward_logits(model, torch.tensor([prompt_ids[:-1]], device=device), cache)
     pending = prompt_ids[-1]
     committed = n_prompt  # tokens whose ids are known (prompt + outputs)
+    seq = list(prompt_ids)  # committed token ids
+    if separate is not None:
+        separate.start()
+
+    def pick(row: torch.Tensor) -> int:
+        if sampling:
+            q = torch.softmax(row.float().cpu() / temperature, dim=-1)
+            q_rows.append(q)
+            return int(torch.multinomial(q, 1, generator=generator))
+        return int(row.argmax())  # host sync: the next draft step needs it
+
     while len(tokens) < max_new_tokens:
         # 2. Draft: at most the tokens still wanted after the target's own next token.
         k_eff = min(k, max_new_tokens - len(tokens) - 1)
@@ -98,19 +150,18 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         q_rows: list[torch.Tensor] = []  # the draft's probabilities (sampling only)
         base = cache.get_seq_length()  # == committed - 1
         t_draft = clock.now()
-        if k_eff > 0:
+        if k_eff > 0 and separate is not None:
+            proposals = separate.propose(seq, k_eff, pick, tell, stop, device, after_draft_step)
+        elif k_eff > 0:
             with shared.draft():
                 tok = pending
                 for i in range(k_eff):
                     tell(1, base + i + 1, "draft")
                     logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
-                    if sampling:
-                        q = torch.softmax(logits[-1].float().cpu() / temperature, dim=-1)
-                        q_rows.append(q)
-                        tok = int(torch.multinomial(q, 1, generator=generator))
-                    else:
-                        tok = int(logits[-1].argmax())  # host sync: the next draft step needs it
+                    tok = pick(logits[-1])
                     proposals.append(tok)
+                    if after_draft_step:
+                        after_draft_step(i + 1, k_eff)
                     if tok in stop:
                         break
             cache.crop(-(cache.get_seq_length() - base))
@@ -148,6 +199,9 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                 done = True
                 break
         # 5. Keep the target's KV of the committed tokens only (all but the new pending one).
+        if separate is not None:  # the draft's KV of tokens it fed that were kept
+            separate.commit(len(seq) + min(n_acc, max(len(proposals) - 1, 0)))
+        seq.extend(new)
         committed += len(new)
         cache.crop(-(cache.get_seq_length() - (committed - 1)))
         pending = new[-1]

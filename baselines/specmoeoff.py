@@ -1,0 +1,120 @@
+"""`system=specmoeoff`: SpecMoEOff (arXiv 2508.21706) as the Specter artifact re-implements it
+at batch 1 (paper-facts.md): speculative decoding with a *separate* INT4 draft model (its own
+non-expert weights and its own KV cache), K = 3, and route-frequency prefetch: at draft
+fractions 0.2 and 0.6 of each window, the top-M experts per layer by how often the draft has
+routed to them so far in the window are loaded for the coming verification.
+
+Shares with lru_s the offload runtime, the LRU cache and the accept rule; differs in the
+draft's layout (two instances, two caches) and in the prefetch. Output: the target's tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from baselines.lru_s import SpeculativeOffloadEngine
+from specter.models.introspect import experts_modules
+from specter.models.loading import load_model
+from specter.offload.build import offload_model, timing_for
+from specter.quant.build import draft_for
+from specter.quant.shared import SharedInstance
+from specter.spec.decode import SeparateDraft, speculative_greedy
+
+K_DEFAULT = 3
+FRACTIONS = (0.2, 0.6)
+
+
+class RouteFrequencyPrefetch:
+    """Counts the draft's expert choices per layer within a window; at the given fractions
+    of the window loads the top-M most frequent experts of every layer not yet resident."""
+
+    def __init__(self, draft_model, runtime, top_m: int, fractions=FRACTIONS):
+        self.runtime, self.top_m, self.fractions = runtime, top_m, fractions
+        self.counts: list[Counter] = []
+        self.prefetched = 0
+        self.mods = [m for _, m in experts_modules(draft_model)]
+        for l, m in enumerate(self.mods):
+            m.register_forward_pre_hook(self._hook(l))
+        self.new_window()
+
+    def _hook(self, l: int):
+        def count(module, args):
+            self.counts[l].update(args[1].flatten().tolist())  # host sync: routing counts
+        return count
+
+    def new_window(self) -> None:
+        self.counts = [Counter() for _ in self.mods]
+        self.fired: set[float] = set()
+
+    def after_draft_step(self, i: int, k_eff: int) -> None:
+        for f in self.fractions:
+            if f not in self.fired and i >= max(1, math.ceil(f * k_eff)):
+                self.fired.add(f)
+                self._prefetch()
+        if i == k_eff:
+            self.new_window()
+
+    def _prefetch(self) -> None:
+        cache = self.runtime.cache
+        for l, counter in enumerate(self.counts):
+            for e, _ in counter.most_common(self.top_m):
+                if not cache.resident(l, e) and cache.load(l, e) is not None:
+                    self.prefetched += 1
+
+
+class SpecMoEOffEngine(SpeculativeOffloadEngine):
+    def __init__(self, *args, draft_model, top_m: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.separate = SeparateDraft(draft_model)
+        self.draft_shared = SharedInstance(draft_model, self.draft.experts, self.draft.backend,
+                                           self.device)
+        self.draft_shared.mode = "draft"  # this instance is only ever the draft
+        self.draft_charger = self.timing.charger(draft_model, charge_experts=False)
+        if self.timing.cost is not None and self.timing.clock == "virtual":
+            self.draft_shared.on_draft_experts = self._charge_draft_experts
+        self.prefetch = RouteFrequencyPrefetch(draft_model, self.runtime, top_m)
+        extra = sum(p.numel() * p.element_size() for p in draft_model.parameters())
+        self.memory.param_bytes += extra  # the second instance's non-expert weights
+
+    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
+        super()._before_forward(tokens, context, phase)
+        self.draft_charger.begin_forward(tokens, context, phase == "prefill")
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+        self.prefetch.new_window()
+        self.prefetch.prefetched = 0
+        gen = speculative_greedy(self.model, self.shared, prompt_ids, max_new_tokens, self.k,
+                                 self.device, self.timing.link, self.stop, self.memory,
+                                 self._before_forward, separate=self.separate,
+                                 after_draft_step=self.prefetch.after_draft_step)
+        gen.stats.update(self.runtime.stats.as_record())
+        gen.stats.update(self.timing.link_record())
+        gen.stats.update(self.draft.as_record())
+        gen.stats.update({"k_source": self.k_source, "prefetches": self.prefetch.prefetched,
+                          "top_m": self.prefetch.top_m})
+        return gen
+
+
+def build(ctx) -> SpecMoEOffEngine:
+    timing = timing_for(ctx)
+    draft = draft_for(ctx)
+    # The separate draft instance: the same checkpoint loaded again; its routed experts are
+    # the INT4 copy only (its full-precision expert tensors are dropped).
+    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
+    second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
+                        progress=False).model
+    for _, m in experts_modules(second):
+        m.gate_up_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m.down_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m._specter_moe_layer = -1  # still an experts module for introspection
+    runtime = offload_model(ctx, timing)
+    k = ctx.cfg.spec.k if isinstance(ctx.cfg.spec.k, int) else K_DEFAULT
+    engine = SpecMoEOffEngine("specmoeoff", ctx.loaded.model, ctx.device, timing, runtime, draft,
+                              k, stop_on_eos=ctx.cfg.workload.stop_on_eos, draft_model=second,
+                              top_m=ctx.loaded.spec.top_k)
+    engine.k_source = "spec.k" if isinstance(ctx.cfg.spec.k, int) else f"SpecMoEOff's K={K_DEFAULT}"
+    return engine
