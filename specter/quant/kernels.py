@@ -152,7 +152,7 @@ class TritonExperts:
     def _gemm(self, x, codes, scales, group, rows, block_expert, src_rows, out_rows, n_out):
         E, N, _ = codes.shape
         K = x.shape[1]
-        out = torch.zeros(n_out, N, dtype=x.dtype, device=x.device)
+        out = torch.zeros(n_out, N, dtype=torch.float32, device=x.device)  # fp32 intermediates
         grid = (block_expert.numel(), (N + self.BLOCK_N - 1) // self.BLOCK_N)
         _kernel()[grid](x, codes, scales, out, src_rows, out_rows, block_expert, N, K,
                         x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
@@ -169,7 +169,8 @@ class TritonExperts:
         h = self.act(h)
         y = self._gemm(h, self.dn_codes, self.dn_scales, self.dn_group, None, block_expert,
                        pairs, pairs, T * k)  # [T*k, H]
-        return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(dim=1).to(hidden.dtype)
+        # fp32 from the GEMMs through the activation and the weighted sum; one rounding at the end
+        return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).float()).sum(dim=1).to(hidden.dtype)
 
 
 def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32):
