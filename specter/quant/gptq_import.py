@@ -140,9 +140,13 @@ def quantize_with_gptqmodel(checkpoint: Path, windows: list[torch.Tensor], bits:
     with tempfile.TemporaryDirectory() as tmp:
         calib = Path(tmp) / "calib.pt"
         torch.save([w[0].tolist() for w in windows], calib)
-        res = subprocess.run([sys.executable, "-m", "specter.quant.gptq_import", str(checkpoint),
-                              str(calib), str(bits), str(group), str(out)],
-                             capture_output=True, text=True)
+        # cwd: the temporary folder, since gptqmodel writes its logs/ into the working directory
+        res = subprocess.run([sys.executable, "-m", "specter.quant.gptq_import", str(checkpoint.resolve()),
+                              str(calib), str(bits), str(group), str(out.resolve())],
+                             capture_output=True, text=True, cwd=tmp,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+                                 [str(Path(__file__).resolve().parents[2]),
+                                  os.environ.get("PYTHONPATH", "")])))
     if res.returncode != 0:
         raise RuntimeError(f"gptqmodel failed on {checkpoint}:\n{res.stderr[-4000:]}")
     return out
