@@ -61,14 +61,22 @@ class SpeculativeOffloadEngine:
         self.timing.link.synchronize()
         self.runtime.reset()
 
+    def _decode_options(self) -> dict:
+        """Extra arguments of `speculative_greedy` (a separate draft, a prefetch hook)."""
+        return {}
+
+    def _extra_stats(self) -> dict:
+        return {}
+
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         gen = speculative_greedy(self.model, self.shared, prompt_ids, max_new_tokens, self.k,
                                  self.device, self.timing.link, self.stop, self.memory,
-                                 self._before_forward)
+                                 self._before_forward, **self._decode_options())
         gen.stats.update(self.runtime.stats.as_record())
         gen.stats.update(self.timing.link_record())
         gen.stats.update(self.draft.as_record())
         gen.stats["k_source"] = self.k_source
+        gen.stats.update(self._extra_stats())
         return gen
 
 

@@ -22,7 +22,7 @@ from specter.models.loading import load_model
 from specter.offload.build import offload_model, timing_for
 from specter.quant.build import draft_for
 from specter.quant.shared import SharedInstance
-from specter.spec.decode import SeparateDraft, speculative_greedy
+from specter.spec.decode import SeparateDraft
 
 K_DEFAULT = 3
 FRACTIONS = (0.2, 0.6)
@@ -84,19 +84,16 @@ class SpecMoEOffEngine(SpeculativeOffloadEngine):
         super()._before_forward(tokens, context, phase)
         self.draft_charger.begin_forward(tokens, context, phase == "prefill")
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int):
+    def reset(self) -> None:
+        super().reset()
         self.prefetch.new_window()
         self.prefetch.prefetched = 0
-        gen = speculative_greedy(self.model, self.shared, prompt_ids, max_new_tokens, self.k,
-                                 self.device, self.timing.link, self.stop, self.memory,
-                                 self._before_forward, separate=self.separate,
-                                 after_draft_step=self.prefetch.after_draft_step)
-        gen.stats.update(self.runtime.stats.as_record())
-        gen.stats.update(self.timing.link_record())
-        gen.stats.update(self.draft.as_record())
-        gen.stats.update({"k_source": self.k_source, "prefetches": self.prefetch.prefetched,
-                          "top_m": self.prefetch.top_m})
-        return gen
+
+    def _decode_options(self) -> dict:
+        return {"separate": self.separate, "after_draft_step": self.prefetch.after_draft_step}
+
+    def _extra_stats(self) -> dict:
+        return {"prefetches": self.prefetch.prefetched, "top_m": self.prefetch.top_m}
 
 
 def build(ctx) -> SpecMoEOffEngine:

@@ -131,8 +131,7 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         tell(n_prompt - 1, n_prompt - 1, "prefill")
         forward_logits(model, torch.tensor([prompt_ids[:-1]], device=device), cache)
     pending = prompt_ids[-1]
-    committed = n_prompt  # tokens whose ids are known (prompt + outputs)
-    seq = list(prompt_ids)  # committed token ids
+    seq = list(prompt_ids)  # committed token ids (prompt + outputs)
     if separate is not None:
         separate.start()
 
@@ -148,7 +147,7 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         k_eff = min(k, max_new_tokens - len(tokens) - 1)
         proposals: list[int] = []
         q_rows: list[torch.Tensor] = []  # the draft's probabilities (sampling only)
-        base = cache.get_seq_length()  # == committed - 1
+        base = cache.get_seq_length()  # == len(seq) - 1
         t_draft = clock.now()
         if k_eff > 0 and separate is not None:
             proposals = separate.propose(seq, k_eff, pick, tell, stop, device, after_draft_step)
@@ -202,8 +201,7 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         if separate is not None:  # the draft's KV of tokens it fed that were kept
             separate.commit(len(seq) + min(n_acc, max(len(proposals) - 1, 0)))
         seq.extend(new)
-        committed += len(new)
-        cache.crop(-(cache.get_seq_length() - (committed - 1)))
+        cache.crop(-(cache.get_seq_length() - (len(seq) - 1)))
         pending = new[-1]
         memory.observe_cache(cache)
         if on_window:
