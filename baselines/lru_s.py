@@ -16,7 +16,9 @@ from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.runtime import OffloadRuntime
 from specter.quant.build import Draft, draft_for
 from specter.quant.shared import SharedInstance
-from specter.spec.decode import speculative_greedy
+from specter.models.introspect import experts_modules
+from specter.models.loading import load_model
+from specter.spec.decode import SeparateDraft, speculative_greedy
 
 DEFAULT_K = 4
 
@@ -42,10 +44,27 @@ class SpeculativeOffloadEngine:
         self.memory = DeviceMemory(model, device, extra_bytes=slot_bytes + self.shared.draft_bytes)
         self.charger = timing.charger(model, charge_experts=False)
         if timing.cost is not None and timing.clock == "virtual":
-            self.shared.on_draft_experts = self._charge_draft_experts
+            self.shared.draft_listeners.append(self._charge_draft_experts)
         self.k_source = "spec.k"
+        self.separate: SeparateDraft | None = None
+        self.draft_instance = self.shared  # the instance whose draft routing listeners see
+        self._draft_charger = None
 
-    def _charge_draft_experts(self, top_k_index: torch.Tensor) -> None:
+    def attach_separate_draft(self, draft_model) -> None:
+        """Draft with a second instance (its own non-expert weights and KV cache, routed
+        experts = the INT4 copy only) instead of the shared instance's draft mode: SpecMoEOff's
+        layout, and Specter's no-sharing ablation."""
+        self.separate = SeparateDraft(draft_model)
+        self.draft_instance = SharedInstance(draft_model, self.draft.experts, self.draft.backend,
+                                             self.device)
+        self.draft_instance.mode = "draft"  # this instance is only ever the draft
+        self._draft_charger = self.timing.charger(draft_model, charge_experts=False)
+        if self.timing.cost is not None and self.timing.clock == "virtual":
+            self.draft_instance.draft_listeners.append(self._charge_draft_experts)
+        # The second instance's non-expert weights.
+        self.memory.param_bytes += sum(p.numel() * p.element_size() for p in draft_model.parameters())
+
+    def _charge_draft_experts(self, layer: int, top_k_index: torch.Tensor) -> None:
         cost, link = self.timing.cost, self.timing.link
         spec = self.draft.experts.spec
         link.compute(cost.router_s(top_k_index.shape[0]))
@@ -55,6 +74,8 @@ class SpeculativeOffloadEngine:
 
     def _before_forward(self, tokens: int, context: int, phase: str) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill")
+        if self._draft_charger is not None:
+            self._draft_charger.begin_forward(tokens, context, phase == "prefill")
         self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
 
     def reset(self) -> None:
@@ -63,7 +84,7 @@ class SpeculativeOffloadEngine:
 
     def _decode_options(self) -> dict:
         """Extra arguments of `speculative_greedy` (a separate draft, a prefetch hook)."""
-        return {}
+        return {"separate": self.separate} if self.separate is not None else {}
 
     def _extra_stats(self) -> dict:
         return {}
@@ -80,12 +101,40 @@ class SpeculativeOffloadEngine:
         return gen
 
 
-def build_speculative(ctx, name: str, prefetcher=None) -> SpeculativeOffloadEngine:
+def load_separate_draft_model(ctx):
+    """The same checkpoint loaded a second time as a stand-alone draft: its routed experts
+    will be the INT4 copy only (its full-precision expert tensors are dropped)."""
+    from pathlib import Path
+
+    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
+    second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
+                        progress=False).model
+    for _, m in experts_modules(second):
+        m.gate_up_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m.down_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m._specter_moe_layer = -1  # still an experts module for introspection
+    return second
+
+
+def build_speculative(ctx, name: str, prefetcher=None, engine_cls=None, separate: bool = False,
+                      **engine_kwargs) -> SpeculativeOffloadEngine:
+    """Quantize (or reuse) the draft from the full-precision experts, load a separate draft
+    model if asked, offload the target's experts, build `engine_cls` and settle its K."""
     timing = timing_for(ctx)
-    draft = draft_for(ctx)  # quantize (or reuse) from the full-precision experts first
-    runtime = offload_model(ctx, timing, prefetcher)  # then move the target's experts out
-    engine = SpeculativeOffloadEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
-                                      depth_of(ctx), stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    draft = draft_for(ctx)  # from the full-precision experts, before they move out
+    if separate:
+        engine_kwargs["draft_model"] = load_separate_draft_model(ctx)
+    runtime = offload_model(ctx, timing, prefetcher)
+    engine = (engine_cls or SpeculativeOffloadEngine)(
+        name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth_of(ctx),
+        stop_on_eos=ctx.cfg.workload.stop_on_eos, **engine_kwargs)
+    resolve_depth(ctx, engine)
+    return engine
+
+
+def resolve_depth(ctx, engine: SpeculativeOffloadEngine) -> None:
+    """spec.k=N: N; unset: the model's paper K (or DEFAULT_K); auto: profiled on this very
+    engine (specter/spec/depth.py), stored and reused."""
     if ctx.cfg.spec.k is None:
         engine.k_source = "model.paper_k" if ctx.cfg.model.paper_k else f"default {DEFAULT_K}"
     elif ctx.cfg.spec.k == "auto":
@@ -97,7 +146,6 @@ def build_speculative(ctx, name: str, prefetcher=None) -> SpeculativeOffloadEngi
         cache = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
         engine.k, path, reused = auto_depth(ctx, engine, cache)
         engine.k_source = f"auto ({'reused' if reused else 'profiled'}: {path})"
-    return engine
 
 
 def build(ctx) -> SpeculativeOffloadEngine:

@@ -30,7 +30,8 @@ class NextLayerRouterPrefetch:
         layers = model.model.layers
         self.routers = [router_of(layers[i].mlp) for i, _ in experts_modules(model)]
 
-    def after_demand(self, runtime, moe_layer: int, hidden: torch.Tensor) -> None:
+    def after_demand(self, runtime, moe_layer: int, hidden: torch.Tensor, top_k_index=None,
+                     top_k_weights=None) -> None:
         nxt = moe_layer + 1
         if nxt >= len(self.routers):
             return

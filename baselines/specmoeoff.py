@@ -12,17 +12,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
-import torch
 
-from baselines.lru_s import SpeculativeOffloadEngine
+from baselines.lru_s import SpeculativeOffloadEngine, load_separate_draft_model
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
 from specter.offload.build import offload_model, timing_for
 from specter.quant.build import draft_for
-from specter.quant.shared import SharedInstance
-from specter.spec.decode import SeparateDraft
 
 K_DEFAULT = 3
 FRACTIONS = (0.2, 0.6)
@@ -69,20 +64,8 @@ class RouteFrequencyPrefetch:
 class SpecMoEOffEngine(SpeculativeOffloadEngine):
     def __init__(self, *args, draft_model, top_m: int, **kwargs):
         super().__init__(*args, **kwargs)
-        self.separate = SeparateDraft(draft_model)
-        self.draft_shared = SharedInstance(draft_model, self.draft.experts, self.draft.backend,
-                                           self.device)
-        self.draft_shared.mode = "draft"  # this instance is only ever the draft
-        self.draft_charger = self.timing.charger(draft_model, charge_experts=False)
-        if self.timing.cost is not None and self.timing.clock == "virtual":
-            self.draft_shared.on_draft_experts = self._charge_draft_experts
+        self.attach_separate_draft(draft_model)
         self.prefetch = RouteFrequencyPrefetch(draft_model, self.runtime, top_m)
-        extra = sum(p.numel() * p.element_size() for p in draft_model.parameters())
-        self.memory.param_bytes += extra  # the second instance's non-expert weights
-
-    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
-        super()._before_forward(tokens, context, phase)
-        self.draft_charger.begin_forward(tokens, context, phase == "prefill")
 
     def reset(self) -> None:
         super().reset()
@@ -90,7 +73,7 @@ class SpecMoEOffEngine(SpeculativeOffloadEngine):
         self.prefetch.prefetched = 0
 
     def _decode_options(self) -> dict:
-        return {"separate": self.separate, "after_draft_step": self.prefetch.after_draft_step}
+        return {**super()._decode_options(), "after_draft_step": self.prefetch.after_draft_step}
 
     def _extra_stats(self) -> dict:
         return {"prefetches": self.prefetch.prefetched, "top_m": self.prefetch.top_m}
@@ -99,15 +82,7 @@ class SpecMoEOffEngine(SpeculativeOffloadEngine):
 def build(ctx) -> SpecMoEOffEngine:
     timing = timing_for(ctx)
     draft = draft_for(ctx)
-    # The separate draft instance: the same checkpoint loaded again; its routed experts are
-    # the INT4 copy only (its full-precision expert tensors are dropped).
-    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
-    second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
-                        progress=False).model
-    for _, m in experts_modules(second):
-        m.gate_up_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
-        m.down_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
-        m._specter_moe_layer = -1  # still an experts module for introspection
+    second = load_separate_draft_model(ctx)
     runtime = offload_model(ctx, timing)
     k = ctx.cfg.spec.k if isinstance(ctx.cfg.spec.k, int) else K_DEFAULT
     engine = SpecMoEOffEngine("specmoeoff", ctx.loaded.model, ctx.device, timing, runtime, draft,

@@ -90,7 +90,7 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
 def run(cfg: RunConfig, log=print) -> RunSummary:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
-    check_system(cfg.system.name)
+    check_system(cfg.system)
     device = resolve_device(cfg.hardware.device)
     workload = _workload(cfg)
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)

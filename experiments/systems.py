@@ -7,12 +7,12 @@ lazy so a system's optional dependencies load only when it is selected.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from specter.budget import ResolvedBudget
-from specter.config import RunConfig
+from specter.config import RunConfig, SystemConfig
 from specter.engine import Engine
 from specter.errors import UserError
 from specter.models.loading import LoadedModel
@@ -21,9 +21,14 @@ SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",
     "lru": "baselines.lru",
     "mo_sm": "baselines.mo_sm",
+    "quasi_hidden": "baselines.quasi_hidden",
     "transformers": "baselines.transformers_offload",
     "lru_s": "baselines.lru_s",
     "specmoeoff": "baselines.specmoeoff",
+    "specter": "specter.system",
+    "sp_e": "baselines.single_plan",
+    "sp_l": "baselines.single_plan",
+    "specmoe": "baselines.specmoe",
     "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
 }
 
@@ -36,11 +41,29 @@ class BuildContext:
     device: torch.device
 
 
-def check_system(name: str) -> None:
+# The `system.*` knobs (specter/config.py SystemConfig) each system honours; any other
+# system refuses a non-default value rather than silently ignoring it.
+KNOBS: dict[str, tuple[str, ...]] = {
+    "specter": ("orchestrator", "shared", "reorder", "top_m", "cold_start", "prefetch_noise"),
+    "sp_e": ("top_m", "prefetch_noise"),
+    "sp_l": ("top_m", "prefetch_noise"),
+}
+
+
+def check_system(system: SystemConfig) -> None:
+    name = system.name
     if name not in SYSTEMS:
         raise UserError(f"unknown system '{name}'; choose one of: {', '.join(sorted(SYSTEMS))}.")
+    defaults = SystemConfig(name=name)
+    for f in fields(SystemConfig):
+        if f.name == "name" or f.name in KNOBS.get(name, ()):
+            continue
+        if getattr(system, f.name) != getattr(defaults, f.name):
+            raise UserError(f"system.{f.name} applies to "
+                            f"{', '.join(s for s, k in KNOBS.items() if f.name in k)} "
+                            f"only, not to system={name}.")
 
 
 def build_engine(ctx: BuildContext) -> Engine:
-    check_system(ctx.cfg.system.name)
+    check_system(ctx.cfg.system)
     return importlib.import_module(SYSTEMS[ctx.cfg.system.name]).build(ctx)

@@ -37,7 +37,16 @@ class BudgetConfig:
 
 @dataclass
 class SystemConfig:
+    """The decoding system. The fields after `name` are the knobs of `specter` (and its
+    single-plan cousins sp_e / sp_l); other systems refuse non-default values."""
+
     name: str
+    orchestrator: bool = True  # the predictive I/O orchestrator (False: on-demand loads only)
+    shared: bool = True  # one instance for draft and target (False: copied weights and KV)
+    reorder: bool = True  # verification grouped by expert (False: one GEMV per token, serially)
+    top_m: int | None = None  # experts per layer per prefetch batch; None: the model's top-k
+    cold_start: float = 0.2  # first plan after this fraction of the window's draft steps
+    prefetch_noise: float = 0.0  # experiment=oracle: share of planned expert IDs made wrong
 
 
 @dataclass
@@ -64,6 +73,8 @@ class HardwareConfig:
     launch_overhead_s: float = 0.0
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
+    host_matrix_flops: float = 0.0  # the host CPU (systems that compute experts on the host)
+    host_mem_bandwidth_Bps: float = 0.0
 
 
 @dataclass
@@ -139,6 +150,13 @@ class RunConfig:
             raise UserError("spec.profile_ks must list draft depths of at least 1.")
         if self.spec.profile_prompts < 1 or self.spec.profile_runs < 1:
             raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
+        sysc = self.system
+        if not 0.0 <= sysc.prefetch_noise <= 1.0:
+            raise UserError(f"system.prefetch_noise must be in [0, 1] (got {sysc.prefetch_noise}).")
+        if not 0.0 < sysc.cold_start <= 1.0:
+            raise UserError(f"system.cold_start must be in (0, 1] (got {sysc.cold_start}).")
+        if sysc.top_m is not None and sysc.top_m < 1:
+            raise UserError(f"system.top_m must be at least 1 (got {sysc.top_m}).")
         if self.budget.slots is not None and self.budget.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {self.budget.slots}).")
 

@@ -17,6 +17,11 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os\nimport sys\n\nclass R
            "Janet has 3 apples and buys 5 more. How many"]
 
 
+# One intra-op thread: the tiny models' tensors are too small to gain from more, and on a
+# shared 2-core machine OpenMP's spinning threads slow every test several-fold.
+torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -20,12 +20,15 @@ A100 = {"name": "a100_pcie4", "device": "cpu", "clock": "virtual", "charge": "ow
         "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6}
 
 
-def make_engine(name: str, system: str, slots: int | None, hardware=None, budget="high"):
+def make_engine(name: str, system: str | dict, slots: int | None, hardware=None, budget="high",
+                spec: dict | None = None):
+    """`system`: a name, or a dict with `name` and knobs; `spec`: e.g. {"k": 4}."""
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project",
                   "stands_for": zoo.STANDS_FOR[zoo.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
-        "system": {"name": system}, "dataset": {"name": "gsm8k"},
-        "hardware": hardware or A100, "workload": {}, "progress": False})
+        "system": system if isinstance(system, dict) else {"name": system},
+        "dataset": {"name": "gsm8k"}, "hardware": hardware or A100, "workload": {},
+        "spec": spec or {}, "progress": False})
     loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates it
     budget_r = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
     return build_engine(BuildContext(cfg, loaded, budget_r, torch.device("cpu"))), loaded

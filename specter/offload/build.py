@@ -72,7 +72,9 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
     return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
                            mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
                            launch_overhead_s=hw.launch_overhead_s,
-                           h2d_bandwidth_Bps=hw.h2d_bandwidth_Bps, h2d_latency_s=hw.h2d_latency_s)
+                           h2d_bandwidth_Bps=hw.h2d_bandwidth_Bps, h2d_latency_s=hw.h2d_latency_s,
+                           host_matrix_flops=hw.host_matrix_flops,
+                           host_mem_bandwidth_Bps=hw.host_mem_bandwidth_Bps)
 
 
 def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:

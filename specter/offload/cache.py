@@ -26,7 +26,8 @@ class LayerCache:
         self.slot_of: dict[int, int] = {}
         self.expert_in: list[int | None] = [None] * slots
         self.inflight: dict[int, Transfer] = {}
-        self.protected: set[int] = set()
+        self.protected: set[int] = set()  # in use by the forward now running
+        self.pinned: set[int] = set()  # planned for the coming verification (prefetch pins)
         self.policy = policy
 
 
@@ -50,6 +51,7 @@ class ExpertCache:
             lc.slot_of.clear()
             lc.inflight.clear()
             lc.protected.clear()
+            lc.pinned.clear()
             for s in range(self.slots):
                 lc.buf[s].copy_(self.store.expert(l, s))
                 lc.slot_of[s] = s
@@ -78,11 +80,30 @@ class ExpertCache:
         for lc in self.layers:
             lc.protected.clear()
 
+    def pin(self, l: int, experts) -> None:
+        """Keep `experts` (planned or prefetched for the coming verification) from being
+        evicted by later loads until `release_pins(l)`."""
+        self.layers[l].pinned.update(experts)
+
+    def pinned(self, l: int) -> set[int]:
+        return set(self.layers[l].pinned)
+
+    def release_pins(self, l: int) -> None:
+        """The layer's demand is known (the target router is authoritative): plans stop
+        holding slots."""
+        self.layers[l].pinned.clear()
+
+    def release_all_pins(self) -> None:
+        for lc in self.layers:
+            lc.pinned.clear()
+
     # --- moves -------------------------------------------------------------------------
     def free_slots(self, l: int) -> int:
-        """Slots that could take a new expert now (empty or holding an unprotected expert)."""
+        """Slots that could take a new expert now (empty or holding an unprotected, unpinned
+        expert)."""
         lc = self.layers[l]
-        return sum(1 for e in lc.expert_in if e is None or e not in lc.protected)
+        return sum(1 for e in lc.expert_in
+                   if e is None or (e not in lc.protected and e not in lc.pinned))
 
     def load(self, l: int, e: int, avoid: set[int] = frozenset()) -> Transfer | None:
         """Make `e` resident in layer `l`, evicting by policy; returns the copy, or None when
@@ -97,7 +118,8 @@ class ExpertCache:
         if empty:
             slot = empty[0]
         else:
-            unprotected = {x for x in lc.slot_of if x not in lc.protected and x not in avoid}
+            unprotected = {x for x in lc.slot_of
+                           if x not in lc.protected and x not in lc.pinned and x not in avoid}
             landed = {x for x in unprotected if x not in lc.inflight}
             if not unprotected:
                 return None

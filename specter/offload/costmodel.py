@@ -35,6 +35,8 @@ class HardwareProfile:
     launch_overhead_s: float  # per kernel
     h2d_bandwidth_Bps: float  # host-to-device link bytes/s
     h2d_latency_s: float  # per transfer
+    host_matrix_flops: float = 0.0  # the host CPU's FLOP/s (experts computed on the host)
+    host_mem_bandwidth_Bps: float = 0.0  # host memory bytes/s
 
 
 @dataclass(frozen=True)
@@ -182,6 +184,17 @@ class CostModel:
         traffic = p * bits / 8 + p / group * 2
         seconds = max(2.0 * tokens * p / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
             + 3 * self.hw.launch_overhead_s
+        return seconds * self.sizes.moe_multiplier
+
+    def host_expert_s(self, tokens: int) -> float:
+        """One routed expert computed on the host CPU from its full-precision host copy
+        (SpecMoE's draft): the same roofline against the host's rate and memory bandwidth."""
+        if not (self.hw.host_matrix_flops > 0 and self.hw.host_mem_bandwidth_Bps > 0):
+            raise ValueError(f"hardware {self.hw.name} has no host profile "
+                             "(host_matrix_flops, host_mem_bandwidth_Bps)")
+        p = self.sizes.expert_params
+        seconds = max(2.0 * tokens * p / self.hw.host_matrix_flops,
+                      p * self.sizes.elem_bytes / self.hw.host_mem_bandwidth_Bps)
         return seconds * self.sizes.moe_multiplier
 
     def lm_head_s(self, tokens: int) -> float:

@@ -45,10 +45,11 @@ def register_experts_implementation() -> None:
 
 class Prefetcher(Protocol):
     """Policy hook called after a layer's demand loads are issued (e.g. MO-SM's next-layer
-    guess). It may call `runtime.cache.load(...)` and record its own stats."""
+    guess), with the layer's expert input and routing. It may call `runtime.cache.load(...)`
+    and record its own stats."""
 
-    def after_demand(self, runtime: "OffloadRuntime", moe_layer: int,
-                     hidden: torch.Tensor) -> None: ...
+    def after_demand(self, runtime: "OffloadRuntime", moe_layer: int, hidden: torch.Tensor,
+                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -128,6 +129,8 @@ class OffloadRuntime:
         self.prefetcher = prefetcher
         self.stats = DemandStats()
         self.record_demand = True  # False during prefill (hit rate excludes it)
+        self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
+        self.serial = False  # True: one GEMV per (token, expert), no grouping (an ablation)
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -152,6 +155,7 @@ class OffloadRuntime:
         cache = self.cache
         self._charge("router_s", hidden.shape[0])  # the router that just ran
         needed = torch.unique(top_k_index).tolist()  # host sync: residency is a host decision
+        self.last_needed[l] = needed
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -162,10 +166,11 @@ class OffloadRuntime:
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
         cache.protect(l, needed)  # needed and not yet computed: never evicted
+        cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
         # 2. Speculative loads for later layers go behind the demand copies.
         if self.prefetcher is not None:
-            self.prefetcher.after_demand(self, l, hidden)
+            self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
         # 3. Resident experts compute first while misses stream in; a computed expert is
         # released, so a forward needing more experts than slots streams them through.
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -176,7 +181,11 @@ class OffloadRuntime:
                     raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
             cache.wait(l, e)
             token_idx, out = self._expert(module, l, e, hidden, top_k_index, top_k_weights)
-            self._charge("expert_s", token_idx.numel())
+            if self.serial:
+                for _ in range(token_idx.numel()):
+                    self._charge("expert_s", 1)
+            else:
+                self._charge("expert_s", token_idx.numel())
             cache.touch(l, e)
             cache.unprotect(l, e)
             outs[e] = (token_idx, out)
@@ -207,6 +216,13 @@ class OffloadRuntime:
         # (k-slot, token) pairs in HF's order: grouped by k-slot, tokens ascending.
         pos, token_idx = torch.where(top_k_index.T == e)
         x = hidden[token_idx]  # [n, H]
-        h = module._apply_gate(nn.functional.linear(x, gate_up))  # [n, I]
-        y = nn.functional.linear(h, down)  # [n, H]
+        if self.serial:  # token by token: n GEMVs instead of one GEMM
+            y = torch.cat([self._mlp(module, x[i:i + 1], gate_up, down) for i in range(len(x))]) \
+                if len(x) else x
+        else:
+            y = self._mlp(module, x, gate_up, down)  # [n, H]
         return token_idx, y * top_k_weights[token_idx, pos, None]
+
+    @staticmethod
+    def _mlp(module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(module._apply_gate(nn.functional.linear(x, gate_up)), down)

@@ -31,10 +31,10 @@ IMPL_NAME = "specter_shared"
 def _shared_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     shared: SharedInstance = self._specter_shared
     if shared.mode == "draft":
-        if shared.on_draft_experts is not None:
-            shared.on_draft_experts(top_k_index)
-        return shared.draft_layers[self._specter_shared_layer](hidden_states, top_k_index,
-                                                               top_k_weights)
+        layer = self._specter_shared_layer
+        for listener in shared.draft_listeners:
+            listener(layer, top_k_index)
+        return shared.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
     return shared.target_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
@@ -57,25 +57,33 @@ def _target_function(model: nn.Module, module: nn.Module):
 class SharedInstance:
     """Switches one model between its target experts and their INT4 draft copy."""
 
-    def __init__(self, model: nn.Module, quantized: QuantizedExperts, backend: str = "reference",
-                 device: torch.device | None = None):
+    def __init__(self, model: nn.Module, quantized: QuantizedExperts | None,
+                 backend: str = "reference", device: torch.device | None = None,
+                 draft_layers: list | None = None, draft_bytes: int = 0):
+        """`quantized`: the INT4 copy the draft runs; or `draft_layers` (one callable per MoE
+        layer, (hidden, top_k_index, top_k_weights) -> out) with their `draft_bytes` on the
+        device, for a draft that runs its experts some other way."""
         _register()
         self.model, self.quantized, self.backend = model, quantized, backend
         mods = [m for _, m in experts_modules(model)]
         self.device = device or next(model.parameters()).device
         self.target_forward = _target_function(model, mods[0])
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
-        on_device = quantized.to(self.device)
-        self.draft_layers = [make_experts(backend, on_device.gate_up[l], on_device.down[l],
-                                          m._apply_gate, dtype) for l, m in enumerate(mods)]
-        self.draft_bytes = on_device.packed_bytes()
+        if draft_layers is not None:
+            self.draft_layers, self.draft_bytes = draft_layers, draft_bytes
+        else:
+            on_device = quantized.to(self.device)
+            self.draft_layers = [make_experts(backend, on_device.gate_up[l], on_device.down[l],
+                                              m._apply_gate, dtype) for l, m in enumerate(mods)]
+            self.draft_bytes = on_device.packed_bytes()
         for l, m in enumerate(mods):
             m._specter_shared = self
             m._specter_shared_layer = l
         model.config._experts_implementation = IMPL_NAME
         self.mode = "target"
-        # Told of each draft experts call (top_k_index [T, k]): the virtual clock's charge.
-        self.on_draft_experts = None
+        # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
+        # clock's charge, the orchestrator's lookahead buffer.
+        self.draft_listeners: list = []
 
     @contextmanager
     def draft(self):

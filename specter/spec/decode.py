@@ -87,8 +87,8 @@ class SeparateDraft:
             tok = pick(logits[-1])
             proposals.append(tok)
             feed = [tok]
-            if after_step:
-                after_step(i + 1, k_eff)
+            if after_step:  # a stop token ends the window early: its last step is this one
+                after_step(i + 1, i + 1 if tok in stop else k_eff)
             if tok in stop:
                 break
         return proposals
@@ -111,7 +111,8 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
     `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `on_window(stats)` after each window; `separate`: draft with a
     second model and its own cache instead of `shared`; `after_draft_step(i, k_eff)` after
-    each draft token (a prefetcher's hook)."""
+    each draft token (a prefetcher's hook; when a stop token ends the window early, k_eff is
+    the steps actually drafted, so i == k_eff marks every window's last step)."""
     sampling = temperature > 0
     if sampling and generator is None:
         raise ValueError("sampling needs a torch.Generator (seeded per request)")
@@ -159,8 +160,8 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                     logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
                     tok = pick(logits[-1])
                     proposals.append(tok)
-                    if after_draft_step:
-                        after_draft_step(i + 1, k_eff)
+                    if after_draft_step:  # a stop token ends the window early, at this step
+                        after_draft_step(i + 1, i + 1 if tok in stop else k_eff)
                     if tok in stop:
                         break
             cache.crop(-(cache.get_seq_length() - base))

@@ -26,7 +26,7 @@ def profile_key(ctx) -> dict:
     cfg = ctx.cfg
     return {"model": cfg.model.name, "checkpoint": str(ctx.loaded.checkpoint),
             "slots": ctx.budget.slots, "hardware": cfg.to_dict()["hardware"],
-            "system": cfg.system.name, "quant": cfg.to_dict()["quant"],
+            "system": cfg.to_dict()["system"], "quant": cfg.to_dict()["quant"],
             "ks": list(cfg.spec.profile_ks), "prompts": cfg.spec.profile_prompts,
             "runs": cfg.spec.profile_runs, "max_new_tokens": cfg.workload.max_new_tokens,
             "prompt_tokens": cfg.workload.prompt_tokens}

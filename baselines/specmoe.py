@@ -1,0 +1,232 @@
+"""`system=specmoe`: SpecMoE (arXiv 2604.10152, seed 003) as we read it at batch 1.
+
+This is a reading, not the authors' code (paper-facts.md, Baselines: "self-assisted
+speculative decoding, draft computed where the experts live (host), verification on the GPU
+with prefetched experts"); the digest gives no draft-width or gamma figures, so those below
+are ours:
+
+- No extra model and no quantized copy: the draft is the target model itself (the same
+  attention, norms, routers, shared experts and the same KV cache, lru_s's shared instance),
+  whose *routed* experts run on the host CPU from the full-precision host copy (where the
+  experts live: no expert crosses the link for the draft).
+- The cheapener is the model's own sparsity: each draft token computes only the
+  `draft_top_k` routed experts of largest routing weight among the router's top-k (default
+  `max(1, top_k // 2)`). The kept weights are rescaled to the original top-k weight sum
+  (`renormalize=True`): the MoE output keeps its scale, which on the tiny models gives
+  higher acceptance than keeping the raw truncated weights (tests/test_specmoe.py measures
+  both). With `draft_top_k == top_k` the draft is exactly the target computed elsewhere.
+- Draft depth K: `spec.k` if an integer, else 4 (`K_DEFAULT`): a small gamma, since every
+  draft token pays the host's expert reads (a host expert costs about as much as moving it
+  over PCIe, so a deep window of host work is what SpecMoE would avoid), and 4 is the
+  repository's default speculation depth.
+- Prefetch: at every draft MoE layer, as soon as the draft's router has chosen, each expert
+  of its *full* top-k (ranked by weight; the router's choice is the best guess of what the
+  target will need, and the target computes all top-k) that is new in this window is loaded
+  for the target if not resident (`cache.load`, one prefetch per new expert) and pinned (also
+  if already resident) so later prefetches of the window do not evict it; pinning stops
+  once the layer's pinned set fills its slots. The copies overlap the host's draft work.
+  The runtime releases a layer's pins when verification reaches it; all pins are released
+  again between windows.
+- Verification on the device: the offload runtime with the LRU cache, misses loaded on
+  demand. Greedy acceptance (`speculative_greedy`) keeps the output the target's exactly.
+
+Virtual clock per draft MoE layer: the router (`cost.router_s`), `cost.host_expert_s(n)` per
+distinct kept expert (n its tokens), and the hidden state's round trip to the host, charged
+on the compute stream as two link latencies plus `T * H * elem` bytes each way (the host's
+result is waited for; its contention with the prefetch copies on the link is ignored).
+Attention, shared experts and the lm head are charged by the engine's Charger in both modes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from baselines.lru_s import SpeculativeOffloadEngine
+from specter.engine import DeviceMemory, eos_ids
+from specter.errors import UserError
+from specter.offload.build import Timing, offload_model, timing_for
+from specter.offload.runtime import OffloadRuntime
+from specter.quant.shared import SharedInstance
+
+K_DEFAULT = 4
+RENORMALIZE = True
+
+
+def default_draft_top_k(top_k: int) -> int:
+    return max(1, top_k // 2)
+
+
+def truncate_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor, keep: int,
+                     renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `keep` routed experts of largest weight per token ([T, k] -> [T, keep]); with
+    `renormalize`, the kept weights rescaled to the original top-k sum. (Routers do not all
+    sort their top-k: DeepSeek-V2's is `sorted=False`.)"""
+    k = top_k_index.shape[-1]
+    if keep >= k:
+        return top_k_index, top_k_weights
+    w, pos = torch.topk(top_k_weights, keep, dim=-1)
+    idx = torch.gather(top_k_index, -1, pos)
+    if renormalize:
+        total, kept = top_k_weights.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
+        w = w * (total / kept.clamp_min(torch.finfo(w.dtype).tiny))
+    return idx, w
+
+
+def ranked_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> list[int]:
+    """Distinct experts of the router's choice, largest weight first (over all tokens)."""
+    order = torch.argsort(top_k_weights.flatten(), descending=True, stable=True)
+    seen: dict[int, None] = {}
+    for e in top_k_index.flatten()[order].tolist():  # host sync: a host decision
+        seen.setdefault(e, None)
+    return list(seen)
+
+
+class HostDraftExperts:
+    """The draft's routed experts of one MoE layer, computed on the host from the store's
+    full-precision copy with the truncated routing; a `SharedInstance` draft layer."""
+
+    def __init__(self, owner: "HostDraft", layer: int, module: nn.Module):
+        self.owner, self.layer, self.module = owner, layer, module
+
+    @torch.no_grad()
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        o = self.owner
+        idx, w = truncate_routing(top_k_index, top_k_weights, o.draft_top_k, o.renormalize)
+        for listener in o.listeners:  # prefetch first (copies overlap the host work), charge
+            listener(self.layer, top_k_index, top_k_weights, idx)
+        host = o.host
+        x, idx_h, w_h = hidden.to(host), idx.to(host), w.to(host)  # the activation goes over
+        store, layout = o.runtime.cache.store, o.runtime.cache.layout
+        final = torch.zeros_like(x)
+        for e in torch.unique(idx_h).tolist():  # expert-id order, as HF's eager loop sums
+            gate_up, down = layout.views(store.expert(self.layer, e))  # host [2I, H], [H, I]
+            pos, tok = torch.where(idx_h.T == e)
+            h = self.module._apply_gate(nn.functional.linear(x[tok], gate_up))
+            y = nn.functional.linear(h, down) * w_h[tok, pos, None]
+            final.index_add_(0, tok, y.to(final.dtype))
+        return final.to(hidden.device)  # ... and comes back
+
+
+class HostDraft:
+    """Every MoE layer's host draft experts, plus what the engine records about them (the
+    stand-in for lru_s's `Draft`: no quantized copy, no device bytes)."""
+
+    def __init__(self, runtime: OffloadRuntime, draft_top_k: int, renormalize: bool):
+        self.runtime, self.draft_top_k, self.renormalize = runtime, draft_top_k, renormalize
+        self.host = torch.device("cpu")
+        self.backend = "host"
+        # Told of each draft layer call: (moe_layer, router top_k_index [T, k], its weights,
+        # kept index [T, draft_top_k]).
+        self.listeners: list = []
+        self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
+
+    def as_record(self) -> dict:
+        return {"draft.method": "host_topk",
+                "draft.bits": torch.finfo(self.runtime.cache.layout.dtype).bits,
+                "draft.top_k": self.draft_top_k,
+                "draft.renormalize": self.renormalize, "draft.backend": self.backend,
+                "draft.bytes": 0}
+
+
+class WindowPrefetch:
+    """Loads and pins, per layer, every expert the draft's router picks that is new in the
+    window; pins stop at the layer's slot count."""
+
+    def __init__(self, runtime: OffloadRuntime):
+        self.runtime = runtime
+        self.prefetched = 0
+        self.seen: list[set[int]] = []
+        self.new_window()
+
+    def new_window(self) -> None:
+        self.runtime.cache.release_all_pins()
+        self.seen = [set() for _ in self.runtime.modules]
+
+    def __call__(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
+        cache, seen = self.runtime.cache, self.seen[layer]
+        for e in ranked_routing(top_k_index, top_k_weights):
+            if e in seen:
+                continue
+            seen.add(e)
+            if len(cache.layers[layer].pinned) >= cache.slots:
+                continue  # the layer's slots are all planned: no load could land
+            if not cache.resident(layer, e):
+                if cache.load(layer, e) is None:
+                    continue
+                self.prefetched += 1
+            cache.pin(layer, [e])
+
+
+class SpecMoEEngine(SpeculativeOffloadEngine):
+    """lru_s's engine with the host draft in place of the INT4 copy, and window prefetch."""
+
+    def __init__(self, name: str, model, device: torch.device, timing: Timing,
+                 runtime: OffloadRuntime, k: int, draft_top_k: int,
+                 renormalize: bool = RENORMALIZE, stop_on_eos: bool = True):
+        # Not SpeculativeOffloadEngine.__init__: it builds the INT4 draft layers.
+        self.name, self.model, self.device, self.k = name, model, device, k
+        self.timing, self.runtime = timing, runtime
+        self.draft = HostDraft(runtime, draft_top_k, renormalize)
+        self.shared = SharedInstance(model, None, device=device, draft_layers=self.draft.layers,
+                                     draft_bytes=0)
+        self.stop = eos_ids(model) if stop_on_eos else set()
+        slot_bytes = sum(lc.buf.numel() * lc.buf.element_size() for lc in runtime.cache.layers)
+        self.memory = DeviceMemory(model, device, extra_bytes=slot_bytes)
+        self.charger = timing.charger(model, charge_experts=False)
+        self.prefetch = WindowPrefetch(runtime)
+        self.draft.listeners.append(self.prefetch)
+        if timing.cost is not None and timing.clock == "virtual":
+            self.draft.listeners.append(self._charge_host_experts)
+        self.k_source = "spec.k"
+        # lru_s's attributes for a separate draft instance: this engine never has one.
+        self.separate, self.draft_instance, self._draft_charger = None, self.shared, None
+
+    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill")
+        self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
+
+    def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
+        cost, link = self.timing.cost, self.timing.link
+        tokens = kept_index.shape[0]
+        link.compute(cost.router_s(tokens))
+        counts = torch.bincount(kept_index.flatten())
+        for n in counts[counts > 0].tolist():  # host sync: charging only
+            link.compute(cost.host_expert_s(n))
+        hw, sizes = cost.hw, cost.sizes
+        nbytes = tokens * self.runtime.cache.layout.hidden * sizes.elem_bytes
+        link.compute(2 * (hw.h2d_latency_s + nbytes / hw.h2d_bandwidth_Bps) * sizes.moe_multiplier)
+
+    def reset(self) -> None:
+        super().reset()
+        self.prefetch.new_window()
+        self.prefetch.prefetched = 0
+
+    def _on_window(self, stats) -> None:
+        self.prefetch.new_window()
+
+    def _decode_options(self) -> dict:
+        return {"on_window": self._on_window}
+
+    def _extra_stats(self) -> dict:
+        return {"prefetches": self.prefetch.prefetched, "draft_top_k": self.draft.draft_top_k}
+
+
+def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpecMoEEngine:
+    """`draft_top_k`: argument, else `system.draft_top_k` if the config has it, else
+    `max(1, top_k // 2)`."""
+    top_k = ctx.loaded.spec.top_k
+    if draft_top_k is None:
+        draft_top_k = getattr(ctx.cfg.system, "draft_top_k", None) or default_draft_top_k(top_k)
+    if not 1 <= draft_top_k <= top_k:
+        raise UserError(f"system.draft_top_k must be between 1 and the model's top-k ({top_k}); "
+                        f"got {draft_top_k}.")
+    timing = timing_for(ctx)
+    runtime = offload_model(ctx, timing)  # the host store is also the draft's expert weights
+    k = ctx.cfg.spec.k if isinstance(ctx.cfg.spec.k, int) else K_DEFAULT
+    engine = SpecMoEEngine("specmoe", ctx.loaded.model, ctx.device, timing, runtime, k,
+                           draft_top_k, RENORMALIZE if renormalize is None else renormalize,
+                           stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    engine.k_source = "spec.k" if isinstance(ctx.cfg.spec.k, int) else f"SpecMoE reading's K={K_DEFAULT}"
+    return engine

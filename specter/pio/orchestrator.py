@@ -1,0 +1,160 @@
+"""The orchestrator: the draft's routing -> the ELB -> plans -> pinned loads into the cache.
+
+Owns: when plans happen within a draft window (the planner's phases, or a single early or
+late plan for the SP-E / SP-L baselines), issuing each plan as pins and loads on the expert
+cache (pins first, then loads in layer order: the order verification needs them), the running
+averages of bandwidth and draft-step time that size the chunks, and the per-window prefetch
+statistics (precision of the loads, how much of verification's demand the plan covered).
+Does not own: the counters (elb.py), the rules (planner.py), eviction (cache.py and policy.py),
+the verification's own demand loading (offload/runtime.py: the target router stays
+authoritative; a layer's pins are released as soon as its verification starts).
+
+Hooks, wired by the engine: `on_draft_experts(layer, top_k_index)` from the draft instance,
+`on_forward(phase)` before every forward, `after_draft_step(i, k_eff)` after each draft token,
+`end_window()` after each verification, `reset()` before each request.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from specter.offload.link import Link, Transfer
+from specter.offload.runtime import OffloadRuntime
+from specter.pio import planner
+from specter.pio.elb import ExpertLookaheadBuffer
+
+MODES = ("pio", "early", "late")  # the three-phase planner; one plan after step 1; one at the end
+
+
+@dataclass
+class PrefetchStats:
+    windows: int = 0
+    boundaries: int = 0  # plans made
+    loads: int = 0  # experts copied by plans
+    pins: int = 0  # predicted experts found resident and held
+    loads_used: int = 0  # ... loaded experts that verification then needed
+    demand: int = 0  # experts verification needed (per layer, per window)
+    demand_planned: int = 0  # ... of them in the plan (pinned or loaded)
+    corrupted: int = 0  # loads replaced by wrong IDs (experiment=oracle)
+    full_windows: int = 0  # windows whose lookahead stopped because every plan was full
+
+    def as_record(self) -> dict:
+        ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
+        return {"prefetches": self.loads, "plan_pins": self.pins,
+                "plan_boundaries_per_window": ratio(self.boundaries, self.windows),
+                "prefetch_precision": ratio(self.loads_used, self.loads),
+                "plan_recall": ratio(self.demand_planned, self.demand),
+                "prefetch_corrupted": self.corrupted,
+                "plan_full_frac": ratio(self.full_windows, self.windows)}
+
+
+class Orchestrator:
+    def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer, *,
+                 slots: int, top_m: int, bandwidth_Bps: float, latency_s: float,
+                 mode: str = "pio", cold_start: float = 0.2, noise: float = 0.0, seed: int = 0,
+                 sync_s: float = 0.0):
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+        self.runtime, self.cache, self.link, self.elb = runtime, runtime.cache, link, elb
+        self.slots, self.top_m, self.mode = slots, top_m, mode
+        self.cold_start, self.noise, self.seed = cold_start, noise, seed
+        self.latency_s, self.sync_s = latency_s, sync_s  # sync_s: charged per ELB snapshot
+        self.expert_bytes = self.cache.transfer_bytes
+        self.bandwidth = planner.RunningMean(bandwidth_Bps)
+        self.step_s = planner.RunningMean(0.0)
+        self.reset()
+
+    # --- lifecycle ---------------------------------------------------------------------
+    def reset(self) -> None:
+        self.stats = PrefetchStats()
+        self.rng = random.Random(self.seed)
+        self._new_window()
+
+    def _new_window(self) -> None:
+        self.elb.reset()
+        n = len(self.cache.layers)
+        self.planned: list[set[int]] = [set() for _ in range(n)]
+        self.loaded: list[set[int]] = [set() for _ in range(n)]
+        self.boundary: int | None = None
+        self.stopped = False
+        self.inflight: list[Transfer] = []
+        self._t_step: float | None = None
+
+    # --- hooks -------------------------------------------------------------------------
+    def on_draft_experts(self, layer: int, top_k_index) -> None:
+        self.elb.add(layer, top_k_index)
+
+    def on_forward(self, phase: str) -> None:
+        if phase == "draft":
+            self._t_step = self.link.now()
+
+    def after_draft_step(self, i: int, k_eff: int) -> None:
+        if self._t_step is not None:
+            self.step_s.update(self.link.now() - self._t_step)
+        if self.stopped:
+            return
+        if self.boundary is None:
+            self.boundary = {"pio": planner.cold_start_steps(k_eff, self.cold_start),
+                             "early": 1, "late": k_eff}[self.mode]
+        if i < self.boundary and i < k_eff:
+            return
+        batch_s = self._plan()
+        if self.mode != "pio" or i >= k_eff:
+            self.stopped = True
+        elif planner.plan_full(self.planned, self.slots):
+            self.stopped = True
+            self.stats.full_windows += 1
+        else:  # Prefetch Overlap: the next chunk computes while this batch moves
+            self.boundary = i + planner.next_chunk_steps(batch_s, self.step_s.value)
+
+    def end_window(self) -> None:
+        """After verification: score the window's plan against the target's demand."""
+        s = self.stats
+        s.windows += 1
+        for l, needed in self.runtime.last_needed.items():
+            need = set(needed)
+            s.demand += len(need)
+            s.demand_planned += len(need & self.planned[l])
+            s.loads_used += len(need & self.loaded[l])
+        self.cache.release_all_pins()
+        self._new_window()
+
+    # --- planning ----------------------------------------------------------------------
+    def _plan(self) -> float:
+        """Snapshot the ELB, plan every layer, pin and issue; returns the batch's modelled
+        transfer seconds."""
+        self._measure_bandwidth()
+        counts = self.elb.snapshot()
+        if self.sync_s:
+            self.link.compute(self.sync_s)
+        resident = [self.cache.resident_set(l) for l in range(len(counts))]
+        batch = planner.plan_batch(counts, resident, self.planned, self.slots, self.top_m)
+        self.stats.corrupted += planner.corrupt(batch, counts, resident, self.noise, self.rng)
+        for l, b in enumerate(batch):  # pins first: this batch's loads must not evict them
+            self.cache.pin(l, b.pin)
+            self.planned[l].update(b.pin)
+            self.stats.pins += len(b.pin)
+        n = 0
+        for l, b in enumerate(batch):
+            for e in b.load:
+                t = self.cache.load(l, e)
+                if t is None:  # every slot held by pins or by experts still in use
+                    break
+                self.cache.pin(l, [e])
+                self.planned[l].add(e)
+                self.loaded[l].add(e)
+                self.inflight.append(t)
+                n += 1
+        self.stats.loads += n
+        self.stats.boundaries += 1
+        return planner.batch_seconds(n, self.expert_bytes, self.bandwidth.value, self.latency_s)
+
+    def _measure_bandwidth(self) -> None:
+        left = []
+        for t in self.inflight:
+            if t.done() and t.start is not None and t.end is not None and t.end > t.start:
+                self.bandwidth.update(t.nbytes / max(t.end - t.start - self.latency_s, 1e-12))
+            elif not t.done():
+                left.append(t)
+        self.inflight = left

@@ -1,0 +1,111 @@
+"""The layer-aware prefetch planner's rules, as pure functions (paper-facts.md, "PIO").
+
+Three phases per draft window of k steps:
+- Cold Start: no plan until `cold_start_steps(k)` draft steps have filled the ELB a little.
+- Prefetch Overlap: at each boundary, per layer, the top-M experts the draft routed to
+  (count >= 1) that are not resident or already planned go out as one H2D batch; the next
+  boundary is set so that the next draft chunk computes about as long as that batch takes
+  to move (`next_chunk_steps`, from running averages of bandwidth and draft-step time).
+- Final Cleanup: lookahead stops once every layer's plan fills its slots (`plan_full`), or
+  the window ends (one last plan with the whole window's counts); verification then waits on
+  what is still in flight.
+A layer's plan is the set of experts it holds for the coming verification: predicted experts
+already resident (pinned, free) and those loaded for it, at most `slots`.
+Nothing here touches a tensor, a cache or a clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+def cold_start_steps(k: int, fraction: float = 0.2) -> int:
+    """Draft steps before the first plan: about `fraction` of the window, at least one."""
+    return min(k, max(1, math.ceil(fraction * k)))
+
+
+def next_chunk_steps(batch_s: float, step_s: float) -> int:
+    """Draft steps whose compute covers a batch of `batch_s` seconds of transfers."""
+    if batch_s <= 0 or step_s <= 0:
+        return 1
+    return max(1, math.ceil(batch_s / step_s))
+
+
+@dataclass
+class LayerBatch:
+    """One boundary's decision for one layer."""
+
+    pin: list[int] = field(default_factory=list)  # predicted and already resident
+    load: list[int] = field(default_factory=list)  # predicted, to be copied now
+
+
+def rank(counts: Sequence[int]) -> list[int]:
+    """Experts with count >= 1, most counted first (ties: lower id first)."""
+    return sorted((e for e, c in enumerate(counts) if c >= 1), key=lambda e: (-counts[e], e))
+
+
+def plan_layer(counts: Sequence[int], resident: set[int], planned: set[int], slots: int,
+               top_m: int) -> LayerBatch:
+    """Walk the ranked predictions: resident ones join the plan as pins, absent ones as loads
+    (at most `top_m` loads), until the plan holds `slots` experts."""
+    batch = LayerBatch()
+    size = len(planned)
+    for e in rank(counts):
+        if size >= slots or len(batch.load) >= top_m:
+            break
+        if e in planned:
+            continue
+        (batch.pin if e in resident else batch.load).append(e)
+        size += 1
+    return batch
+
+
+def plan_batch(counts: Sequence[Sequence[int]], resident: Sequence[set[int]],
+               planned: Sequence[set[int]], slots: int, top_m: int) -> list[LayerBatch]:
+    """`plan_layer` for every MoE layer, layer order (the order verification needs them)."""
+    return [plan_layer(c, r, p, slots, top_m) for c, r, p in zip(counts, resident, planned)]
+
+
+def plan_full(planned: Sequence[set[int]], slots: int) -> bool:
+    """Every layer's plan holds its slots: nothing more can be prefetched this window."""
+    return all(len(p) >= slots for p in planned)
+
+
+def batch_seconds(n_loads: int, expert_bytes: int, bandwidth_Bps: float, latency_s: float) -> float:
+    """Transfer time of a batch of `n_loads` expert copies on one copy engine."""
+    return n_loads * (expert_bytes / bandwidth_Bps + latency_s)
+
+
+def corrupt(batch: list[LayerBatch], counts: Sequence[Sequence[int]], resident: Sequence[set[int]],
+            share: float, rng: random.Random) -> int:
+    """The oracle experiment: replace each planned load, with probability `share`, by an
+    expert the draft did not route to and that is not resident (a wrong prediction). Returns
+    how many were replaced."""
+    replaced = 0
+    if share <= 0:
+        return 0
+    for l, b in enumerate(batch):
+        taken = set(b.load)
+        wrong = [e for e, c in enumerate(counts[l]) if c == 0 and e not in resident[l]]
+        for i, e in enumerate(b.load):
+            choices = [w for w in wrong if w not in taken]
+            if choices and rng.random() < share:
+                b.load[i] = rng.choice(choices)
+                taken.add(b.load[i])
+                replaced += 1
+    return replaced
+
+
+class RunningMean:
+    """Exponential moving average with a prior (the profile's value until measured)."""
+
+    def __init__(self, prior: float, weight: float = 0.25):
+        self.value, self.weight, self.samples = prior, weight, 0
+
+    def update(self, x: float) -> None:
+        if x > 0 and math.isfinite(x):
+            self.value = x if self.samples == 0 else (1 - self.weight) * self.value + self.weight * x
+            self.samples += 1
