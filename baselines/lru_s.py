@@ -69,8 +69,8 @@ class SpeculativeOffloadEngine:
         spec = self.draft.experts.spec
         link.compute(cost.router_s(top_k_index.shape[0]))
         counts = torch.bincount(top_k_index.flatten())
-        for n in counts[counts > 0].tolist():  # host sync: charging only
-            link.compute(cost.draft_expert_s(n, spec.bits, spec.group))
+        per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))  # one fused kernel
 
     def _before_forward(self, tokens: int, context: int, phase: str) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill")

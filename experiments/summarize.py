@@ -1,35 +1,63 @@
 """Print a side-by-side table of a results tree: `python -m experiments.summarize OUT_DIR`.
 
 Reads parquet records only. One row per (model, budget, hardware, clock, charged sizes,
-system): mean TPOT, hit rate, H2D hidden fraction, exposed wait, and TPOT relative to
-`resident` in the same group. Ends with one machine-readable JSON line.
+system): mean TPOT, K and acceptance, hit rate (per expert per layer-forward, and per
+(token, expert) request), H2D hidden fraction, exposed wait, TPOT relative to `resident` and
+speedup over `specmoeoff` in the same group. Ends with one machine-readable JSON line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+from dataclasses import fields
 
 import pandas as pd
 
 from experiments import records
+from specter.config import SystemConfig
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
-METRICS = {"tpot_ms": "mean", "hit_rate": "mean", "h2d_hidden_frac": "mean",
-           "exposed_wait_ms": "mean", "n_output_tokens": "mean", "distinct_4": "mean"}
+METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",
+           "hit_rate_tokens": "mean", "prefetch_precision": "mean", "h2d_ms": "mean",
+           "exposed_wait_ms": "mean", "h2d_hidden_frac": "mean",
+           "distinct_experts_per_forward": "mean", "n_output_tokens": "mean", "distinct_4": "mean"}
+
+
+def variant(row: pd.Series) -> str:
+    """What sets a run apart from its system's defaults: system knobs and a fixed spec.k."""
+    defaults = SystemConfig(name="-")
+    parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(SystemConfig)
+             if f.name != "name" and f"cfg.system.{f.name}" in row
+             and not _same(row[f"cfg.system.{f.name}"], getattr(defaults, f.name))]
+    k = row.get("cfg.spec.k")
+    if k is not None and not (isinstance(k, float) and math.isnan(k)):
+        parts.append(f"k={k}")
+    return ",".join(parts) or "-"
+
+
+def _same(value, default) -> bool:
+    if default is None:
+        return value is None or (isinstance(value, float) and math.isnan(value))
+    return value == default
 
 
 def table(df: pd.DataFrame) -> pd.DataFrame:
     df = df.copy()
     df["charged"] = df.get("charged.source", pd.Series("-", index=df.index)).fillna("-")
+    df["variant"] = df.apply(variant, axis=1)
     for col in METRICS:
         if col not in df:
             df[col] = float("nan")
-    out = df.groupby(KEYS + ["system"], dropna=False).agg(METRICS).reset_index()
-    out["rows"] = df.groupby(KEYS + ["system"], dropna=False).size().values
-    base = out[out["system"] == "resident"].set_index(KEYS)["tpot_ms"]
+    out = df.groupby(KEYS + ["system", "variant"], dropna=False).agg(METRICS).reset_index()
+    out["rows"] = df.groupby(KEYS + ["system", "variant"], dropna=False).size().values
+    base = out[out["system"] == "resident"].groupby(KEYS)["tpot_ms"].first()
     out["x_resident"] = [r["tpot_ms"] / base.get(tuple(r[k] for k in KEYS), float("nan"))
                          for _, r in out.iterrows()]
+    smo = out[(out["system"] == "specmoeoff") & (out["variant"] == "-")].groupby(KEYS)["tpot_ms"].first()
+    out["speedup_vs_specmoeoff"] = [smo.get(tuple(r[k] for k in KEYS), float("nan")) / r["tpot_ms"]
+                                    for _, r in out.iterrows()]
     return out
 
 

@@ -47,6 +47,7 @@ KNOBS: dict[str, tuple[str, ...]] = {
     "specter": ("orchestrator", "shared", "reorder", "top_m", "cold_start", "prefetch_noise"),
     "sp_e": ("top_m", "prefetch_noise"),
     "sp_l": ("top_m", "prefetch_noise"),
+    "specmoe": ("draft_top_k",),
 }
 
 

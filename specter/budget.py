@@ -1,13 +1,14 @@
 """Memory budgets: named budgets to resident expert slots per MoE layer, and the byte accounting.
 
-Owns: resolving `budget=high|low|full` (or `budget.slots=N`) for a model to a slot count,
+Owns: resolving `budget=xhigh|high|low|full` (or `budget.slots=N`) for a model to a slot count,
 checking it is possible (at least top-k, at most the expert count), and the device-memory
 accounting printed at the start of every run.
 Does not own: which experts occupy the slots (the residency policy of the offloading runtime).
 
 The paper's budgets are per-layer slot counts (paper-facts.md); models without a paper entry
 use the same proportions as DeepSeek-V2-Lite and Qwen1.5-MoE: high = E/4, low = E/8, rounded
-up, never below top-k.
+up, never below top-k. `xhigh` = E/2 is the largest budget of the hit-rate study (our reading
+of DeepSeek-V2-Lite at 32 GB: twice the 24 GB case's slots).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from specter.config import BudgetConfig, ModelConfig
 from specter.errors import UserError
 from specter.models.introspect import MoESpec
 
-PROPORTION = {"high": 1 / 4, "low": 1 / 8}
+PROPORTION = {"xhigh": 1 / 2, "high": 1 / 4, "low": 1 / 8}
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,9 @@ class BudgetConfig:
 
 @dataclass
 class SystemConfig:
-    """The decoding system. The fields after `name` are the knobs of `specter` (and its
-    single-plan cousins sp_e / sp_l); other systems refuse non-default values."""
+    """The decoding system. The fields after `name` are knobs of `specter` (and its
+    single-plan cousins sp_e / sp_l) and of `specmoe` (draft_top_k); a system refuses a knob
+    it does not have (experiments/systems.py KNOBS)."""
 
     name: str
     orchestrator: bool = True  # the predictive I/O orchestrator (False: on-demand loads only)
@@ -47,6 +48,7 @@ class SystemConfig:
     top_m: int | None = None  # experts per layer per prefetch batch; None: the model's top-k
     cold_start: float = 0.2  # first plan after this fraction of the window's draft steps
     prefetch_noise: float = 0.0  # experiment=oracle: share of planned expert IDs made wrong
+    draft_top_k: int | None = None  # specmoe: experts per draft token; None: max(1, top-k // 2)
 
 
 @dataclass
@@ -155,6 +157,8 @@ class RunConfig:
             raise UserError(f"system.prefetch_noise must be in [0, 1] (got {sysc.prefetch_noise}).")
         if not 0.0 < sysc.cold_start <= 1.0:
             raise UserError(f"system.cold_start must be in (0, 1] (got {sysc.cold_start}).")
+        if sysc.draft_top_k is not None and sysc.draft_top_k < 1:
+            raise UserError(f"system.draft_top_k must be at least 1 (got {sysc.draft_top_k}).")
         if sysc.top_m is not None and sysc.top_m < 1:
             raise UserError(f"system.top_m must be at least 1 (got {sysc.top_m}).")
         if self.budget.slots is not None and self.budget.slots < 1:

@@ -177,12 +177,14 @@ class CostModel:
         """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
         return self.matmul_s(tokens, self.sizes.expert_params, kernels=3) * self.sizes.moe_multiplier
 
-    def draft_expert_s(self, tokens: int, bits: int = 4, group: int = 128) -> float:
-        """One routed expert from its quantized copy: the same FLOPs, `bits`-bit weights plus
-        one 2-byte scale per group read."""
+    def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128) -> float:
+        """One MoE layer's routed experts from their quantized copy in one fused kernel (SEE:
+        the Triton kernel is one launch per projection, plus the activation): every routed
+        expert's FLOPs and `bits`-bit weights (plus one 2-byte scale per group), three launches."""
         p = self.sizes.expert_params
-        traffic = p * bits / 8 + p / group * 2
-        seconds = max(2.0 * tokens * p / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
+        flops = sum(2.0 * n * p for n in tokens_per_expert)
+        traffic = len(tokens_per_expert) * (p * bits / 8 + p / group * 2)
+        seconds = max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
             + 3 * self.hw.launch_overhead_s
         return seconds * self.sizes.moe_multiplier
 

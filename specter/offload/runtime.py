@@ -57,6 +57,8 @@ class DemandStats:
     hits: int = 0
     misses: int = 0
     inflight_hits: int = 0  # needed while its (prefetch) copy was still in flight
+    pair_hits: int = 0  # (token, expert) requests whose expert was resident
+    pair_requests: int = 0  # (token, expert) requests: tokens x top-k
     prefetches: int = 0
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
@@ -66,6 +68,8 @@ class DemandStats:
         per_layer = [len(self.distinct[l]) for l in sorted(self.distinct)]
         return {"demand_hits": self.hits, "demand_misses": self.misses,
                 "hit_rate": self.hits / total if total else float("nan"),
+                "hit_rate_tokens": self.pair_hits / self.pair_requests if self.pair_requests
+                else float("nan"),
                 "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
                 "distinct_experts_per_layer": per_layer,
                 "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0,
@@ -165,6 +169,9 @@ class OffloadRuntime:
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
+            per_expert = torch.bincount(top_k_index.flatten()).tolist()
+            self.stats.pair_requests += top_k_index.numel()
+            self.stats.pair_hits += sum(per_expert[e] for e in hits)
         cache.protect(l, needed)  # needed and not yet computed: never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
