@@ -137,9 +137,12 @@ class Orchestrator:
             self.stats.pins += len(b.pin)
         n = 0
         for l, b in enumerate(batch):
+            # A prefetch only takes the slot of an expert the draft has not routed to: evicting
+            # a predicted one would trade one needed copy for another.
+            predicted = {e for e, c in enumerate(counts[l]) if c >= 1}
             for e in b.load:
-                t = self.cache.load(l, e)
-                if t is None:  # every slot held by pins or by experts still in use
+                t = self.cache.load(l, e, avoid=predicted)
+                if t is None:  # every slot held by a pin, a predicted expert or one in use
                     break
                 self.cache.pin(l, [e])
                 self.planned[l].add(e)
