@@ -142,6 +142,17 @@ def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
     print(f"DeepSeek-V2-Lite expert on a100_pcie4: transfer {transfer * 1e3:.4f} ms, "
           f"GEMV {gemv * 1e3:.4f} ms, ratio {transfer / gemv:.1f}x")
     assert "transfer 0.5593 ms" in capsys.readouterr().out
+    # The INT4 draft: all of a layer's routed experts in one fused kernel (three launches),
+    # 4-bit codes plus a 2-byte scale per group of 128 read for each routed expert.
+    int4 = params / 2 + params / 128 * 2
+    fused = max(2 * params * (1 + 2 + 3) / 312e12, 3 * int4 / 1.555e12) + 3 * 5e-6
+    assert cost.draft_experts_s([1, 2, 3]) == pytest.approx(fused, rel=1e-12)
+    # The host-computed draft (specmoe) needs the host profile.
+    with pytest.raises(ValueError, match="no host profile"):
+        cost.host_expert_s(1)
+    host = CostModel(HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6,
+                                     host_matrix_flops=2e12, host_mem_bandwidth_Bps=1e11), sizes)
+    assert host.host_expert_s(1) == pytest.approx(2 * params / 1e11, rel=1e-12)  # 0.173 ms
 
 
 def test_offloading_on_a_plain_cpu_clock_is_refused():

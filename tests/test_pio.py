@@ -192,3 +192,113 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
         check_system(SystemConfig(name="lru_s", shared=False))
     with pytest.raises(UserError, match="prefetch_noise"):
         check_system(SystemConfig(name="lru", prefetch_noise=0.5))
+
+
+# -- the orchestrator's schedule on a synthetic clock ---------------------------------------
+
+
+class _Transfer:
+    def __init__(self, nbytes, start, end, link):
+        self.nbytes, self.start, self.end, self._link = nbytes, start, end, link
+
+    def done(self):
+        return self._link.t >= self.end
+
+
+class _Link:
+    """Compute time `t`; one copy engine free at `te`."""
+
+    def __init__(self, bandwidth):
+        self.t, self.te, self.bw = 0.0, 0.0, bandwidth
+
+    def now(self):
+        return self.t
+
+    def compute(self, s):
+        self.t += s
+
+
+class _Cache:
+    def __init__(self, layers, slots, link, nbytes):
+        self.layers = [None] * layers
+        self.slots, self.link, self.transfer_bytes = slots, link, nbytes
+        self.res = [set(range(slots)) for _ in range(layers)]
+        self.pins = [set() for _ in range(layers)]
+        self.issued: list[tuple[float, int, int]] = []  # (time, layer, expert)
+
+    def resident_set(self, l):
+        return set(self.res[l])
+
+    def pin(self, l, experts):
+        self.pins[l].update(experts)
+
+    def release_all_pins(self):
+        for p in self.pins:
+            p.clear()
+
+    def load(self, l, e, avoid=frozenset()):
+        victims = sorted(self.res[l] - self.pins[l] - set(avoid))
+        if e in self.res[l] or not victims:
+            return None
+        self.res[l].remove(victims[0])
+        self.res[l].add(e)
+        start = max(self.link.t, self.link.te)
+        self.link.te = start + self.transfer_bytes / self.link.bw
+        self.issued.append((self.link.t, l, e))
+        return _Transfer(self.transfer_bytes, start, self.link.te, self.link)
+
+
+class _Runtime:
+    def __init__(self, cache):
+        self.cache, self.last_needed = cache, {}
+
+
+def _drive(orch, link, routing, step_s):
+    """One window: each draft step routes `routing[i][l]` at layer l and takes step_s."""
+    k = len(routing)
+    for i, per_layer in enumerate(routing):
+        orch.on_forward("draft")
+        for l, experts in enumerate(per_layer):
+            orch.on_draft_experts(l, torch.tensor([experts]))
+        link.compute(step_s)
+        orch.after_draft_step(i + 1, k)
+
+
+def test_orchestrator_phases_follow_transfer_time_and_step_time():
+    """Cold start after ceil(0.2K) steps; the next boundary after as many steps as the batch
+    takes to move (bandwidth known from the profile, step time measured); final cleanup at the
+    window's end; pins never exceed the slots; nothing evicts a predicted expert."""
+    from specter.pio.orchestrator import Orchestrator
+
+    link = _Link(bandwidth=1000.0)  # 1000 B/s
+    cache = _Cache(layers=2, slots=4, link=link, nbytes=1000)  # 1 s per expert copy
+    elb = ExpertLookaheadBuffer(2, 16, torch.device("cpu"))
+    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=1, bandwidth_Bps=1000.0,
+                        latency_s=0.0)
+    # K=10 steps of 1 s; each step routes a new expert per layer (never resident).
+    routing = [[[8 + i % 8], [8 + (i + 3) % 8]] for i in range(10)]
+    _drive(orch, link, routing, step_s=1.0)
+    times = sorted({t for t, _, _ in cache.issued})
+    # Cold start: ceil(0.2*10) = 2 steps; the batch of 2 copies (1 per layer, top_m=1) takes
+    # 2 s = 2 steps, so the next boundary is at step 4, then 6, ...
+    assert times[:3] == [2.0, 4.0, 6.0]
+    assert orch.stats.boundaries >= 3
+    assert all(len(p) <= 4 for p in cache.pins)
+    # Plans stop once every layer's plan holds its 4 slots (here: 4 loads per layer).
+    assert orch.stats.loads == 8 and orch.stats.full_windows == 1
+    orch.end_window()
+    assert all(not p for p in cache.pins) and orch.stats.windows == 1
+
+
+def test_orchestrator_late_plan_waits_for_the_whole_window():
+    from specter.pio.orchestrator import Orchestrator
+
+    link = _Link(bandwidth=1000.0)
+    cache = _Cache(layers=1, slots=4, link=link, nbytes=1000)
+    elb = ExpertLookaheadBuffer(1, 16, torch.device("cpu"))
+    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=4, bandwidth_Bps=1000.0,
+                        latency_s=0.0, mode="late")
+    _drive(orch, link, [[[9]], [[10]], [[9]], [[11]], [[0]]], step_s=1.0)
+    assert orch.stats.boundaries == 1 and {t for t, _, _ in cache.issued} == {5.0}
+    # Ranked by count: 9 (twice) first; 0 is resident and pinned, so it is never evicted.
+    assert [e for _, _, e in cache.issued] == [9, 10, 11] and 0 in cache.res[0]
