@@ -46,6 +46,8 @@ class SpeculativeOffloadEngine:
         if timing.cost is not None and timing.clock == "virtual":
             self.shared.draft_listeners.append(self._charge_draft_experts)
         self.k_source = "spec.k"
+        self.temperature = 0.0  # > 0: speculative sampling with `self.generator`
+        self.generator: torch.Generator | None = None
         self.separate: SeparateDraft | None = None
         self.draft_instance = self.shared  # the instance whose draft routing listeners see
         self._draft_charger = None
@@ -82,6 +84,10 @@ class SpeculativeOffloadEngine:
         self.timing.link.synchronize()
         self.runtime.reset()
 
+    def seed_request(self, seed: int) -> None:
+        """The sampling generator of the next request (workload.temperature > 0)."""
+        self.generator = torch.Generator().manual_seed(seed)
+
     def _decode_options(self) -> dict:
         """Extra arguments of `speculative_greedy` (a separate draft, a prefetch hook)."""
         return {"separate": self.separate} if self.separate is not None else {}
@@ -90,9 +96,11 @@ class SpeculativeOffloadEngine:
         return {}
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        sampling = {"temperature": self.temperature, "generator": self.generator} \
+            if self.temperature > 0 else {}
         gen = speculative_greedy(self.model, self.shared, prompt_ids, max_new_tokens, self.k,
                                  self.device, self.timing.link, self.stop, self.memory,
-                                 self._before_forward, **self._decode_options())
+                                 self._before_forward, **sampling, **self._decode_options())
         gen.stats.update(self.runtime.stats.as_record())
         gen.stats.update(self.timing.link_record())
         gen.stats.update(self.draft.as_record())
@@ -128,6 +136,7 @@ def build_speculative(ctx, name: str, prefetcher=None, engine_cls=None, separate
     engine = (engine_cls or SpeculativeOffloadEngine)(
         name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth_of(ctx),
         stop_on_eos=ctx.cfg.workload.stop_on_eos, **engine_kwargs)
+    engine.temperature = ctx.cfg.workload.temperature
     resolve_depth(ctx, engine)
     return engine
 

@@ -193,6 +193,7 @@ class SpecMoEEngine(SpeculativeOffloadEngine):
         self.k_source = "spec.k"
         # lru_s's attributes for a separate draft instance: this engine never has one.
         self.separate, self.draft_instance, self._draft_charger = None, self.shared, None
+        self.temperature, self.generator = 0.0, None  # set by build / seed_request
 
     def _before_forward(self, tokens: int, context: int, phase: str) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill")
@@ -225,11 +226,11 @@ class SpecMoEEngine(SpeculativeOffloadEngine):
 
 
 def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpecMoEEngine:
-    """`draft_top_k`: argument, else `system.draft_top_k` if the config has it, else
+    """`draft_top_k`: argument, else `system.draft_top_k` if set, else
     `max(1, top_k // 2)`; `renormalize`: argument, else as the model's router does."""
     top_k = ctx.loaded.spec.top_k
     if draft_top_k is None:
-        draft_top_k = getattr(ctx.cfg.system, "draft_top_k", None) or default_draft_top_k(top_k)
+        draft_top_k = ctx.cfg.system.draft_top_k or default_draft_top_k(top_k)
     if not 1 <= draft_top_k <= top_k:
         raise UserError(f"system.draft_top_k must be between 1 and the model's top-k ({top_k}); "
                         f"got {draft_top_k}.")
@@ -241,6 +242,7 @@ def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) 
                            router_normalizes(ctx.loaded.model.config) if renormalize is None
                            else renormalize,
                            stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    engine.temperature = ctx.cfg.workload.temperature
     if not isinstance(ctx.cfg.spec.k, int):
         engine.k_source = f"SpecMoE reading's K={K_DEFAULT}"
     return engine

@@ -88,5 +88,6 @@ def build(ctx) -> SpecMoEOffEngine:
     engine = SpecMoEOffEngine("specmoeoff", ctx.loaded.model, ctx.device, timing, runtime, draft,
                               k, stop_on_eos=ctx.cfg.workload.stop_on_eos, draft_model=second,
                               top_m=ctx.loaded.spec.top_k)
+    engine.temperature = ctx.cfg.workload.temperature
     engine.k_source = "spec.k" if isinstance(ctx.cfg.spec.k, int) else f"SpecMoEOff's K={K_DEFAULT}"
     return engine

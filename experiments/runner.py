@@ -90,7 +90,7 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
 def run(cfg: RunConfig, log=print) -> RunSummary:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
-    check_system(cfg.system)
+    check_system(cfg.system, cfg.workload.temperature)
     device = resolve_device(cfg.hardware.device)
     workload = _workload(cfg)
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
@@ -140,6 +140,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     for i, r in tqdm(todo, desc=f"{cfg.system.name}/{cfg.model.name}/{workload.dataset}",
                      disable=not cfg.progress, file=sys.stderr):
         engine.reset()  # outside timing
+        if cfg.workload.temperature > 0:  # one generator per (request, repeat): reruns repeat
+            engine.seed_request(cfg.seed * 1_000_003 + i * 1_009 + r)
         gen = engine.generate(prompts[i], cfg.workload.max_new_tokens)
         t = timing(gen)
         row = {**fixed, "request_id": _request_id(workload, i), "repeat": r,

@@ -51,10 +51,18 @@ KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 
-def check_system(system: SystemConfig) -> None:
+# Systems that decode with speculative sampling when workload.temperature > 0 (their engine
+# has `seed_request`); the others decode greedily only.
+SAMPLING = ("lru_s", "specmoeoff", "specmoe", "specter", "sp_e", "sp_l")
+
+
+def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     name = system.name
     if name not in SYSTEMS:
         raise UserError(f"unknown system '{name}'; choose one of: {', '.join(sorted(SYSTEMS))}.")
+    if temperature > 0 and name not in SAMPLING:
+        raise UserError(f"workload.temperature > 0 needs a speculating system "
+                        f"({', '.join(SAMPLING)}); system={name} decodes greedily only.")
     defaults = SystemConfig(name=name)
     for f in fields(SystemConfig):
         if f.name == "name" or f.name in KNOBS.get(name, ()):
@@ -66,5 +74,5 @@ def check_system(system: SystemConfig) -> None:
 
 
 def build_engine(ctx: BuildContext) -> Engine:
-    check_system(ctx.cfg.system)
+    check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
     return importlib.import_module(SYSTEMS[ctx.cfg.system.name]).build(ctx)

@@ -86,6 +86,9 @@ class WorkloadConfig:
     max_new_tokens: int = 128
     repeats: int = 3
     stop_on_eos: bool = True
+    # 0: greedy (the protocol). > 0: speculative sampling, for the systems that speculate; each
+    # (request, repeat) draws from its own generator seeded from `seed`, so reruns repeat.
+    temperature: float = 0.0
 
 
 @dataclass
@@ -152,6 +155,8 @@ class RunConfig:
             raise UserError("spec.profile_ks must list draft depths of at least 1.")
         if self.spec.profile_prompts < 1 or self.spec.profile_runs < 1:
             raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
+        if not (w.temperature >= 0 and w.temperature < float("inf")):
+            raise UserError(f"workload.temperature must be >= 0 (got {w.temperature}).")
         sysc = self.system
         if not 0.0 <= sysc.prefetch_noise <= 1.0:
             raise UserError(f"system.prefetch_noise must be in [0, 1] (got {sysc.prefetch_noise}).")

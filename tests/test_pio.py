@@ -302,3 +302,36 @@ def test_orchestrator_late_plan_waits_for_the_whole_window():
     assert orch.stats.boundaries == 1 and {t for t, _, _ in cache.issued} == {5.0}
     # Ranked by count: 9 (twice) first; 0 is resident and pinned, so it is never evicted.
     assert [e for _, _, e in cache.issued] == [9, 10, 11] and 0 in cache.res[0]
+
+
+# -- workload.temperature through the runner -------------------------------------------------
+
+
+def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_systems(tmp_path):
+    import yaml
+
+    from conftest import REPO
+    from experiments import records, runner
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    def cfg(system, temperature, seed, out):
+        return RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": {"name": system}, "dataset": {"name": "gsm8k"},
+            "hardware": A100, "spec": {"k": 4}, "seed": seed, "out_dir": str(tmp_path / out),
+            "workload": {"items": 2, "max_new_tokens": 16, "repeats": 2,
+                         "temperature": temperature}, "progress": False})
+
+    quiet = lambda *_: None  # noqa: E731
+    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
+        runner.run(cfg("specter", 1.5, seed, out), log=quiet)
+    runner.run(cfg("specter", 0.0, 0, "greedy"), log=quiet)
+    toks = {o: [list(t) for t in records.load(tmp_path / o).sort_values(["request_id", "repeat"])
+                ["output_tokens"]] for o in ("a", "b", "c", "greedy")}
+    assert toks["a"] == toks["b"]  # the same seed: the same samples
+    assert toks["a"] != toks["c"] and toks["a"] != toks["greedy"]
+    assert toks["a"][0] != toks["a"][1]  # repeats draw differently
+    with pytest.raises(UserError, match="decodes greedily only"):
+        runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
+    assert not (tmp_path / "bad").exists()
