@@ -38,8 +38,9 @@ def variant(row: pd.Series) -> str:
 
 
 def _same(value, default) -> bool:
-    if default is None:
-        return value is None or (isinstance(value, float) and math.isnan(value))
+    """Equal to the default; a missing value (records older than the knob) counts as it."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return True
     return value == default
 
 
