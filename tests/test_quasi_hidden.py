@@ -46,7 +46,8 @@ def test_quasi_hidden_is_lossless_and_prefetches(name, tiny_models, tmp_path):
     ref = tokens(df[df["system"] == "resident"])
     for slots, g in df[df["system"] == "quasi_hidden"].groupby("budget_slots"):
         assert tokens(g) == ref, f"{name} at {slots} slots"
-        assert g["prefetches"].sum() > 0, f"{name} at {slots} slots"
+        if slots == k:  # at larger budgets a guess may always be resident already
+            assert g["prefetches"].sum() > 0, f"{name} at {slots} slots"
         assert g["default_vectors"].map(lambda p: Path(p).is_file()).all()
         assert g["qh_precision"].between(0, 1).all()
 
