@@ -22,7 +22,10 @@ class SpecterEngine(SpeculativeOffloadEngine):
     """A speculative engine whose draft routing drives an `Orchestrator` (or none)."""
 
     def __init__(self, *args, plan_mode: str | None, top_m: int, cold_start: float,
-                 noise: float, seed: int, reorder: bool = True, draft_model=None, **kwargs):
+                 noise: float, seed: int, reorder: bool = True, draft_model=None,
+                 bandwidth_prior: float | None = None, **kwargs):
+        """`bandwidth_prior`: the planner's H2D bandwidth until copies are measured (default
+        the link profile's; real-time links have none, so the runner passes the hardware's)."""
         super().__init__(*args, **kwargs)
         if draft_model is not None:
             self.attach_separate_draft(draft_model)
@@ -34,7 +37,8 @@ class SpecterEngine(SpeculativeOffloadEngine):
             cost = self.timing.cost
             self.orch = Orchestrator(
                 self.runtime, link, elb, slots=cache.slots, top_m=top_m,
-                bandwidth_Bps=link.profile.bandwidth_Bps, latency_s=link.profile.latency_s,
+                bandwidth_Bps=bandwidth_prior or link.profile.bandwidth_Bps,
+                latency_s=link.profile.latency_s,
                 mode=plan_mode, cold_start=cold_start, noise=noise, seed=seed,
                 sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0)
             self.draft_instance.draft_listeners.append(self.orch.on_draft_experts)
@@ -73,7 +77,11 @@ def build_planned(ctx, name: str, plan_mode: str | None,
     return build_speculative(
         ctx, name, engine_cls=SpecterEngine, separate=not sc.shared, plan_mode=plan_mode,
         top_m=sc.top_m or default_top_m or ctx.loaded.spec.top_k, cold_start=sc.cold_start,
-        noise=sc.prefetch_noise, seed=ctx.cfg.seed, reorder=sc.reorder)
+        noise=sc.prefetch_noise, seed=ctx.cfg.seed, reorder=sc.reorder,
+        # Real-time links (CUDA) carry no profile: start from the hardware's nominal PCIe
+        # bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until copies are measured.
+        bandwidth_prior=None if ctx.cfg.hardware.clock in ("virtual", "emulated")
+        else (ctx.cfg.hardware.h2d_bandwidth_Bps or 25e9))
 
 
 def build(ctx) -> SpecterEngine:

@@ -143,7 +143,7 @@ def test_single_plans_ablations_and_wrong_predictions_stay_lossless(system, qwen
     gens = decode_all(eng, loaded.tokenizer)
     assert [g.tokens for g in gens] == ref
     planned = system.get("orchestrator", True)
-    assert all((g.stats["prefetches"] > 0) == planned for g in gens)
+    assert (sum(g.stats["prefetches"] for g in gens) > 0) == planned
     if system["name"] in ("sp_e", "sp_l"):
         assert all(g.stats["plan_boundaries_per_window"] == 1.0 for g in gens)
     if system.get("prefetch_noise"):
