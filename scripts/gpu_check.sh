@@ -34,8 +34,8 @@ for mb in (17, 64, 256):
     print(f"{mb} MiB pinned H2D: {10 * (mb << 20) / (time.perf_counter() - t) / 1e9:.2f} GB/s")
 PY
 
-echo "== short benchmark: resident, lru, mo_sm, transformers, lru_s, specmoeoff on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
-"$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff hardware=cuda dataset=gsm8k \
+echo "== short benchmark: resident, lru, mo_sm, transformers, lru_s, specmoeoff, specter, sp_e on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
+"$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff,specter,sp_e hardware=cuda dataset=gsm8k \
   workload.items=2 workload.repeats=1 workload.max_new_tokens=64 \
   out_dir="$OUT/records" progress=false 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
