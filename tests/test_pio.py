@@ -335,3 +335,15 @@ def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_
     with pytest.raises(UserError, match="decodes greedily only"):
         runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
     assert not (tmp_path / "bad").exists()
+
+
+def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_path):
+    from conftest import run_cli
+
+    wrong_system = run_cli("system=lru", "system.shared=false", f"out_dir={tmp_path}")
+    unknown = run_cli("system=specter", "system.sharing=false", f"out_dir={tmp_path}")
+    for res, text in ((wrong_system, "system.shared applies to specter only"),
+                      (unknown, "unknown setting 'system.sharing'")):
+        assert res.returncode == 2 and text in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert not tmp_path.joinpath("records").exists()
