@@ -15,7 +15,6 @@ from collections import Counter
 
 
 from baselines.lru_s import SpeculativeOffloadEngine, load_separate_draft_model
-from specter.models.introspect import experts_modules
 from specter.offload.build import offload_model, timing_for
 from specter.quant.build import draft_for
 
@@ -27,22 +26,19 @@ class RouteFrequencyPrefetch:
     """Counts the draft's expert choices per layer within a window; at the given fractions
     of the window loads the top-M most frequent experts of every layer not yet resident."""
 
-    def __init__(self, draft_model, runtime, top_m: int, fractions=FRACTIONS):
+    def __init__(self, moe_layers: int, runtime, top_m: int, fractions=FRACTIONS):
         self.runtime, self.top_m, self.fractions = runtime, top_m, fractions
+        self.moe_layers = moe_layers
         self.counts: list[Counter] = []
         self.prefetched = 0
-        self.mods = [m for _, m in experts_modules(draft_model)]
-        for l, m in enumerate(self.mods):
-            m.register_forward_pre_hook(self._hook(l))
         self.new_window()
 
-    def _hook(self, l: int):
-        def count(module, args):
-            self.counts[l].update(args[1].flatten().tolist())  # host sync: routing counts
-        return count
+    def count(self, layer: int, top_k_index) -> None:
+        """A draft listener: the draft's top-k choices at one MoE layer."""
+        self.counts[layer].update(top_k_index.flatten().tolist())  # host sync: routing counts
 
     def new_window(self) -> None:
-        self.counts = [Counter() for _ in self.mods]
+        self.counts = [Counter() for _ in range(self.moe_layers)]
         self.fired: set[float] = set()
 
     def after_draft_step(self, i: int, k_eff: int) -> None:
@@ -65,7 +61,8 @@ class SpecMoEOffEngine(SpeculativeOffloadEngine):
     def __init__(self, *args, draft_model, top_m: int, **kwargs):
         super().__init__(*args, **kwargs)
         self.attach_separate_draft(draft_model)
-        self.prefetch = RouteFrequencyPrefetch(draft_model, self.runtime, top_m)
+        self.prefetch = RouteFrequencyPrefetch(len(self.runtime.modules), self.runtime, top_m)
+        self.draft_instance.draft_listeners.append(self.prefetch.count)
 
     def reset(self) -> None:
         super().reset()

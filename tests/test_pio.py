@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import PROMPTS, TINY
+from conftest import TINY
 from specter.errors import UserError
 from specter.pio import planner
 from specter.pio.elb import ExpertLookaheadBuffer

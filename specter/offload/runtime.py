@@ -158,7 +158,8 @@ class OffloadRuntime:
         """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
         cache = self.cache
         self._charge("router_s", hidden.shape[0])  # the router that just ran
-        needed = torch.unique(top_k_index).tolist()  # host sync: residency is a host decision
+        ids, n_tokens = torch.unique(top_k_index, return_counts=True)  # sorted expert ids
+        needed = ids.tolist()  # host sync: residency is a host decision
         self.last_needed[l] = needed
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
@@ -169,9 +170,9 @@ class OffloadRuntime:
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
-            per_expert = torch.bincount(top_k_index.flatten()).tolist()
+            tokens_of = dict(zip(needed, n_tokens.tolist()))
             self.stats.pair_requests += top_k_index.numel()
-            self.stats.pair_hits += sum(per_expert[e] for e in hits)
+            self.stats.pair_hits += sum(tokens_of[e] for e in hits)
         cache.protect(l, needed)  # needed and not yet computed: never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
