@@ -22,7 +22,7 @@ import torch
 
 from experiments import records
 from experiments.provenance import provenance
-from experiments.systems import BuildContext, build_engine, check_system
+from experiments.systems import SPECULATIVE, BuildContext, build_engine, check_system
 from specter import budget as budget_mod
 from specter.config import RunConfig
 from specter.errors import UserError
@@ -67,10 +67,20 @@ def _workload(cfg: RunConfig) -> Workload:
 
 def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
     """What determines the measurement (not where it is written or how it is displayed)."""
-    d = cfg.to_dict()
+    d = measured_config(cfg)
     for key in ("out_dir", "progress", "cache_dir", "data_dir"):
         d.pop(key)
     d["resolved_slots"] = slots
+    return d
+
+
+def measured_config(cfg: RunConfig) -> dict[str, Any]:
+    """The run's configuration without settings its system does not read: a system that
+    does not speculate has no `spec` (so a sweep over spec.k runs it once, and its rows do
+    not claim a K)."""
+    d = cfg.to_dict()
+    if cfg.system.name not in SPECULATIVE:
+        d.pop("spec")
     return d
 
 
@@ -128,17 +138,20 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "acct_non_expert_bytes": acct.non_expert_bytes,
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
         "acct_kv_bytes": acct.kv_bytes,
-        **flatten(cfg.to_dict(), "cfg."), **provenance(),
+        **flatten(measured_config(cfg), "cfg."), **provenance(),
     }
     jobs = [(i, r) for i in range(len(prompts)) for r in range(cfg.workload.repeats)]
     todo = [(i, r) for i, r in jobs if not store.done(_request_id(workload, i), r)]
     if len(todo) < len(jobs):
         log(f"[specter] resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already in {store.dir}")
     tpots: list[float] = []
+    written = 0
     from tqdm import tqdm
 
     for i, r in tqdm(todo, desc=f"{cfg.system.name}/{cfg.model.name}/{workload.dataset}",
                      disable=not cfg.progress, file=sys.stderr):
+        if store.done(_request_id(workload, i), r):  # a concurrent worker on this case did it
+            continue
         engine.reset()  # outside timing
         if cfg.workload.temperature > 0:  # one generator per (request, repeat): reruns repeat
             engine.seed_request(cfg.seed * 1_000_003 + i * 1_009 + r)
@@ -148,14 +161,18 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
                "prompt_tokens": prompts[i], "output_tokens": gen.tokens, **t,
                "distinct_4": distinct_n(gen.tokens, 4), "peak_mem_bytes": gen.peak_mem_bytes,
                "peak_mem_source": gen.peak_mem_source, "finished_at": time.time(), **gen.stats}
-        store.write(row)
+        try:
+            store.write(row)
+            written += 1
+        except FileExistsError:  # a concurrent worker on this case recorded this row first
+            continue
         if not math.isnan(t["tpot_ms"]):
             tpots.append(t["tpot_ms"])
     mean = sum(tpots) / len(tpots) if tpots else math.nan
-    log(f"[specter] wrote {len(todo)} row(s), skipped {len(jobs) - len(todo)}; "
+    log(f"[specter] wrote {written} row(s), skipped {len(jobs) - written}; "
         f"mean TPOT {mean:.2f} ms ({cfg.hardware.clock} clock) -> {store.dir}")
-    summary = RunSummary(out_dir=Path(cfg.out_dir), case_id=store.case_id, written=len(todo),
-                         skipped=len(jobs) - len(todo), tpot_ms_mean=mean)
+    summary = RunSummary(out_dir=Path(cfg.out_dir), case_id=store.case_id, written=written,
+                         skipped=len(jobs) - written, tpot_ms_mean=mean)
     log("RESULT " + json.dumps({"case_id": summary.case_id, "written": summary.written,
                                 "skipped": summary.skipped, "tpot_ms_mean": round(mean, 4),
                                 "dir": str(store.dir)}))

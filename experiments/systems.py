@@ -54,6 +54,8 @@ KNOBS: dict[str, tuple[str, ...]] = {
 # Systems that decode with speculative sampling when workload.temperature > 0 (their engine
 # has `seed_request`); the others decode greedily only.
 SAMPLING = ("lru_s", "specmoeoff", "specmoe", "specter", "sp_e", "sp_l")
+# Systems that read `spec.*` (the draft depth); for the others it is not part of the case.
+SPECULATIVE = SAMPLING
 
 
 def check_system(system: SystemConfig, temperature: float = 0.0) -> None:

@@ -1,7 +1,8 @@
 """Memory budgets: named budgets to resident expert slots per MoE layer, and the byte accounting.
 
 Owns: resolving `budget=xhigh|high|low|full` (or `budget.slots=N`) for a model to a slot count,
-checking it is possible (at least top-k, at most the expert count), and the device-memory
+checking it is possible (at least top-k, at most the expert count; a dense model cut into
+expert-sized blocks, where top-k = E, streams its blocks and needs one slot), and the device-memory
 accounting printed at the start of every run.
 Does not own: which experts occupy the slots (the residency policy of the offloading runtime).
 
@@ -33,23 +34,26 @@ class ResolvedBudget:
 
 def resolve_slots(budget: BudgetConfig, model: ModelConfig, num_experts: int,
                   top_k: int) -> ResolvedBudget:
+    # A token holds its top-k experts at once; a dense FFN cut into expert-sized blocks (top-k
+    # = E, the dense twin) computes its blocks one after another, so they stream through 1 slot.
+    minimum = 1 if top_k == num_experts else top_k
     if budget.slots is not None:
         slots, rule, note = budget.slots, "budget.slots override", ""
     elif budget.name == "full":
         slots, rule, note = num_experts, "all experts resident", ""
     elif budget.name in model.budget_slots:
         slots, rule, note = model.budget_slots[budget.name], f"model.budget_slots.{budget.name}", ""
-        if slots < top_k:  # Phi-3.5-MoE low: the paper keeps 1 of 16 resident with top-2
+        if slots < minimum:  # Phi-3.5-MoE low: the paper keeps 1 of 16 resident with top-2
             note = (f"paper budget of {slots} slot(s) is below top-k={top_k}; raised to {top_k} "
                     "because experts in use are never evicted")
             slots, rule = top_k, rule + " (raised to top-k)"
     elif budget.name in PROPORTION:
-        slots = max(top_k, math.ceil(num_experts * PROPORTION[budget.name]))
+        slots = max(minimum, math.ceil(num_experts * PROPORTION[budget.name]))
         rule, note = f"proportional: ceil(E*{PROPORTION[budget.name]}), at least top-k", ""
     else:
         raise UserError(f"budget '{budget.name}' has no slot count for model={model.name}; "
                         "use budget=high|low|full or set budget.slots=N.")
-    if slots < top_k:
+    if slots < minimum:
         raise UserError(f"budget of {slots} expert slot(s) per layer is below top-k={top_k} for "
                         f"model={model.name}; every token needs {top_k} experts resident at once, "
                         f"so set budget.slots to at least {top_k}.")

@@ -131,3 +131,16 @@ def test_real_model_path_loads_a_local_checkpoint(tmp_path, tiny_models):
     df = records.load(out)
     assert len(df) == 2 and (df["model"] == "deepseek").all()
     assert (df["checkpoint"] == str(ckpt)).all()
+
+
+def test_spec_settings_are_part_of_the_case_only_for_speculative_systems():
+    """A sweep over spec.k runs lru once (its case has no K, its rows claim none); lru_s once
+    per K."""
+    def case(system, k):
+        d = smoke_cfg("x").to_dict()
+        d["system"] = {"name": system}
+        d["spec"] = {**d["spec"], "k": k}
+        return runner.case_of(RunConfig.from_dict(d), 4)
+
+    assert case("lru", 4) == case("lru", 8) and "spec" not in case("lru", 4)
+    assert case("lru_s", 4) != case("lru_s", 8) and case("lru_s", 4)["spec"]["k"] == 4

@@ -72,6 +72,20 @@ def _deepseek(s: Shape, vocab: int, special: dict):
         norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=1024, **special)
 
 
+def _dense(s: Shape, vocab: int, special: dict):
+    """The dense twin of the DeepSeek-shaped model (issue 5's working-set comparison): the same
+    layers, attention, shared experts and 64 expert-sized blocks, but every token uses all 64
+    blocks with the weight 1/64 (the router is frozen at zero: softmax of equal logits). The
+    sum over blocks is one dense SwiGLU FFN of 64 x moe_intermediate columns, so the model has
+    the MoE's total size with every parameter active, and it offloads in the same units."""
+    cfg = _deepseek(s, vocab, special)
+    cfg.num_experts_per_tok = cfg.n_routed_experts
+    return cfg
+
+
+DENSE_ARCHS = ("dense",)  # routers frozen at zero during training (see _dense)
+
+
 def _qwen(s: Shape, vocab: int, special: dict):
     from transformers import Qwen2MoeConfig
 
@@ -129,12 +143,13 @@ def _olmoe(s: Shape, vocab: int, special: dict):
 
 ARCHS: dict[str, Callable] = {
     "deepseek": _deepseek, "qwen": _qwen, "phi": _phi,
-    "mixtral": _mixtral, "qwen3": _qwen3, "olmoe": _olmoe,
+    "mixtral": _mixtral, "qwen3": _qwen3, "olmoe": _olmoe, "dense": _dense,
 }
 SIZES = {"tiny": TINY, "small": SMALL}
 # Which real model each project-made architecture stands for (None: kept for genericity only).
 STANDS_FOR = {"deepseek": "deepseek", "qwen": "qwen", "phi": "phi",
-              "mixtral": None, "qwen3": None, "olmoe": None}
+              "mixtral": None, "qwen3": None, "olmoe": None,
+              "dense": "deepseek"}  # charged as DeepSeek-V2-Lite's shapes, all experts active
 PROJECT_MODELS = tuple(f"{size}_{arch}" for size in SIZES for arch in ARCHS)
 
 
@@ -218,6 +233,8 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     config = ARCHS[recipe["arch"]](shape, len(tok), special)
     torch.manual_seed(recipe["seed"])
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if recipe["arch"] in DENSE_ARCHS:
+        _freeze_routers(model)
     # 3. Train on random windows of the stream (deterministic kernels: some MoE backward
     #    ops otherwise accumulate in a thread-dependent order).
     was_deterministic = torch.are_deterministic_algorithms_enabled()
@@ -244,6 +261,16 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
                 routing_load_entropy=load_entropy, build_seconds=round(time.time() - t0, 1),
                 torch=torch.__version__)
     (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
+
+
+def _freeze_routers(model) -> None:
+    """Zero every MoE router and take it out of training: equal logits, equal weights."""
+    from specter.models.introspect import experts_modules
+
+    for i, _ in experts_modules(model):
+        gate = model.model.layers[i].mlp.gate  # DeepSeek layout (the only dense twin)
+        gate.weight.data.zero_()
+        gate.weight.requires_grad_(False)
 
 
 def _train(model, stream: torch.Tensor, tr: Training, seed: int, progress: bool,
