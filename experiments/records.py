@@ -45,7 +45,8 @@ class CaseStore:
         return self.row_path(request_id, repeat).exists()
 
     def write(self, row: dict[str, Any]) -> Path:
-        """Write one row atomically; refuses to overwrite a completed row."""
+        """Write one row atomically, at most once: FileExistsError when the row is already
+        recorded, also when a concurrent writer of the same row published it first."""
         self.dir.mkdir(parents=True, exist_ok=True)
         manifest = self.dir / "case.json"
         if not manifest.exists():
@@ -59,7 +60,15 @@ class CaseStore:
         os.close(fd)
         try:
             pq.write_table(table, tmp)
-            os.replace(tmp, path)
+            # Publish without replacing: of two workers finishing the same row at once (one
+            # case run twice, possibly on two machines sharing the folder) exactly one link
+            # succeeds; the other gets FileExistsError, as for a row recorded earlier.
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                raise FileExistsError(f"row already recorded: {path}") from None
+            except OSError:  # a file system without hard links: last writer wins, whole
+                os.replace(tmp, path)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -176,8 +176,9 @@ def test_speculative_sampling_rule_reproduces_the_target_distribution():
 
 def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribution():
     """Tiny model, T = 1, a deliberately poor draft (experts with noise added, then INT4):
-    the first sampled token over many seeds follows softmax(target logits / T) however the
-    draft proposes; the same check rejects a biased rule."""
+    the first speculated tokens (the 2nd and 3rd outputs; the 1st comes from the prefill) over
+    many seeds follow softmax(target logits / T) given their prefixes, however the draft
+    proposes; the same check rejects a biased rule."""
     import specter.spec.decode as decode
     from specter.models.introspect import experts_modules
     from specter.quant.formats import rtn_quantize
@@ -193,26 +194,38 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
         [[noisy(m.down_proj[e].detach()) for e in range(m.down_proj.shape[0])] for m in mods])
     sw = SharedInstance(lm.model, qe, backend="reference")
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
-    with torch.no_grad():
-        p = torch.softmax(lm.model(input_ids=torch.tensor([ids])).logits[0, -1], dim=-1)
+    target_after: dict[tuple, torch.Tensor] = {}  # output prefix -> target's next-token probs
 
-    def counts_with(rule, trials=800):
+    def p_after(prefix: tuple) -> torch.Tensor:
+        if prefix not in target_after:
+            with torch.no_grad():
+                logits = lm.model(input_ids=torch.tensor([ids + list(prefix)])).logits[0, -1]
+            target_after[prefix] = torch.softmax(logits, dim=-1)
+        return target_after[prefix]
+
+    def counts_with(rule, trials=600):
+        """Observed 2nd and 3rd output tokens, and their expected frequencies given each one's
+        prefix (under a correct rule each is a draw from the target given its prefix)."""
         saved, decode.accept_sampled = decode.accept_sampled, rule
         try:
-            c = torch.zeros_like(p)
+            vocab = lm.model.config.vocab_size
+            c, expected = torch.zeros(vocab), torch.zeros(vocab)
             for seed in range(trials):
                 g = torch.Generator().manual_seed(seed)
-                gen = speculative_greedy(lm.model, sw, ids, 2, 4, CPU, Timing.wall(CPU).link,
+                gen = speculative_greedy(lm.model, sw, ids, 6, 4, CPU, Timing.wall(CPU).link,
                                          set(), DeviceMemory(lm.model, CPU), temperature=1.0,
                                          generator=g)
-                c[gen.tokens[0]] += 1
-            return c
+                assert gen.stats["windows"] >= 1  # the first window drafted 4 tokens (6 - 1 - 1 > 4)
+                for i in (1, 2):  # the first two speculated tokens, each given its prefix
+                    c[gen.tokens[i]] += 1
+                    expected += p_after(tuple(gen.tokens[:i]))
+            return c, expected / expected.sum()
         finally:
             decode.accept_sampled = saved
 
-    stat, df = _chi2(counts_with(decode.accept_sampled), p)
+    stat, df = _chi2(*counts_with(decode.accept_sampled))
     assert stat < chi2_crit_999(df), (stat, df)
-    bad, df_bad = _chi2(counts_with(_biased_resample_from_p), p)
+    bad, df_bad = _chi2(*counts_with(_biased_resample_from_p))
     assert bad > chi2_crit_999(df_bad), (bad, df_bad)
 
 

@@ -128,15 +128,28 @@ def quantize_with_gptqmodel(checkpoint: Path, windows: list[torch.Tensor], bits:
 
     Runs in a child process: gptqmodel (through `defuser`) patches transformers' MoE classes
     for the whole process, after which this process's models would have no fused experts."""
-    import subprocess
-    import sys
-    import tempfile
+    from filelock import FileLock
 
     if (out / "quantize_config.json").exists():
         return out
     if not gptqmodel_available():
         raise UserError("the gptqmodel reference needs the gptqmodel package "
                         "(make setup installs the pinned version).")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # One process quantizes; a concurrent one waits and reuses (the child replaces `out`,
+    # which would pull the folder from under a reader).
+    with FileLock(str(out) + ".lock"):
+        if not (out / "quantize_config.json").exists():
+            _run_gptqmodel_child(checkpoint, windows, bits, group, out)
+    return out
+
+
+def _run_gptqmodel_child(checkpoint: Path, windows: list[torch.Tensor], bits: int, group: int,
+                         out: Path) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
     with tempfile.TemporaryDirectory() as tmp:
         calib = Path(tmp) / "calib.pt"
         torch.save([w[0].tolist() for w in windows], calib)
@@ -149,7 +162,6 @@ def quantize_with_gptqmodel(checkpoint: Path, windows: list[torch.Tensor], bits:
                                   os.environ.get("PYTHONPATH", "")])))
     if res.returncode != 0:
         raise RuntimeError(f"gptqmodel failed on {checkpoint}:\n{res.stderr[-4000:]}")
-    return out
 
 
 def _gptqmodel_child(checkpoint: str, calib_file: str, bits: int, group: int, out: str) -> None:

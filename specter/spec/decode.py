@@ -125,23 +125,30 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
     times: list[float] = []
     stats = SpecStats(k=k)
     tell = before_forward or (lambda *a: None)
-    # 1. Prefill all but the last prompt token; the last one is the first pending token.
-    #    (The target's first output token then comes out of the first verification.)
-    n_prompt = len(prompt_ids)
-    if n_prompt > 1:
-        tell(n_prompt - 1, n_prompt - 1, "prefill")
-        forward_logits(model, torch.tensor([prompt_ids[:-1]], device=device), cache)
-    pending = prompt_ids[-1]
-    seq = list(prompt_ids)  # committed token ids (prompt + outputs)
-    if separate is not None:
-        separate.start()
 
-    def pick(row: torch.Tensor) -> int:
+    def pick(row: torch.Tensor, rows: list | None = None) -> int:
         if sampling:
             q = torch.softmax(row.float().cpu() / temperature, dim=-1)
-            q_rows.append(q)
+            if rows is not None:
+                rows.append(q)
             return int(torch.multinomial(q, 1, generator=generator))
-        return int(row.argmax())  # host sync: the next draft step needs it
+        return int(row.argmax())  # host sync: the next forward needs it
+
+    # 1. Prefill the prompt; its last logits give the target's first output token, committed
+    #    now, as in autoregressive decoding (so TTFT and TPOT mean the same for every system:
+    #    the first window's tokens are not committed together with the first token).
+    n_prompt = len(prompt_ids)
+    tell(n_prompt, n_prompt, "prefill")
+    logits = forward_logits(model, torch.tensor([prompt_ids], device=device), cache)
+    pending = pick(logits[-1])
+    tokens.append(pending)
+    times.append(clock.now())
+    seq = list(prompt_ids) + [pending]  # committed token ids (prompt + outputs)
+    memory.observe_cache(cache)
+    if separate is not None:
+        separate.start()
+    if pending in stop:
+        max_new_tokens = len(tokens)
 
     while len(tokens) < max_new_tokens:
         # 2. Draft: at most the tokens still wanted after the target's own next token.
@@ -151,14 +158,15 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         base = cache.get_seq_length()  # == len(seq) - 1
         t_draft = clock.now()
         if k_eff > 0 and separate is not None:
-            proposals = separate.propose(seq, k_eff, pick, tell, stop, device, after_draft_step)
+            proposals = separate.propose(seq, k_eff, lambda row: pick(row, q_rows), tell, stop,
+                                         device, after_draft_step)
         elif k_eff > 0:
             with shared.draft():
                 tok = pending
                 for i in range(k_eff):
                     tell(1, base + i + 1, "draft")
                     logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
-                    tok = pick(logits[-1])
+                    tok = pick(logits[-1], q_rows)
                     proposals.append(tok)
                     if after_draft_step:  # a stop token ends the window early, at this step
                         after_draft_step(i + 1, i + 1 if tok in stop else k_eff)

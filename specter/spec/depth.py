@@ -82,20 +82,25 @@ def best_k(rows: list[dict]) -> int:
 
 
 def auto_depth(ctx, engine, cache_dir: Path, log=print) -> tuple[int, Path, bool]:
-    """The stored best K for this key, or measure it now. Returns (K, file, reused)."""
+    """The stored best K for this key, or measure it now. Returns (K, file, reused).
+    One worker measures a key; concurrent ones (a sweep's workers, other machines on the
+    same cache) wait on the lock and reuse its K."""
+    from filelock import FileLock
+
     path = profile_path(ctx, cache_dir)
-    if path.exists():
-        k = json.loads(path.read_text())["best_k"]
-        log(f"[specter] spec.k=auto: K={k} from {path}")
-        return k, path, True
-    prompts = profile_prompts(ctx)
-    rows = sweep(engine, prompts, ctx.cfg.spec.profile_ks, ctx.cfg.spec.profile_runs,
-                 ctx.cfg.workload.max_new_tokens, log)
-    k = best_k(rows)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"key": profile_key(ctx), "sweep": rows, "best_k": k,
-                               "clock": ctx.cfg.hardware.clock}, indent=1))
-    os.replace(tmp, path)
+    with FileLock(str(path) + ".lock"):
+        if path.exists():
+            k = json.loads(path.read_text())["best_k"]
+            log(f"[specter] spec.k=auto: K={k} from {path}")
+            return k, path, True
+        prompts = profile_prompts(ctx)
+        rows = sweep(engine, prompts, ctx.cfg.spec.profile_ks, ctx.cfg.spec.profile_runs,
+                     ctx.cfg.workload.max_new_tokens, log)
+        k = best_k(rows)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"key": profile_key(ctx), "sweep": rows, "best_k": k,
+                                   "clock": ctx.cfg.hardware.clock}, indent=1))
+        os.replace(tmp, path)
     log(f"[specter] spec.k=auto: K={k} (lowest mean TPOT), stored in {path}")
     return k, path, False

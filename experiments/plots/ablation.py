@@ -1,0 +1,72 @@
+"""The ablation (experiment `ablation`): mean TPOT of each Specter variant (its switches that
+differ from the defaults, named by `experiments.summarize.variant`), per model and budget;
+the paper's full / no PIO / no PIO+SIC / none ms/token beside the matching variants."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.plots import paper
+from experiments.plots.base import (PAPER_LABEL, Result, agg, clock_note, col, dedup_legend,
+                                    isnan, paper_marker, prepare, save_figure, subplots, title,
+                                    varying, write_table)
+from experiments.summarize import variant
+
+NAME = "ablation"
+SWITCHES = ("orchestrator", "shared", "reorder")
+
+
+def _switch(v) -> bool:
+    return True if v is None or (isinstance(v, float) and v != v) else bool(v)
+
+
+def table(df: pd.DataFrame) -> pd.DataFrame:
+    df = prepare(df)
+    df["variant"] = df.apply(variant, axis=1) if len(df) else []
+    for s in SWITCHES:
+        df[s] = col(df, f"cfg.system.{s}").map(_switch)
+    t = agg(df, ["model", "budget", "budget_slots", "hardware", "clock", "charged", "system",
+                 "variant", *SWITCHES], ["tpot_ms", "acceptance_rate", "hit_rate", "h2d_hidden_frac"])
+    named = [paper.ABLATION_MS.get(tuple(bool(r[s]) for s in SWITCHES)) if r["system"] == "specter"
+             else None for _, r in t.iterrows()]
+    t["paper variant"] = [n[0] if n else "" for n in named]
+    t[f"ms/token {PAPER_LABEL}"] = [n[1] if n else float("nan") for n in named]
+    t["_on"] = -t[list(SWITCHES)].sum(axis=1)
+    return t.sort_values(["model", "budget", "_on", "variant"]).drop(columns="_on").reset_index(drop=True)
+
+
+def render(df: pd.DataFrame, out: Path) -> list[Path]:
+    t = table(df)
+    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged", "system"]),
+            "variant", *SWITCHES, "rows", "tpot_ms", "acceptance_rate", "hit_rate",
+            "h2d_hidden_frac", "paper variant", f"ms/token {PAPER_LABEL}"]
+    note = (clock_note(df) + ". variant: the switches that differ from Specter's defaults "
+            "('-': full Specter). Paper: no PIO = orchestrator off; no PIO+SIC = also no shared "
+            "instance; none = also no expert-grouped verification.")
+    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
+                        out, NAME, "Ablation: mean TPOT per Specter variant", note)
+    cases = list(t.groupby(["model", "budget"], sort=True))
+    fig, axes = subplots(len(cases), ncols=2, w=6.0, h=0.45 * t["variant"].nunique() + 1.8)
+    for ax, ((model, budget), g) in zip(axes, cases):
+        g = g.reset_index(drop=True)
+        labels = [v if not p else f"{v}  [{p}]" for v, p in zip(g["variant"], g["paper variant"])]
+        y = list(range(len(g)))
+        ax.barh(y, g["tpot_ms"].fillna(0), color="tab:blue", label="ours")
+        pts = [(v, i) for i, v in enumerate(g[f"ms/token {PAPER_LABEL}"]) if not isnan(v)]
+        if pts:
+            paper_marker(ax, *zip(*pts))
+        ax.set_yticks(y)
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("mean TPOT (ms)")
+        ax.set_title(f"{model}, budget {budget}", fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+        dedup_legend(ax, loc="lower right")
+    title(fig, "Ablation: orchestrator (PIO), shared instance (SIC), expert-grouped verification", df)
+    paths += save_figure(fig, out, NAME)
+    return paths
+
+
+RESULTS = [Result(name=NAME, experiment="ablation", render=render)]

@@ -1,0 +1,258 @@
+"""What every figure and table module shares: the `Result` record, saving figures (PNG and
+PDF, Agg backend) and tables (Markdown and LaTeX), and the label naming the clock, the
+hardware and the charged model sizes each number came from.
+
+Figures and tables read parquet records only (`experiments.records.load`, through the CLI);
+a render gets the rows of its experiment and writes into the output folder.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from experiments.plots import paper  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Result:
+    name: str  # file stem under the output dir, e.g. "main_tpot"
+    experiment: str  # the value of the records' `experiment` column this result reads
+    render: Callable[[pd.DataFrame, Path], list[Path]]  # df filtered to `experiment`; returns paths
+
+
+# Colours and markers used throughout: ours in the default cycle, the paper's in one style.
+PAPER_STYLE = dict(marker="D", color="crimson", markersize=7, linestyle="none",
+                   markeredgecolor="black", markeredgewidth=0.6, zorder=5)
+PAPER_LABEL = "paper (A100)"
+
+
+# ------------------------------------------------------------------------------- data helpers
+def col(df: pd.DataFrame, name: str, default=float("nan")) -> pd.Series:
+    """A column, or a constant one when the records do not have it."""
+    if name in df:
+        return df[name]
+    return pd.Series(default, index=df.index, dtype=object if isinstance(default, str) else None)
+
+
+def isnan(v) -> bool:
+    return v is None or (isinstance(v, float) and math.isnan(v))
+
+
+def family(row) -> str | None:
+    """Which paper model a record's model stands for (deepseek / qwen / phi), if any."""
+    name = row.get("model")
+    if isinstance(name, str) and "dense" in name:  # a dense twin stands for no paper model
+        return None
+    sf = row.get("cfg.model.stands_for")
+    if isinstance(sf, str) and sf:
+        return sf
+    return name if name in paper.MODELS else None
+
+
+def with_family(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    df["family"] = df.apply(family, axis=1) if len(df) else pd.Series(dtype=object)
+    return df
+
+
+def charged(df: pd.DataFrame) -> pd.Series:
+    """The sizes the virtual clock charged (`charged.source`), '-' for real-time clocks."""
+    return col(df, "charged.source", "-").fillna("-").astype(str)
+
+
+# ---------------------------------------------------------------------- clock / hardware label
+def _values(df: pd.DataFrame, name: str) -> list[str]:
+    if name not in df:
+        return []
+    return sorted({str(v) for v in df[name].dropna().unique() if str(v) not in ("", "nan", "None")})
+
+
+def clock_note(df: pd.DataFrame, paper_numbers: bool = True) -> str:
+    """One line: the clock(s), hardware profile(s), charged sizes and device of our numbers,
+    and the paper's hardware where the figure or table shows paper numbers."""
+    clocks = _values(df, "clock") or ["unknown"]
+    hw = _values(df, "hardware") or ["unknown"]
+    parts = [f"ours: {'/'.join(clocks)} clock, hardware {'/'.join(hw)}"]
+    ch = [c for c in _values(df, "charged.source") if c != "-"]
+    if ch:
+        parts.append(f"charged {'/'.join(ch)}")
+    dev = _values(df, "device")
+    if dev:
+        parts.append(f"run on {'/'.join(dev)}")
+    note = ", ".join(parts)
+    if paper_numbers:
+        note += f"; paper: {paper.HARDWARE}"
+    return note
+
+
+def title(fig, text: str, df: pd.DataFrame, paper_numbers: bool = True) -> None:
+    """Figure title plus a second line naming the clock and hardware."""
+    note = "\n".join(textwrap.wrap(clock_note(df, paper_numbers), 120))
+    fig.suptitle(f"{text}\n{note}", fontsize=9)
+
+
+def save_figure(fig, out: Path, stem: str) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.png", out / f"{stem}.pdf"]
+    fig.savefig(paths[0], dpi=130, bbox_inches="tight")
+    fig.savefig(paths[1], bbox_inches="tight")
+    plt.close(fig)
+    return paths
+
+
+def subplots(n: int, ncols: int = 3, w: float = 4.6, h: float = 3.4, **kw):
+    """n panels on a grid; returns (fig, flat list of the n axes), extra axes hidden."""
+    ncols = max(1, min(ncols, n))
+    nrows = math.ceil(n / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(w * ncols, h * nrows + 0.8), squeeze=False,
+                             layout="constrained", **kw)
+    flat = [a for row in axes for a in row]
+    for a in flat[n:]:
+        a.set_visible(False)
+    return fig, flat[:n]
+
+
+def paper_marker(ax, xs, ys, label: str = PAPER_LABEL, **kw) -> None:
+    ax.plot(xs, ys, label=label, **{**PAPER_STYLE, **kw})
+
+
+def dedup_legend(ax, outside: bool = False, **kw) -> None:
+    """One legend entry per label; `outside`: to the right of the axes, clear of the data."""
+    handles, labels = ax.get_legend_handles_labels()
+    seen: dict[str, object] = {}
+    for h, lab in zip(handles, labels):
+        seen.setdefault(lab, h)
+    if outside:
+        kw = {**kw, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}
+    if seen:
+        ax.legend(seen.values(), seen.keys(), fontsize=7, **kw)
+
+
+def bars(ax, categories: list[str], series: dict[str, list[float]], width: float = 0.8) -> dict[str, list[float]]:
+    """Grouped bars: one group per category, one bar per series; returns each series' x."""
+    n = max(1, len(series))
+    w = width / n
+    xs: dict[str, list[float]] = {}
+    for i, (name, values) in enumerate(series.items()):
+        x = [c - width / 2 + w * (i + 0.5) for c in range(len(categories))]
+        ax.bar(x, [0 if isnan(v) else v for v in values], w, label=name)
+        xs[name] = x
+    ax.set_xticks(range(len(categories)))
+    ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
+    return xs
+
+
+# ------------------------------------------------------------------------------------ tables
+def _fmt(v, digits: int = 4) -> str:
+    if isinstance(v, (bool, np.bool_)):
+        return "yes" if v else "no"
+    if isnan(v) or (isinstance(v, np.floating) and np.isnan(v)):
+        return ""
+    if isinstance(v, (float, np.floating)):
+        return f"{v:.0f}" if abs(v) >= 10 ** digits else f"{v:.{digits}g}"
+    return str(v)
+
+
+def format_frame(df: pd.DataFrame, digits: int = 4) -> pd.DataFrame:
+    return df.apply(lambda s: s.map(lambda v: _fmt(v, digits))).astype(str)
+
+
+def markdown(df: pd.DataFrame, title_text: str, note: str) -> str:
+    f = format_frame(df)
+    esc = [str(c).replace("|", "\\|") for c in f.columns]
+    lines = [f"**{title_text}**", "", "| " + " | ".join(esc) + " |",
+             "| " + " | ".join("---:" if pd.api.types.is_numeric_dtype(df[c]) else "---"
+                               for c in df.columns) + " |"]
+    for _, row in f.iterrows():
+        lines.append("| " + " | ".join(v.replace("|", "\\|") for v in row) + " |")
+    lines += ["", f"_{note}_", ""]
+    return "\n".join(lines)
+
+
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def tex_escape(s: str) -> str:
+    return "".join(_TEX.get(ch, ch) for ch in str(s))
+
+
+def latex(df: pd.DataFrame, title_text: str, note: str) -> str:
+    f = format_frame(df)
+    align = "".join("r" if pd.api.types.is_numeric_dtype(df[c]) else "l" for c in df.columns)
+    lines = ["% written by experiments.plots from parquet records; needs \\usepackage{booktabs}",
+             "\\begin{table}[t]", "\\centering", "\\footnotesize",
+             f"\\caption{{{tex_escape(title_text)}}}", f"\\begin{{tabular}}{{{align}}}", "\\toprule",
+             " & ".join(tex_escape(c) for c in f.columns) + " \\\\", "\\midrule"]
+    for _, row in f.iterrows():
+        lines.append(" & ".join(tex_escape(v) for v in row) + " \\\\")
+    lines += ["\\bottomrule", "\\end{tabular}", "",
+              f"\\par\\smallskip{{\\scriptsize {tex_escape(note)}}}", "\\end{table}", ""]
+    return "\n".join(lines)
+
+
+def write_table(df: pd.DataFrame, out: Path, stem: str, title_text: str, note: str) -> list[Path]:
+    """The table as Markdown (.md) and LaTeX (.tex, booktabs), with `note` under it."""
+    out.mkdir(parents=True, exist_ok=True)
+    df = df.reset_index(drop=True)
+    md, tex = out / f"{stem}.md", out / f"{stem}.tex"
+    md.write_text(markdown(df, title_text, note))
+    tex.write_text(latex(df, title_text, note))
+    return [md, tex]
+
+
+# ---------------------------------------------------------------------------- shared tables
+SYSTEM_ORDER = ["resident", "transformers", "lru", "mo_sm", "quasi_hidden", "lru_s", "specmoeoff",
+                "specmoe", "sp_e", "sp_l", "specter", "fidelity"]
+
+
+def system_key(name) -> tuple[int, str]:
+    name = str(name)
+    return (SYSTEM_ORDER.index(name) if name in SYSTEM_ORDER else len(SYSTEM_ORDER), name)
+
+
+def prepare(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy with `family` and `charged` columns, and the metric columns the renders read
+    as NaN where a record lacks them."""
+    df = with_family(df)
+    df["charged"] = charged(df)
+    return df
+
+
+def agg(df: pd.DataFrame, keys: list[str], metrics: list[str]) -> pd.DataFrame:
+    """Mean of each metric (NaN when no record has it) and the row count per key."""
+    df = df.copy()
+    for m in metrics:
+        df[m] = pd.to_numeric(col(df, m), errors="coerce")
+    keys = [k for k in keys if k in df]
+    g = df.groupby(keys, dropna=False, sort=True)
+    out = g[metrics].mean().reset_index() if metrics else g.size().reset_index()[keys]
+    out["rows"] = g.size().values
+    return out
+
+
+def varying(t: pd.DataFrame, cols: list[str]) -> list[str]:
+    """The columns among `cols` that take more than one value (others go in the note);
+    `charged` only when it varies within a model (it follows from the model otherwise)."""
+    def varies(c: str) -> bool:
+        if c == "charged" and "model" in t:
+            return bool((t.groupby("model")[c].agg(lambda s: s.astype(str).nunique()) > 1).any())
+        return t[c].astype(str).nunique() > 1
+    return [c for c in cols if c in t and varies(c)]
+
+
+def slug(*parts) -> str:
+    s = "_".join(str(p) for p in parts if p is not None and str(p) != "")
+    return "".join(ch if ch.isalnum() or ch in "-_." else "-" for ch in s)

@@ -1,0 +1,73 @@
+"""The draft-depth sweep (experiment `depth`): mean TPOT against K per model, budget and system,
+the K with the lowest mean TPOT marked (what `spec.k=auto` keeps: K* = argmin_K TPOT(K)),
+and the paper's chosen depths (DeepSeek-V2-Lite 16, Qwen1.5-MoE 8, Phi-3.5-MoE 16) beside."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.plots import paper
+from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, Result, agg, clock_note, col,
+                                    dedup_legend, isnan, prepare, save_figure, subplots, title,
+                                    varying, write_table)
+
+NAME = "depth"
+CASE = ["model", "family", "budget", "budget_slots", "hardware", "clock", "charged", "system"]
+
+
+def table(df: pd.DataFrame) -> pd.DataFrame:
+    df = prepare(df)
+    df["K"] = pd.to_numeric(col(df, "k"), errors="coerce").fillna(
+        pd.to_numeric(col(df, "cfg.spec.k"), errors="coerce"))
+    df = df[df["K"].notna()]
+    t = agg(df, CASE + ["K"], ["tpot_ms", "acceptance_rate", "mean_accepted_len", "hit_rate"])
+    t["K"] = t["K"].astype(int)
+    timed = t[t["tpot_ms"].notna()]
+    best = timed.loc[timed.groupby(CASE, dropna=False)["tpot_ms"].idxmin()]
+    chosen = {tuple(r[c] for c in CASE): r["K"] for _, r in best.iterrows()}
+    t["chosen (ours)"] = [chosen.get(tuple(r[c] for c in CASE)) == r["K"] for _, r in t.iterrows()]
+    t[f"K* {PAPER_LABEL}"] = [paper.CHOSEN_K.get(f, float("nan")) for f in t["family"]]
+    return t.sort_values(["model", "budget", "system", "K"]).reset_index(drop=True)
+
+
+def render(df: pd.DataFrame, out: Path) -> list[Path]:
+    t = table(df)
+    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged", "system"]),
+            "K", "rows", "tpot_ms", "acceptance_rate", "mean_accepted_len", "hit_rate",
+            "chosen (ours)", f"K* {PAPER_LABEL}"]
+    note = (clock_note(df) + ". chosen: the K with the lowest mean TPOT of its case. Paper: K* "
+            "over K in {2,4,6,8,12,16,20,24,32}, 25 prompts x 3 runs; acceptance per draft token "
+            f"{paper.ACCEPTANCE['mean']:.2%} mean, up to {paper.ACCEPTANCE['max_deepseek']:.0%} on "
+            f"DeepSeek-V2-Lite, E[A] = {paper.ACCEPTANCE['expected_run']}.")
+    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
+                        out, NAME, "Draft depth: mean TPOT per K", note)
+    cases = list(t.groupby(["model", "budget"], sort=True))
+    fig, axes = subplots(len(cases), ncols=3, w=4.6, h=3.4)
+    for ax, ((model, budget), g) in zip(axes, cases):
+        for (system, hw, clock), s in g.groupby(["system", "hardware", "clock"], sort=True):
+            s = s.sort_values("K")
+            line, = ax.plot(s["K"], s["tpot_ms"], marker="o", label=f"{system} ({clock})")
+            c = s[s["chosen (ours)"]]
+            ax.plot(c["K"], c["tpot_ms"], marker="*", markersize=15, color=line.get_color(),
+                    linestyle="none", label="K* ours")
+        k = g[f"K* {PAPER_LABEL}"].iloc[0]
+        if not isnan(k):
+            ax.axvline(k, color=PAPER_STYLE["color"], linestyle="--", linewidth=1.2,
+                       label=f"K* {PAPER_LABEL} = {int(k)}")
+        ax.set_xscale("log", base=2)
+        ks = sorted(g["K"].unique())
+        ax.set_xticks(ks)
+        ax.set_xticklabels([str(x) for x in ks], fontsize=7)
+        ax.set_xlabel("draft depth K")
+        ax.set_ylabel("mean TPOT (ms)")
+        ax.set_title(f"{model}, budget {budget}", fontsize=9)
+        ax.grid(alpha=0.3)
+        dedup_legend(ax)
+    title(fig, "Draft depth sweep: TPOT vs K", df)
+    paths += save_figure(fig, out, NAME)
+    return paths
+
+
+RESULTS = [Result(name=NAME, experiment="depth", render=render)]

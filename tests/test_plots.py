@@ -1,0 +1,149 @@
+"""experiments.plots: every Result renders from a synthetic results tree with the records' real
+column names (PNG, PDF and a Markdown table each), paper numbers appear beside ours, and the
+CLI's edges (missing root, unknown name, experiments without records) are one line each."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+
+from experiments import memory_table, records
+from experiments.plots import RESULTS
+from experiments.plots.cli import main
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+HW = {"hardware": "a100_pcie4", "clock": "virtual", "device": "cpu", "dataset_standin": True}
+CHARGED = {"deepseek": "real:deepseek-ai/DeepSeek-V2-Lite", "qwen": "real:Qwen/Qwen1.5-MoE-A2.7B"}
+MODELS = {"small_deepseek": "deepseek", "small_qwen": "qwen", "small_dense": "deepseek"}
+SLOTS = {"low": 8, "high": 16, "xhigh": 32}
+NO_PAPER = {"kernel"}  # results whose tables have no paper column
+
+
+def _row(experiment, system, model="small_deepseek", budget="high", dataset="gsm8k", rid=0,
+         **extra):
+    return {"experiment": experiment, "cfg.experiment": experiment, "system": system,
+            "cfg.system.name": system, "model": model, "cfg.model.name": model,
+            "cfg.model.stands_for": MODELS[model], "budget": budget, "budget_slots": SLOTS[budget],
+            "dataset": dataset, "charged.source": CHARGED[MODELS[model]], **HW,
+            "request_id": f"{dataset}-{rid:03d}", "repeat": 0, "output_tokens": [5, 6, 7, 8],
+            "n_output_tokens": 4, **extra}
+
+
+def _spec(k, **extra):
+    return {"k": float(k), "cfg.spec.k": k, "acceptance_rate": 0.9, "mean_accepted_len": 3.0, **extra}
+
+
+def synthetic_rows() -> list[dict]:
+    rows = []
+    tpot = {"resident": 5.0, "lru": 90.0, "specmoeoff": 60.0, "specter": 40.0}
+    for (system, t), dataset in itertools.product(tpot.items(), ["gsm8k", "humaneval"]):
+        extra = _spec(8) if system in ("specmoeoff", "specter") else {}
+        rows.append(_row("main", system, "small_qwen", dataset=dataset, tpot_ms=t, **extra))
+    for system, budget in itertools.product(["lru", "specter"], ["low", "high", "xhigh"]):
+        rows.append(_row("cache", system, budget=budget, tpot_ms=50.0, hit_rate=0.5 + SLOTS[budget] / 100,
+                         hit_rate_tokens=0.6, prefetch_precision=0.9 if system == "specter" else None))
+    for orch, shared, reorder in [(True, True, True), (False, True, True), (False, False, True),
+                                  (False, False, False)]:
+        rows.append(_row("ablation", "specter", tpot_ms=70.0 + 10 * (3 - orch - shared - reorder),
+                         **{"cfg.system.orchestrator": orch, "cfg.system.shared": shared,
+                            "cfg.system.reorder": reorder}, **_spec(16), hit_rate=0.8,
+                         h2d_hidden_frac=0.4))
+    for system in ("lru", "specter"):
+        rows.append(_row("latency", system, tpot_ms=60.0, h2d_ms=500.0, exposed_wait_ms=300.0,
+                         h2d_hidden_frac=0.4, n_transfers=70, h2d_bytes=1e10, e2e_ms=900.0))
+    for (method, bits), rid in itertools.product([("gptq", 4), ("rtn", 2)], range(2)):
+        rows.append(_row("fidelity", "fidelity", rid=rid, **{"draft.method": method, "draft.bits": bits,
+                         "draft.effective_groups": "[32, 64]", "draft.bytes": 1000 * bits},
+                         clock="wall", hardware="auto", fidelity_topk=0.9 + 0.01 * rid,
+                         fidelity_top1=0.95, fidelity_per_layer=[0.9, 0.92, 0.88],
+                         fidelity_per_position=[1.0, 0.8, 0.9, 0.95], draft_token_match=0.97,
+                         distinct_4=1.0, tpot_ms=3.0))
+    for model in ("small_deepseek", "small_dense"):
+        rows.append(_row("working_set", "lru", model, tpot_ms=100.0, distinct_experts_per_forward=6.0,
+                         distinct_experts_mean=30.0))
+        for k in (1, 2, 4, 16):
+            rows.append(_row("working_set", "lru_s", model, tpot_ms=100.0 / (1 + k / 4),
+                             distinct_experts_per_forward=6.0 + k, distinct_experts_mean=30.0,
+                             **_spec(k)))
+    for k in (2, 4, 8, 16):
+        rows.append(_row("depth", "lru_s", tpot_ms=50.0 + (k - 8) ** 2, hit_rate=0.7, **_spec(k)))
+    for noise in (0.0, 0.25, 0.5):
+        rows.append(_row("oracle", "specter", tpot_ms=60.0 + 40 * noise, **_spec(16),
+                         **{"cfg.system.prefetch_noise": noise}, prefetch_precision=1 - noise,
+                         plan_recall=0.7, hit_rate=0.9 - noise, prefetch_corrupted=noise))
+    if any(r.name == "kernel" or r.experiment == "kernel" for r in RESULTS):
+        for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
+            rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
+                         "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
+                         "hardware": "cpu", "request_id": f"{backend}-{tokens}", "repeat": 0})
+    return rows
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("results")
+    for i, row in enumerate(synthetic_rows()):  # two trees under the root, as sweeps leave them
+        sub = root / ("sweep_a" if i % 2 else "sweep_b")
+        records.CaseStore(sub, {"i": i, "experiment": row["experiment"]}).write(row)
+    memory_table.write_records(str(root), [
+        {"model": "qwen", "source": "real:Qwen/Qwen1.5-MoE-A2.7B", "budget": budget, "slots": slots,
+         "context": 12288, "non_expert_GB": 3.7, "int4_draft_GB": 6.4, "target_slots_GB": 0.4 * slots,
+         "kv_GB": 2.4, "shared_GB": 12.5 + 0.4 * slots, "separate_GB": 18.6 + 0.4 * slots, "saving": 0.3}
+        for budget, slots in (("high", 15), ("low", 8))])
+    return root
+
+
+def test_every_result_renders(tree, tmp_path, capsys):
+    out = tmp_path / "figures"
+    assert main([str(tree), "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(RESULTS)
+    assert not [line for line in lines if "skipped" in line or "FAILED" in line], lines
+    for res in RESULTS:
+        for ext in ("png", "pdf", "md"):
+            files = sorted(out.glob(f"{res.name}*.{ext}"))
+            assert files and all(f.stat().st_size > 0 for f in files), (res.name, ext)
+        if res.experiment not in NO_PAPER:
+            md = (out / f"{res.name}.md").read_text()
+            assert "paper (A100)" in md, res.name
+            assert "clock" in md and (out / f"{res.name}.tex").read_text().count("\\toprule") == 1
+
+
+def test_tables_hold_our_numbers_beside_the_papers(tree, tmp_path, capsys):
+    out = tmp_path / "f"
+    assert main([str(tree), "--out", str(out), "--only", "main_tpot", "oracle", "working_set"]) == 0
+    main_md = (out / "main_tpot.md").read_text()
+    # small_qwen, all datasets: specmoeoff 60 / specter 40 = 1.5x; paper 35.3 ms and 66.4/35.3
+    specter_all = next(line for line in main_md.splitlines() if "| specter | all |" in line)
+    assert "| 40 | 1.5 |" in specter_all and "35.3" in specter_all and "1.881" in specter_all
+    assert "yes (1/1)" in (out / "oracle.md").read_text()
+    ws = (out / "working_set.md").read_text()
+    assert "31.7" in ws and "small_dense" in ws
+    assert "skipped" not in capsys.readouterr().out
+
+
+def test_cli_edges(tree, tmp_path, capsys):
+    assert main([str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main([str(tree), "--only", "no_such_result"]) == 2
+    assert "unknown result" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    records.CaseStore(empty, {"x": 1}).write(_row("smoke", "lru", tpot_ms=1.0))
+    assert main([str(empty), "--out", str(tmp_path / "o"), "--only", "depth"]) == 0
+    assert capsys.readouterr().out.strip() == "depth: skipped: no depth records"
+
+
+def test_experiment_overlays_name_their_records():
+    """An overlay's `experiment:` reaches the records' experiment column (the plots select on it)."""
+    from hydra import compose, initialize_config_dir
+
+    for path in sorted((CONF / "experiment").glob("*.yaml")):
+        named = [line.split(":", 1)[1].strip() for line in path.read_text().splitlines()
+                 if line.startswith("experiment:")]
+        if not named:
+            continue
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=[f"experiment={path.stem}"])
+        assert cfg.experiment == named[0], path.name
