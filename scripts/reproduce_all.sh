@@ -42,7 +42,7 @@ case "$PROFILE" in
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
     HW=(hardware=a100_pcie4)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
-    MAIN_DATASETS=gsm8k,humaneval
+    MAIN_DATASETS=gsm8k
     DEPTH_KS=2,4,8,16,32
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=rtn quant.bits=2,3,4,8" "quant.method=gptq quant.bits=4")
