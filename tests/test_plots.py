@@ -73,11 +73,10 @@ def synthetic_rows() -> list[dict]:
         rows.append(_row("oracle", "specter", tpot_ms=60.0 + 40 * noise, **_spec(16),
                          **{"cfg.system.prefetch_noise": noise}, prefetch_precision=1 - noise,
                          plan_recall=0.7, hit_rate=0.9 - noise, prefetch_corrupted=noise))
-    if any(r.name == "kernel" or r.experiment == "kernel" for r in RESULTS):
-        for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
-            rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
-                         "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
-                         "hardware": "cpu", "request_id": f"{backend}-{tokens}", "repeat": 0})
+    for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
+        rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
+                     "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
+                     "hardware": "cpu", "request_id": f"{backend}-{tokens}", "repeat": 0})
     return rows
 
 
