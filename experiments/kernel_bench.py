@@ -55,6 +55,7 @@ import torch
 from torch import nn
 
 from experiments.records import CaseStore
+from experiments.runner import resolve_device
 from specter.errors import UserError
 from specter.quant.formats import QuantizedMatrix, effective_group
 
@@ -296,15 +297,6 @@ def device_name(device: torch.device) -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "cpu"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise UserError("--device cuda was asked for but torch sees no CUDA device; "
-                        "use --device cpu.")
-    return torch.device(name)
 
 
 def modelled_cost(shape: Shape):
@@ -664,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         shapes = parse_shapes(",".join(REAL_SHAPES) if args.shapes is None else args.shapes)
         tokens = parse_tokens(("1,17" if args.quick else "1,4,17") if args.tokens is None
                               else args.tokens)
-        device = resolve_device(args.device)
+        device = resolve_device(args.device, asked_by="--device cuda", instead="--device cpu")
         s = settings_from(args, device)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -40,11 +40,12 @@ class RunSummary:
     tpot_ms_mean: float
 
 
-def resolve_device(kind: str) -> torch.device:
+def resolve_device(kind: str, asked_by: str = "hardware",
+                   instead: str = "hardware=cpu") -> torch.device:
     if kind == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
-        raise UserError("hardware asks for a CUDA device but torch sees none; use hardware=cpu "
+        raise UserError(f"{asked_by} asks for a CUDA device but torch sees none; use {instead} "
                         "or install a CUDA build of torch.")
     if kind not in ("cpu", "cuda"):
         raise UserError(f"hardware.device must be auto, cpu or cuda (got '{kind}').")

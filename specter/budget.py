@@ -44,9 +44,9 @@ def resolve_slots(budget: BudgetConfig, model: ModelConfig, num_experts: int,
     elif budget.name in model.budget_slots:
         slots, rule, note = model.budget_slots[budget.name], f"model.budget_slots.{budget.name}", ""
         if slots < minimum:  # Phi-3.5-MoE low: the paper keeps 1 of 16 resident with top-2
-            note = (f"paper budget of {slots} slot(s) is below top-k={top_k}; raised to {top_k} "
+            note = (f"paper budget of {slots} slot(s) is below top-k={top_k}; raised to {minimum} "
                     "because experts in use are never evicted")
-            slots, rule = top_k, rule + " (raised to top-k)"
+            slots, rule = minimum, rule + " (raised to top-k)"
     elif budget.name in PROPORTION:
         slots = max(minimum, math.ceil(num_experts * PROPORTION[budget.name]))
         rule, note = f"proportional: ceil(E*{PROPORTION[budget.name]}), at least top-k", ""
@@ -54,9 +54,10 @@ def resolve_slots(budget: BudgetConfig, model: ModelConfig, num_experts: int,
         raise UserError(f"budget '{budget.name}' has no slot count for model={model.name}; "
                         "use budget=high|low|full or set budget.slots=N.")
     if slots < minimum:
+        need = (f"every token needs {top_k} experts resident at once" if minimum == top_k
+                else "its dense blocks stream through one slot at a time")
         raise UserError(f"budget of {slots} expert slot(s) per layer is below top-k={top_k} for "
-                        f"model={model.name}; every token needs {top_k} experts resident at once, "
-                        f"so set budget.slots to at least {top_k}.")
+                        f"model={model.name}; {need}, so set budget.slots to at least {minimum}.")
     if slots > num_experts:
         raise UserError(f"budget of {slots} expert slots per layer exceeds the {num_experts} "
                         f"routed experts of model={model.name}; use at most {num_experts} "

@@ -14,13 +14,14 @@ import yaml
 from omegaconf import OmegaConf
 
 from baselines import specmoe
-from conftest import PROMPTS, REPO
+from conftest import REPO
 from experiments import records, runner
 from experiments.systems import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
+from test_offload import decode_all
 
 CPU = torch.device("cpu")
 # The modelled A100 and its host (host_expert_s needs the host profile), own sizes, this CPU.
@@ -49,11 +50,7 @@ def make_engine(name: str, slots: int, k: int = 4, **build_kw):
 
 
 def decode(engine, tokenizer, n=24):
-    outs = []
-    for text in PROMPTS:
-        engine.reset()
-        outs.append(engine.generate(tokenizer(text)["input_ids"][:16], n))
-    return outs
+    return decode_all(engine, tokenizer, n)
 
 
 def acceptance(gens) -> float:
