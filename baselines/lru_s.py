@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import torch
 
-from specter.engine import DeviceMemory, Generation, eos_ids
+from specter.engine import DeviceMemory, Generation, cache_bytes, eos_ids
 from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.runtime import OffloadRuntime
 from specter.quant.build import Draft, draft_for
 from specter.quant.shared import SharedInstance
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
-from specter.spec.decode import SeparateDraft, speculative_greedy
+from specter.spec.decode import CopiedKVDraft, SeparateDraft, speculative_greedy
 
 DEFAULT_K = 4
 
@@ -51,12 +51,16 @@ class SpeculativeOffloadEngine:
         self.separate: SeparateDraft | None = None
         self.draft_instance = self.shared  # the instance whose draft routing listeners see
         self._draft_charger = None
+        self.kv_copy_bytes = 0  # KV bytes copied to a CopiedKVDraft this request
 
-    def attach_separate_draft(self, draft_model) -> None:
-        """Draft with a second instance (its own non-expert weights and KV cache, routed
-        experts = the INT4 copy only) instead of the shared instance's draft mode: SpecMoEOff's
-        layout, and Specter's no-sharing ablation."""
-        self.separate = SeparateDraft(draft_model)
+    def attach_separate_draft(self, draft_model, kv_copy: bool = False) -> None:
+        """Draft with a second instance (its own non-expert weights, routed experts = the INT4
+        copy only) instead of the shared instance's draft mode: SpecMoEOff's layout (its own KV
+        cache, catching up on the tokens it has not seen), and Specter's no-sharing ablation
+        (`kv_copy`: the target's committed KV copied to it at every window's start, the
+        artifact's "SIC off"; else SpecMoEOff's own KV)."""
+        self.separate = CopiedKVDraft(draft_model, self._charge_kv_copy) if kv_copy \
+            else SeparateDraft(draft_model)
         self.draft_instance = SharedInstance(draft_model, self.draft.experts, self.draft.backend,
                                              self.device)
         self.draft_instance.mode = "draft"  # this instance is only ever the draft
@@ -74,6 +78,20 @@ class SpeculativeOffloadEngine:
         per_expert = counts[counts > 0].tolist()  # host sync: charging only
         link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))  # one fused kernel
 
+    def _charge_kv_copy(self, tokens: int, cache) -> None:
+        """One per-window copy of the committed KV (`tokens` positions), device to device: read
+        and write at the device's memory bandwidth on the virtual clock, the charged sizes' KV
+        bytes (the real model's under charge=real); real clocks measure the copy itself."""
+        cost = self.timing.cost
+        if cost is not None and self.timing.clock == "virtual":
+            s = cost.sizes
+            nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes
+                               * len(self.model.model.layers) * s.attn_multiplier))
+            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps)
+        else:
+            nbytes = cache_bytes(cache)
+        self.kv_copy_bytes += nbytes
+
     def _before_forward(self, tokens: int, context: int, phase: str) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill")
         if self._draft_charger is not None:
@@ -83,6 +101,7 @@ class SpeculativeOffloadEngine:
     def reset(self) -> None:
         self.timing.link.synchronize()
         self.runtime.reset()
+        self.kv_copy_bytes = 0
 
     def seed_request(self, seed: int) -> None:
         """The sampling generator of the next request (workload.temperature > 0)."""

@@ -3,7 +3,9 @@ decoding and shared INT4 draft with one single prefetch plan per window instead 
 planner's phases: made from the ELB after the first draft step (early: little lookahead,
 most overlap) or just before verification (late: the whole window's routing, no overlap
 with the draft). Same plan rule (per layer, the top-M routed experts not resident, up to the
-slots), same cache, same verification: the comparison isolates *when* to plan.
+slots; M defaults to the slots as for specter), same cache, same verification (by default it
+starts once the plan's batch has landed, `system.wait_last_batch`): the comparison isolates
+*when* to plan.
 """
 
 from __future__ import annotations
@@ -14,6 +16,5 @@ MODES = {"sp_e": "early", "sp_l": "late"}
 
 
 def build(ctx) -> SpecterEngine:
-    """A single plan may fill every slot: top_m defaults to the slots, not the top-k."""
     name = ctx.cfg.system.name
-    return build_planned(ctx, name, MODES[name], default_top_m=ctx.budget.slots)
+    return build_planned(ctx, name, MODES[name])

@@ -8,10 +8,17 @@ hooks.py). That hook is what `dispatch_model` / `from_pretrained(device_map=...)
 every module a device map sends to "cpu"; it is attached here directly because
 `dispatch_model` offloads nothing when the main device is the CPU itself.
 
-What stays on the device is what `device_map="auto"` with the same memory budget keeps:
-whole experts modules, first layers first (accelerate fills the device in module order).
-The budget's `slots` per layer buy `floor(slots * L / E)` whole layers of L MoE layers; the
-rest are offloaded, every expert of them moved on every forward, prefill and decode alike.
+What stays on the device is what `device_map="auto"` with `max_memory` = the budget's GiB
+keeps: whole experts modules, first layers first (accelerate fills the device in module
+order). The GiB is the run's `budget.gb`, else the paper's reference GiB of the named budget
+(`model.budget_gb`: DeepSeek 24/18, Qwen 20/16, Phi 40/32); after the non-expert weights, the
+KV cache and the reserve it holds `whole_layers` experts modules of the real model's bytes
+(specter/budget.py `resolve_gb`; no INT4 draft is charged: this system has none). Only
+without a reference GiB does it fall back to the slots' bytes, `floor(slots * L / E)` layers.
+The rest are offloaded. In transformers 5.x a layer's routed experts are ONE module with
+fused 3D weights, so accelerate's hook copies all E experts of an offloaded layer on every
+forward, prefill and decode alike; the engine measures the bytes each hook really copies and
+records what moved (`accelerate_moves`: all experts of the layer, or fewer).
 
 Time. Under the virtual and emulated clocks every offloaded forward pays its weights on the
 same link as every other system: one transfer of the layer's charged bytes, waited for at
@@ -70,7 +77,10 @@ class TransformersOffloadEngine:
     name = "transformers"
 
     def __init__(self, model: nn.Module, device: torch.device, timing: Timing, slots: int,
-                 stop_on_eos: bool = True):
+                 stop_on_eos: bool = True, whole_layers: int | None = None,
+                 whole_layers_of: int | None = None):
+        """`whole_layers` of `whole_layers_of` MoE layers (the bytes' model) fit the budget's
+        GiB; None: derive whole layers from `slots`."""
         AlignDevicesHook, ModelHook, add_hook_to_module = _accelerate()
         self.model, self.device, self.timing = model, device, timing
         self.link = timing.link
@@ -78,11 +88,19 @@ class TransformersOffloadEngine:
         self.stop_on_eos = stop_on_eos
         moe = experts_modules(model)
         num_experts = moe[0][1].gate_up_proj.shape[0]
-        self.n_resident = resident_layers(slots, num_experts, len(moe))
+        if whole_layers is None:
+            self.n_resident = resident_layers(slots, num_experts, len(moe))
+        else:  # the same share of this model's layers as of the bytes' model
+            self.n_resident = len(moe) * whole_layers // whole_layers_of
+            if whole_layers < whole_layers_of:  # something is offloaded: so is one modelled layer
+                self.n_resident = min(self.n_resident, len(moe) - 1)
+        self.whole = (whole_layers, whole_layers_of)
         offloaded = [m for _, m in moe[self.n_resident:]]
         self.n_offloaded = len(offloaded)
+        self.layer_expert_bytes = sum(p.numel() * p.element_size() for p in moe[0][1].parameters())
         self.bytes_per_move = self._charged_layer_bytes(num_experts, slots, len(moe))
         self.moved_bytes = 0  # real bytes accelerate copied (this machine's tensors)
+        self.moves = 0  # hook copies (offloaded layer forwards)
         self.cuda_copies: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._pending: torch.cuda.Event | None = None
         engine = self
@@ -111,7 +129,13 @@ class TransformersOffloadEngine:
         if cost is None or self.n_offloaded == 0:
             return 0
         real_layers = round(cost.sizes.moe_multiplier * moe_layers)
-        real_offloaded = real_layers - resident_layers(slots, num_experts, real_layers)
+        whole, of = self.whole
+        if whole is not None and of == real_layers:  # the GiB's layers are the charged model's
+            real_offloaded = real_layers - whole
+        elif whole is not None:  # charged sizes of another model: the same offloaded share
+            real_offloaded = round(real_layers * (of - whole) / of)
+        else:
+            real_offloaded = real_layers - resident_layers(slots, num_experts, real_layers)
         per_real_layer = num_experts * cost.sizes.expert_bytes
         return int(round(real_offloaded * per_real_layer / self.n_offloaded))
 
@@ -134,6 +158,7 @@ class TransformersOffloadEngine:
 
     def _copied(self, module) -> None:
         self.moved_bytes += sum(p.numel() * p.element_size() for p in module.parameters())
+        self.moves += 1
         if self._pending is not None:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -149,6 +174,7 @@ class TransformersOffloadEngine:
         self.link.synchronize()
         self.link.reset_stats()
         self.moved_bytes = 0
+        self.moves = 0
         self.cuda_copies = []
 
     @torch.no_grad()
@@ -172,9 +198,17 @@ class TransformersOffloadEngine:
         gen = Generation(tokens=tokens, commit_times_s=streamer.times,
                          start_time_s=start, peak_mem_bytes=peak, peak_mem_source=source)
         gen.stats.update(self.timing.link_record())
+        per_move = self.moved_bytes / self.moves if self.moves else 0.0
         gen.stats.update({"resident_expert_layers": self.n_resident,
                           "offloaded_expert_layers": self.n_offloaded,
-                          "accelerate_moved_bytes": self.moved_bytes})
+                          "accelerate_moved_bytes": self.moved_bytes,
+                          "accelerate_moves": self.moves,
+                          # measured: what one hook copy moved, against the layer's experts
+                          "accelerate_moves_what": ("-" if not self.moves else
+                                                    "all experts of the layer"
+                                                    if per_move >= self.layer_expert_bytes
+                                                    else "routed experts only"),
+                          "transformers_charged_bytes_per_move": self.bytes_per_move})
         if self.real_clock:
             gen.stats.update(self._cuda_copy_record())
         return gen
@@ -190,7 +224,9 @@ class TransformersOffloadEngine:
 def build(ctx) -> TransformersOffloadEngine:
     timing = timing_for(ctx)  # before any hook: the emulated clock calibrates on the model
     if timing.clock == "wall" and ctx.device.type == "cpu":
-        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4 "
-                        "(virtual clock) or hardware=a100_pcie4 hardware.clock=emulated.")
+        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
+                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
     return TransformersOffloadEngine(ctx.loaded.model, ctx.device, timing, ctx.budget.slots,
-                                     stop_on_eos=ctx.cfg.workload.stop_on_eos)
+                                     stop_on_eos=ctx.cfg.workload.stop_on_eos,
+                                     whole_layers=ctx.budget.whole_layers,
+                                     whole_layers_of=ctx.budget.whole_layers_of)

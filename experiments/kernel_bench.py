@@ -21,7 +21,7 @@ matmul reference, the target paths against each other and against the reference 
 weights. A backend that disagrees gets a row with status `mismatch` and no time.
 
 Modelled rows: for the same routing, the seconds `specter.offload.costmodel.CostModel` charges
-under hardware=a100_pcie4 (conf/hardware/a100_pcie4.yaml; sizes of the real model): the draft's
+under hardware=a100_pcie4_ideal (conf/hardware/a100_pcie4_ideal.yaml; sizes of the real model): the draft's
 fused kernel (`draft_experts_s`, backend `triton`), the same formula one expert at a time
 (`int4_per_expert`, three launches per expert), and the target's experts as the runtime charges
 them (`expert_s(1)` per (token, expert) pair when serial, `expert_s(n)` per expert grouped).
@@ -61,7 +61,7 @@ from specter.quant.formats import QuantizedMatrix, effective_group
 
 EXPERIMENT = "kernel"
 GROUP = 128  # conf/quant: the draft's INT4 group size
-HARDWARE = "a100_pcie4"  # the modelled machine
+HARDWARE = "a100_pcie4_ideal"  # the modelled machine
 CONF = Path(__file__).resolve().parents[1] / "conf"
 QUICK_CASE_BUDGET_S = 2.0  # --quick: timed calls per case stop at about this many seconds
 
@@ -300,7 +300,7 @@ def device_name(device: torch.device) -> str:
 
 
 def modelled_cost(shape: Shape):
-    """CostModel of hardware=a100_pcie4 (the yaml's values, through the project's profile
+    """CostModel of hardware=a100_pcie4_ideal (the yaml's values, through the project's profile
     helper) with the real model's charged sizes (one real MoE layer: multipliers 1)."""
     from omegaconf import OmegaConf
 

@@ -9,6 +9,7 @@ the record layout (records.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import sys
@@ -22,9 +23,9 @@ import torch
 
 from experiments import records
 from experiments.provenance import provenance
-from experiments.systems import SPECULATIVE, BuildContext, build_engine, check_system
+from experiments.systems import SPECULATIVE, BuildContext, build_engine, check_system, footprint
 from specter import budget as budget_mod
-from specter.config import RunConfig
+from specter.config import HardwareConfig, RunConfig
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
@@ -50,6 +51,39 @@ def resolve_device(kind: str, asked_by: str = "hardware",
     if kind not in ("cpu", "cuda"):
         raise UserError(f"hardware.device must be auto, cpu or cuda (got '{kind}').")
     return torch.device(kind)
+
+
+HARDWARE_DIR = Path(__file__).resolve().parents[1] / "conf" / "hardware"
+
+
+def load_hardware(name: str) -> HardwareConfig:
+    """A hardware profile by name, from conf/hardware/<name>.yaml."""
+    from omegaconf import OmegaConf  # as Hydra reads it (PyYAML reads "989.0e12" as a string)
+
+    path = HARDWARE_DIR / f"{name}.yaml"
+    if not path.is_file():
+        options = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
+        raise UserError(f"unknown hardware profile '{name}'; choose one of: {options}.")
+    return RunConfig.from_dict({**_minimal(), "hardware": OmegaConf.to_container(OmegaConf.load(path))}).hardware
+
+
+def _minimal() -> dict:
+    return {"model": {"name": "-", "source": "project"}, "budget": {"name": "high"},
+            "system": {"name": "resident"}, "dataset": {"name": "gsm8k"},
+            "hardware": {"name": "-"}, "workload": {}}
+
+
+def resolve_auto_hardware(cfg: RunConfig, device: torch.device, log=print) -> RunConfig:
+    """hardware=auto without a GPU: decoding systems run on the virtual clock of the fallback
+    GPU profile (offloading needs a modelled link; one line says so)."""
+    hw = cfg.hardware
+    if not hw.cpu_fallback or device.type != "cpu" or hw.clock != "wall" or cfg.system.name == "fidelity":
+        return cfg
+    profile = dataclasses.replace(load_hardware(hw.cpu_fallback), device="cpu")
+    log(f"[specter] hardware={hw.name}: no GPU here, so time comes from the virtual clock of "
+        f"hardware={profile.name} ({profile.engine} engine); hardware=cpu measures this CPU's "
+        "wall-clock time instead.")
+    return dataclasses.replace(cfg, hardware=profile)
 
 
 def _workload(cfg: RunConfig) -> Workload:
@@ -103,10 +137,14 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     # 1. Everything that can be checked without weights: system, device, workload, budget.
     check_system(cfg.system, cfg.workload.temperature)
     device = resolve_device(cfg.hardware.device)
+    cfg = resolve_auto_hardware(cfg, device, log)
     workload = _workload(cfg)
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
-    budget = budget_mod.resolve_slots(cfg.budget, cfg.model, n_experts, top_k)
+    budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
+                                footprint(cfg.system),
+                                kv_tokens=cfg.workload.prompt_tokens + cfg.workload.max_new_tokens,
+                                group=cfg.quant.group)
     torch.manual_seed(cfg.seed)
 
     tokenizer = load_tokenizer(checkpoint)
@@ -123,6 +161,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         f"({'project-written stand-in' if workload.standin else workload.source})")
     if budget.note:
         log(f"[specter] budget note: {budget.note}")
+    if budget.accounting:
+        log("[specter] budget in GiB:\n" + budget.accounting)
     log("[specter] device byte accounting:\n" + acct.table(budget.slots, spec))
 
     # 3. Decode every (request, repeat) that is not recorded yet.
@@ -132,7 +172,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     fixed = {
         "run_id": run_id, "case_id": store.case_id, "system": cfg.system.name,
         "model": cfg.model.name, "budget": budget.name, "budget_slots": budget.slots,
-        "budget_note": budget.note, "dataset": workload.dataset,
+        "budget_note": budget.note, **budget.as_record(), "dataset": workload.dataset,
         "dataset_source": workload.source, "dataset_standin": workload.standin,
         "hardware": cfg.hardware.name, "device": str(device), "clock": cfg.hardware.clock,
         "experiment": cfg.experiment, "seed": cfg.seed, "checkpoint": str(checkpoint),

@@ -1,4 +1,4 @@
-"""Print a side-by-side table of a results tree: `python -m experiments.summarize OUT_DIR`.
+"""Print a side-by-side table of a results tree: `python -m experiments.summarize OUT_DIR [--short]`.
 
 Reads parquet records only. One row per (model, budget, hardware, clock, charged sizes,
 system): mean TPOT, K and acceptance, hit rate (per expert per layer-forward, and per
@@ -20,6 +20,7 @@ from specter.config import SystemConfig
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",
+           "hit_rate_cap": "mean",
            "hit_rate_tokens": "mean", "prefetch_precision": "mean", "h2d_ms": "mean",
            "exposed_wait_ms": "mean", "h2d_hidden_frac": "mean",
            "distinct_experts_per_forward": "mean", "n_output_tokens": "mean", "distinct_4": "mean"}
@@ -62,14 +63,43 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+SHORT = {"system": "system", "tpot_ms": "TPOT ms", "x_resident": "x resident",
+         "speedup_vs_specmoeoff": "speedup vs SpecMoEOff", "hit_rate": "hit rate",
+         "hit_rate_cap": "hit-rate cap", "h2d_hidden_frac": "H2D hidden", "acceptance_rate": "acceptance"}
+
+
+def short(df: pd.DataFrame) -> str:
+    """The main job's table: one block per case (model, budget, clock, profile), fastest first."""
+    t = table(df)
+    engine = df.get("engine", pd.Series("-", index=df.index)).fillna("-")
+    eng = dict(zip(df["hardware"], engine))
+    out = []
+    for key, g in t.groupby(KEYS, dropna=False, sort=True):
+        case = dict(zip(KEYS, key))
+        out.append(f"model={case['model']} budget={case['budget']} ({case['budget_slots']} slots/layer), "
+                   f"{case['clock']} clock, profile {case['hardware']} ({eng.get(case['hardware'], '-')} "
+                   f"engine), sizes charged: {case['charged']}")
+        g = g.sort_values("tpot_ms")[list(SHORT)].rename(columns=SHORT)
+        out.append(g.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}"))
+        out.append("")
+    out.append("hit-rate cap: the most a slot-limited per-layer demand hit rate can reach, "
+               "sum(min(slots, experts needed)) / experts needed over verify forwards.")
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
+    brief = "--short" in argv
+    argv = [a for a in argv if a != "--short"]
     if len(argv) != 1:
-        print("usage: python -m experiments.summarize OUT_DIR", file=sys.stderr)
+        print("usage: python -m experiments.summarize OUT_DIR [--short]", file=sys.stderr)
         return 2
     df = records.load(argv[0])
     if df.empty:
         print(f"error: no records under {argv[0]}", file=sys.stderr)
         return 2
+    if brief:
+        print(short(df))
+        return 0
     t = table(df)
     with pd.option_context("display.width", 200, "display.max_columns", 30):
         print(t.to_string(index=False, float_format=lambda v: f"{v:.4g}"))

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from specter.budget import ResolvedBudget
+from specter.budget import Footprint, ResolvedBudget
 from specter.config import RunConfig, SystemConfig
 from specter.engine import Engine
 from specter.errors import UserError
@@ -44,9 +44,11 @@ class BuildContext:
 # The `system.*` knobs (specter/config.py SystemConfig) each system honours; any other
 # system refuses a non-default value rather than silently ignoring it.
 KNOBS: dict[str, tuple[str, ...]] = {
-    "specter": ("orchestrator", "shared", "reorder", "top_m", "cold_start", "prefetch_noise"),
-    "sp_e": ("top_m", "prefetch_noise"),
-    "sp_l": ("top_m", "prefetch_noise"),
+    "specter": ("orchestrator", "shared", "reorder", "top_m", "cold_start", "prefetch_noise",
+                "cold_start_round", "final_plan", "wait_last_batch", "overlap", "kv_copy",
+                "bandwidth_prior_Bps", "step_prior_s"),
+    "sp_e": ("top_m", "prefetch_noise", "wait_last_batch"),
+    "sp_l": ("top_m", "prefetch_noise", "wait_last_batch"),
     "specmoe": ("draft_top_k",),
 }
 
@@ -56,6 +58,16 @@ KNOBS: dict[str, tuple[str, ...]] = {
 SAMPLING = ("lru_s", "specmoeoff", "specmoe", "specter", "sp_e", "sp_l")
 # Systems that read `spec.*` (the draft depth); for the others it is not part of the case.
 SPECULATIVE = SAMPLING
+
+
+def footprint(system: SystemConfig) -> Footprint:
+    """What `system` keeps on the device besides resident expert slots (budget.gb resolves
+    the slots from what is left): the INT4 draft for the systems that draft on the device,
+    a second instance for SpecMoEOff and Specter without sharing, whole layers for accelerate."""
+    name = system.name
+    second = name == "specmoeoff" or (name == "specter" and not system.shared)
+    return Footprint(int4_draft=name in ("lru_s", "specmoeoff", "specter", "sp_e", "sp_l"),
+                     second_instance=second, whole_layers=name == "transformers")
 
 
 def check_system(system: SystemConfig, temperature: float = 0.0) -> None:

@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 OUT="${1:-results/bench_offload}"; shift || true
-COMMON=(model=small_deepseek dataset=gsm8k hardware=a100_pcie4 out_dir="$OUT" progress=false "$@")
+COMMON=(model=small_deepseek dataset=gsm8k hardware=a100_pcie4_hf out_dir="$OUT" progress=false "$@")
 "$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm,transformers budget=high,low hardware.charge=own,real
 "$PY" run.py -m "${COMMON[@]}" system=resident,lru,mo_sm,transformers budget=high hardware.charge=real \
   hardware.clock=emulated workload.repeats=1 workload.items=2 workload.max_new_tokens=32

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 OUT="${1:-results/bench_specter}"; shift || true
 SYSTEMS=resident,lru,mo_sm,quasi_hidden,transformers,lru_s,specmoeoff,specmoe,sp_e,sp_l,specter
-COMMON=(dataset=gsm8k hardware=a100_pcie4 hardware.charge=real out_dir="$OUT" progress=false
+COMMON=(dataset=gsm8k hardware=a100_pcie4_hf hardware.charge=real out_dir="$OUT" progress=false
         workload.repeats=1 "$@")  # the virtual clock is deterministic: one repeat
 for model in small_deepseek small_qwen small_phi; do
   "$PY" run.py -m "${COMMON[@]}" model=$model system=$SYSTEMS budget=high,low \

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a CUDA GPU: the CUDA-marked tests, then a short
-# benchmark. Results go under $OUT (the device tool's output folder) or results/gpu_check/.
-# Grows with each feature; keep its total run time within a few minutes.
+# One prepared check for a machine with a CUDA GPU: the calibration of the virtual clock
+# (scripts/calibrate_gpu.py, at most 8 minutes), the CUDA-marked tests, then a short benchmark
+# in real CUDA time (hardware=cuda). Results go under $OUT (the device tool's output folder)
+# or results/gpu_check/. Grows with each feature; keep its total run time within a few minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu_check}"
@@ -15,6 +16,13 @@ status=0
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi missing"
   "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
 } | tee "$OUT/env.txt"
+
+# First, so its results exist even if a later stage runs out of device time: the measured
+# hardware profile (launch, pinned H2D, HBM, GEMM, eager layer costs at the real shapes) and
+# the virtual clock's error against real CUDA time (scripts/calibrate_gpu.py; --budget-s 420).
+echo "== calibration: measured hardware profile, virtual clock vs real CUDA time" | tee "$OUT/calibration.txt"
+timeout -k 20 480 "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" 2>&1 | tee -a "$OUT/calibration.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== CUDA-marked tests" | tee "$OUT/tests.txt"
 "$PY" -m pytest -q -m cuda tests 2>&1 | tee -a "$OUT/tests.txt"

@@ -40,7 +40,7 @@ FIGS="${FIGS:-figures/$PROFILE}"
 case "$PROFILE" in
   quick)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
-    HW=(hardware=a100_pcie4)
+    HW=(hardware=a100_pcie4_hf)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
     MAIN_DATASETS=gsm8k
     DEPTH_KS=2,4,8,16,32
@@ -49,7 +49,7 @@ case "$PROFILE" in
     KERNEL=(--quick) ;;
   small)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
-    HW=(hardware=a100_pcie4)
+    HW=(hardware=a100_pcie4_hf)
     WL=(workload.repeats=1)  # the artifact's 5 items x 128 tokens; the virtual clock needs 1 repeat
     MAIN_DATASETS=gsm8k,wikitext2,humaneval,gpqa,c4
     DEPTH_KS=2,4,6,8,12,16,20,24,32
@@ -107,7 +107,7 @@ if want working_set; then
   # The dense twin exists only project-made, so this comparison always runs the small
   # DeepSeek-shaped MoE and its twin on the virtual clock (real DeepSeek-V2-Lite sizes charged);
   # the depth step records the real models' working sets (distinct_experts_per_forward) too.
-  HW_PROFILE=("${HW[@]}"); HW=(hardware=a100_pcie4)
+  HW_PROFILE=("${HW[@]}"); HW=(hardware=a100_pcie4_hf)
   run working_set model=small_deepseek,small_dense spec.k="$WS_KS"
   HW=("${HW_PROFILE[@]}")
 fi

@@ -2,8 +2,11 @@
 
 Owns: resolving `budget=xhigh|high|low|full` (or `budget.slots=N`) for a model to a slot count,
 checking it is possible (at least top-k, at most the expert count; a dense model cut into
-expert-sized blocks, where top-k = E, streams its blocks and needs one slot), and the device-memory
-accounting printed at the start of every run.
+expert-sized blocks, where top-k = E, streams its blocks and needs one slot), resolving
+`budget.gb=N` (GiB of device memory) into slots by the bytes of what a system keeps on the
+device (`resolve_gb`: non-expert weights, the INT4 draft if it has one, a second instance if
+it has one, KV, staging buffers, a reserve), and the device-memory accounting printed at the
+start of every run.
 Does not own: which experts occupy the slots (the residency policy of the offloading runtime).
 
 The paper's budgets are per-layer slot counts (paper-facts.md); models without a paper entry
@@ -14,6 +17,7 @@ of DeepSeek-V2-Lite at 32 GB: twice the 24 GB case's slots).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -30,6 +34,17 @@ class ResolvedBudget:
     slots: int
     rule: str  # where the number came from, for the record
     note: str = ""  # a deviation from the paper's number, if any
+    gb: float | None = None  # the device GiB this budget stands for (budget.gb or the paper's reference)
+    staging: int = 0  # staging buffers (budget.staging)
+    whole_layers: int | None = None  # Transformers baseline: MoE layers kept whole on the device ...
+    whole_layers_of: int | None = None  # ... of this many (those of the model the bytes are of)
+    accounting: str = ""  # the GiB arithmetic, printed and recorded
+
+    def as_record(self) -> dict:
+        return {"budget_gb": self.gb if self.gb is not None else float("nan"),
+                "budget_staging": self.staging,
+                "budget_whole_layers": -1 if self.whole_layers is None else self.whole_layers,
+                "budget_rule": self.rule}
 
 
 def resolve_slots(budget: BudgetConfig, model: ModelConfig, num_experts: int,
@@ -98,3 +113,119 @@ def account(spec: MoESpec, slots: int, kv_tokens: int) -> ByteAccount:
         kv_bytes=spec.kv_bytes_per_token * kv_tokens,
         kv_tokens=kv_tokens,
     )
+
+
+# ----------------------------------------------------------------------------- budget.gb
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What a system keeps on the device besides its resident expert slots."""
+
+    int4_draft: bool = False  # the INT4 copy of every routed expert (a device-resident draft)
+    second_instance: bool = False  # a second copy of the non-expert weights and a second KV cache
+    whole_layers: bool = False  # accelerate's device map: whole experts modules, not slots
+
+
+def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
+    """INT4 codes plus one FP16 scale per group of one expert (symmetric GPTQ)."""
+    return expert_params // 2 + expert_params // group * scale_bytes
+
+
+def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv_tokens: int,
+               staging: int, reserve_gb: float, minimum: int, group: int = 128,
+               name: str = "gb") -> ResolvedBudget:
+    """`gb` GiB of device memory -> resident slots per MoE layer (or whole layers, for
+    accelerate's device map), from the FP16 bytes of `spec` (the real model a project-made
+    one stands for, or the model itself: `sizes_of` says which)."""
+    per_expert = spec.expert_bytes
+    params = per_expert // 2  # FP16
+    fixed = [("reserve (CUDA context, allocator slack, activations)", int(reserve_gb * GIB)),
+             ("non-expert weights (FP16)", spec.non_expert_bytes),
+             (f"KV cache at {kv_tokens} tokens", spec.kv_bytes_per_token * kv_tokens)]
+    if footprint.int4_draft:
+        fixed.append(("INT4 draft: every routed expert", spec.num_moe_layers * spec.num_experts
+                      * int4_expert_bytes(params, group)))
+    if footprint.second_instance:
+        fixed += [("second instance: non-expert weights", spec.non_expert_bytes),
+                  ("second instance: KV cache", spec.kv_bytes_per_token * kv_tokens)]
+    if staging:
+        fixed.append((f"staging buffers: {staging} x one expert", staging * per_expert))
+    left = int(gb * GIB) - sum(b for _, b in fixed)
+    lines = [f"  budget.gb={gb:g} GiB, bytes of {sizes_of}:"]
+    lines += [f"    - {what:<58} {b / GIB:9.3f} GiB" for what, b in fixed]
+    if footprint.whole_layers:
+        per_layer = spec.num_experts * per_expert
+        layers = max(0, min(spec.num_moe_layers, left // per_layer)) if left > 0 else 0
+        lines.append(f"    = {left / GIB:.3f} GiB for whole experts modules of {per_layer / GIB:.3f} GiB "
+                     f"-> {layers} of {spec.num_moe_layers} MoE layers resident")
+        return ResolvedBudget(name=name, slots=minimum, rule=f"budget.gb={gb:g} (device map)", gb=gb,
+                              staging=staging, whole_layers=int(layers),
+                              whole_layers_of=spec.num_moe_layers, accounting="\n".join(lines))
+    per_slot = spec.slot_bytes(1)
+    slots = min(spec.num_experts, left // per_slot) if left > 0 else 0
+    lines.append(f"    = {left / GIB:.3f} GiB for slots of {per_slot / GIB:.3f} GiB "
+                 f"({spec.num_moe_layers} MoE layers x {per_expert / 2**20:.2f} MiB) -> {slots} slots/layer")
+    if slots < minimum:
+        raise UserError(f"budget.gb={gb:g} GiB leaves {max(left, 0) / GIB:.2f} GiB for expert slots "
+                        f"after the fixed bytes ({sizes_of}), room for {max(slots, 0)} slot(s) per "
+                        f"layer, below the {minimum} this model needs at once; raise budget.gb or "
+                        "lower budget.staging / budget.reserve_gb.")
+    return ResolvedBudget(name=name, slots=int(slots), rule=f"budget.gb={gb:g} (byte accounting)",
+                          gb=gb, staging=staging, accounting="\n".join(lines))
+
+
+def fp16_spec(config) -> MoESpec:
+    """The FP16 byte facts of a model from its config alone (meta device: no weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from specter.models.introspect import moe_spec
+
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    return moe_spec(meta)
+
+
+def bytes_spec(model: ModelConfig, checkpoint) -> tuple[MoESpec, str]:
+    """Whose bytes a GiB budget is counted in: the real model a project-made one stands for
+    (its public config), else the checkpoint's own config; FP16 either way (the deployment
+    the paper's budgets describe)."""
+    from transformers import AutoConfig
+
+    from specter.models.real_configs import REAL_CONFIGS
+
+    real = REAL_CONFIGS.get(model.stands_for or "") if model.source == "project" else None
+    if real is not None:
+        return fp16_spec(AutoConfig.for_model(**real)), f"real:{real['_name_or_path']} (FP16)"
+    cfg = AutoConfig.from_pretrained(str(checkpoint), trust_remote_code=False)
+    return fp16_spec(cfg), f"own:{model.name} (FP16)"
+
+
+def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: int, top_k: int,
+            footprint: Footprint, kv_tokens: int, group: int = 128) -> ResolvedBudget:
+    """The run's budget: `budget.gb` by the byte accounting, else the named/overridden slots;
+    either way with the reference GiB it stands for, the staging buffers, and, for a system
+    that keeps whole layers (accelerate), the layers that GiB holds."""
+    minimum = 1 if top_k == num_experts else top_k
+    if budget.name == "gb" and budget.gb is None:
+        raise UserError("budget=gb needs the device memory: add budget.gb=N (GiB), e.g. budget.gb=24.")
+    ref_gb = budget.gb if budget.gb is not None else \
+        None if budget.slots is not None else model.budget_gb.get(budget.name)
+    if budget.gb is None and not footprint.whole_layers:
+        r = resolve_slots(budget, model, num_experts, top_k)
+        return dataclasses.replace(r, gb=ref_gb, staging=budget.staging)
+    if ref_gb is None:  # accelerate with no GiB to size its map from: the slots' bytes, as layers
+        r = resolve_slots(budget, model, num_experts, top_k)
+        return dataclasses.replace(r, staging=budget.staging, note=(r.note + "; " if r.note else "")
+                                   + f"no reference GiB for budget={budget.name}: whole layers "
+                                   "from the slot count")
+    spec, sizes_of = bytes_spec(model, checkpoint)
+    r = resolve_gb(ref_gb, spec, sizes_of, footprint, kv_tokens, budget.staging, budget.reserve_gb,
+                   minimum, group, name=budget.name)
+    if footprint.whole_layers and budget.gb is None:  # keep the named budget's slots for the record
+        slots = resolve_slots(budget, model, num_experts, top_k)
+        r = dataclasses.replace(r, slots=slots.slots,
+                                rule=f"model.budget_gb.{budget.name}={ref_gb:g} (device map)")
+    return r

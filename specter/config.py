@@ -25,6 +25,10 @@ class ModelConfig:
     # Resident expert slots per MoE layer for the named budgets (paper-facts.md); a budget
     # name missing here falls back to the proportional rule in budget.py.
     budget_slots: dict[str, int] = field(default_factory=dict)
+    # The paper's reference device memory (GiB) of the named budgets (paper-facts.md: DeepSeek
+    # 24/18, Qwen 20/16, Phi 40/32). Recorded beside the slots; the Transformers baseline
+    # sizes its device map from it (accelerate's max_memory), not from the slot count.
+    budget_gb: dict[str, float] = field(default_factory=dict)
     paper_k: int | None = None  # the paper's chosen speculation depth, for reference
     stands_for: str | None = None  # for project-made models: the real model they scale down
 
@@ -33,6 +37,12 @@ class ModelConfig:
 class BudgetConfig:
     name: str  # high | low | full | custom
     slots: int | None = None  # overrides the per-model table
+    # Device memory in GiB: resolved into resident slots by the byte accounting of what the
+    # system keeps on the device (specter/budget.py `resolve_gb`); exclusive with `slots`.
+    gb: float | None = None
+    staging: int = 0  # expert-sized staging buffers (a pool shared by all layers) where
+    # prefetches land when every resident slot of their layer is held; counted in the bytes
+    reserve_gb: float = 1.0  # CUDA context, allocator slack and activations, kept out of `gb`
 
 
 @dataclass
@@ -45,9 +55,17 @@ class SystemConfig:
     orchestrator: bool = True  # the predictive I/O orchestrator (False: on-demand loads only)
     shared: bool = True  # one instance for draft and target (False: copied weights and KV)
     reorder: bool = True  # verification grouped by expert (False: one GEMV per token, serially)
-    top_m: int | None = None  # experts per layer per prefetch batch; None: the model's top-k
+    top_m: int | None = None  # experts per layer per prefetch batch; None: the slots (artifact)
     cold_start: float = 0.2  # first plan after this fraction of the window's draft steps
     prefetch_noise: float = 0.0  # experiment=oracle: share of planned expert IDs made wrong
+    # Where the authors' artifact and our first reading differ (defaults: the artifact's).
+    cold_start_round: str = "floor"  # first boundary max(1, int(f*K)); "ceil": ceil(f*K)
+    final_plan: bool = False  # True: one last plan after the last draft step (ours before)
+    wait_last_batch: bool = True  # verification starts once the last batch landed (False: per expert)
+    overlap: bool = True  # False: serial demand loading, no copy/compute overlap (ablation "none")
+    kv_copy: bool = True  # shared=false: the draft gets a copy of the target's KV per window (False: its own KV)
+    bandwidth_prior_Bps: float | None = 12e9  # planner's bandwidth prior; None: the link profile's
+    step_prior_s: float | None = 1e-3  # planner's draft-step prior; None: none (first measurement)
     draft_top_k: int | None = None  # specmoe: experts per draft token; None: max(1, top-k // 2)
 
 
@@ -73,8 +91,16 @@ class HardwareConfig:
     matrix_flops: float = 0.0  # the modelled device (virtual / emulated clocks)
     mem_bandwidth_Bps: float = 0.0
     launch_overhead_s: float = 0.0
+    # The engine the profile models (docs/calibration.md): "ideal" (a roofline plus kernel
+    # launches: an optimised engine) or "hf" (an eager framework: Hugging Face / PyTorch eager).
+    engine: str = "ideal"
+    layer_overhead_s: float = 0.0  # framework cost per decoder layer per forward (attention, norms, router glue)
+    expert_overhead_s: float = 0.0  # framework cost per MLP call (a routed or shared expert, a dense MLP, a fused draft layer)
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
+    # hardware=auto on a machine without a GPU: decoding systems run on the virtual clock of
+    # this GPU profile instead (conf/hardware/<name>.yaml), said in one line; null: wall clock.
+    cpu_fallback: str | None = None
     host_matrix_flops: float = 0.0  # the host CPU (systems that compute experts on the host)
     host_mem_bandwidth_Bps: float = 0.0
 
@@ -166,8 +192,25 @@ class RunConfig:
             raise UserError(f"system.draft_top_k must be at least 1 (got {sysc.draft_top_k}).")
         if sysc.top_m is not None and sysc.top_m < 1:
             raise UserError(f"system.top_m must be at least 1 (got {sysc.top_m}).")
-        if self.budget.slots is not None and self.budget.slots < 1:
-            raise UserError(f"budget.slots must be at least 1 (got {self.budget.slots}).")
+        if sysc.cold_start_round not in ("floor", "ceil"):
+            raise UserError(f"system.cold_start_round must be floor or ceil "
+                            f"(got '{sysc.cold_start_round}').")
+        for key in ("bandwidth_prior_Bps", "step_prior_s"):
+            value = getattr(sysc, key)
+            if value is not None and not (0 < value < float("inf")):
+                raise UserError(f"system.{key} must be a positive number or null (got {value}).")
+        b = self.budget
+        if b.slots is not None and b.slots < 1:
+            raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")
+        if b.gb is not None and not (0 < b.gb < float("inf")):
+            raise UserError(f"budget.gb must be a positive number of GiB (got {b.gb}).")
+        if b.gb is not None and b.slots is not None:
+            raise UserError("set budget.gb or budget.slots, not both: each decides the resident "
+                            "slots per layer.")
+        if b.staging < 0:
+            raise UserError(f"budget.staging must be >= 0 (got {b.staging}).")
+        if not (0 <= b.reserve_gb < float("inf")):
+            raise UserError(f"budget.reserve_gb must be >= 0 (got {b.reserve_gb}).")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -49,3 +49,70 @@ def test_byte_accounting_matches_hand_arithmetic(tiny_models):
     assert acct.all_expert_bytes == 64 * spec.num_moe_layers * spec.expert_bytes
     assert acct.kv_bytes == 144 * spec.kv_bytes_per_token
     assert "total device bytes" in acct.table(16, spec)
+
+
+# ---------------------------------------------------------------------------- budget.gb
+def _ds_spec():
+    from transformers import AutoConfig
+
+    from specter.budget import fp16_spec
+    from specter.models.real_configs import REAL_CONFIGS
+
+    return fp16_spec(AutoConfig.for_model(**REAL_CONFIGS["deepseek"]))
+
+
+def test_gb_resolves_to_slots_by_hand_arithmetic():
+    """DeepSeek-V2-Lite in FP16 at 24 GiB: what is left after the reserve, the non-expert
+    weights, the KV cache and (for a drafting system) the INT4 copy of all 1664 routed experts,
+    in slots of 26 layers x one 17.3 MB expert."""
+    from specter.budget import GIB, Footprint, resolve_gb
+
+    spec = _ds_spec()
+    expert = 3 * 2048 * 1408 * 2
+    assert spec.expert_bytes == expert and spec.num_moe_layers == 26
+    int4 = 64 * 26 * (3 * 2048 * 1408 // 2 + 3 * 2048 * 1408 // 128 * 2)
+    fixed = GIB + spec.non_expert_bytes + 144 * spec.kv_bytes_per_token
+    specter = resolve_gb(24, spec, "real", Footprint(int4_draft=True), 144, 0, 1.0, 6)
+    assert specter.slots == (24 * GIB - fixed - int4) // (26 * expert) == 32
+    lru = resolve_gb(24, spec, "real", Footprint(), 144, 0, 1.0, 6)
+    assert lru.slots == (24 * GIB - fixed) // (26 * expert) == 48
+    staged = resolve_gb(24, spec, "real", Footprint(int4_draft=True), 144, 32, 1.0, 6)
+    assert staged.slots == (24 * GIB - fixed - int4 - 32 * expert) // (26 * expert)
+    two = resolve_gb(24, spec, "real", Footprint(int4_draft=True, second_instance=True), 144, 0, 1.0, 6)
+    assert two.slots < specter.slots
+    hf = resolve_gb(24, spec, "real", Footprint(whole_layers=True), 144, 0, 1.0, 6)
+    assert hf.whole_layers == (24 * GIB - fixed) // (64 * expert) == 19 and hf.whole_layers_of == 26
+    assert "INT4 draft" in specter.accounting and "INT4 draft" not in lru.accounting
+    # The hit-rate study's budgets grow monotonically and stay at least top-k.
+    slots = [resolve_gb(g, spec, "real", Footprint(int4_draft=True), 144, 0, 1.0, 6).slots
+             for g in (16, 24, 32)]
+    assert 6 <= slots[0] < slots[1] < slots[2] <= 64
+
+
+def test_impossible_gb_budgets_are_one_sentence():
+    from specter.budget import Footprint, resolve, resolve_gb
+    from specter.config import RunConfig
+
+    with pytest.raises(UserError, match="room for .* below the 6"):
+        resolve_gb(12, _ds_spec(), "real", Footprint(int4_draft=True), 144, 0, 1.0, 6)
+    with pytest.raises(UserError, match="budget=gb needs"):
+        resolve(BudgetConfig(name="gb"), DS, None, 64, 6, Footprint(), 144)
+    base = {"model": {"name": "x", "source": "project"}, "system": {"name": "lru"},
+            "dataset": {"name": "gsm8k"}, "hardware": {"name": "cpu"}, "workload": {}}
+    for budget, msg in (({"name": "gb", "gb": 24, "slots": 8}, "not both"),
+                        ({"name": "gb", "gb": -1}, "positive"), ({"name": "high", "staging": -1}, "staging")):
+        with pytest.raises(UserError, match=msg):
+            RunConfig.from_dict({**base, "budget": budget})
+
+
+def test_named_budgets_carry_the_papers_gib_and_accelerate_sizes_from_it():
+    from specter.budget import Footprint, resolve
+
+    ds = ModelConfig(name="small_deepseek", source="project", stands_for="deepseek",
+                     budget_slots={"high": 16, "low": 8}, budget_gb={"high": 24, "low": 18})
+    r = resolve(BudgetConfig(name="high"), ds, None, 64, 6, Footprint(int4_draft=True), 144)
+    assert (r.slots, r.gb, r.whole_layers) == (16, 24, None)  # the artifact's slots stay
+    hf = resolve(BudgetConfig(name="high"), ds, None, 64, 6, Footprint(whole_layers=True), 144)
+    assert hf.slots == 16 and hf.whole_layers == 19 and hf.gb == 24
+    low = resolve(BudgetConfig(name="low"), ds, None, 64, 6, Footprint(whole_layers=True), 144)
+    assert low.whole_layers < hf.whole_layers

@@ -30,7 +30,7 @@ def test_tiny_run_writes_loadable_rows_and_a_rerun_writes_nothing(tmp_path, caps
     assert (df["experiment"] == "kernel").all() and (df["shape"] == "tiny").all()
     assert set(df["tokens"]) == {1, 3} and (df["top_k"] == 2).all()
     measured, modelled = df[df["clock"] == "wall"], df[df["clock"] == "virtual"]
-    assert (measured["hardware"] == "cpu").all() and (modelled["hardware"] == "a100_pcie4").all()
+    assert (measured["hardware"] == "cpu").all() and (modelled["hardware"] == "a100_pcie4_ideal").all()
     assert set(modelled["backend"]) == {"triton", "int4_per_expert", "target_serial",
                                         "target_grouped"}
     assert len(modelled) == 8 and (modelled["status"] == "modelled").all()

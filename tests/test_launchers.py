@@ -19,7 +19,7 @@ import pytest
 from conftest import REPO, run_cli
 from experiments import records
 
-TINY_RUN = ("model=tiny_deepseek", "hardware=a100_pcie4", "dataset=gsm8k",
+TINY_RUN = ("model=tiny_deepseek", "hardware=a100_pcie4_ideal", "dataset=gsm8k",
             "workload.max_new_tokens=8", "progress=false")
 
 

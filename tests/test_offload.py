@@ -15,7 +15,7 @@ from specter.models.loading import load_model
 from specter.models.real_configs import REAL_CONFIGS
 from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
 
-A100 = {"name": "a100_pcie4", "device": "cpu", "clock": "virtual", "charge": "own",
+A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
         "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
         "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6}
 
@@ -128,7 +128,7 @@ def test_cache_never_evicts_needed_experts_and_counts_hits():
 
 
 def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
-    hw = HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
+    hw = HardwareProfile("a100_pcie4_ideal", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
     sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(27, 26, 1))
     cost = CostModel(hw, sizes)
     # One DeepSeek-V2-Lite expert: gate, up, down, each 2048 x 1408, FP16.
@@ -139,7 +139,7 @@ def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
     gemv = max(2 * params / 312e12, 2 * params / 1.555e12) + 3 * 5e-6  # memory-bound: 0.0261 ms
     assert cost.transfer_s(cost.expert_transfer_bytes()) == pytest.approx(transfer, rel=1e-12)
     assert cost.expert_s(1) == pytest.approx(gemv, rel=1e-12)
-    print(f"DeepSeek-V2-Lite expert on a100_pcie4: transfer {transfer * 1e3:.4f} ms, "
+    print(f"DeepSeek-V2-Lite expert on a100_pcie4_ideal: transfer {transfer * 1e3:.4f} ms, "
           f"GEMV {gemv * 1e3:.4f} ms, ratio {transfer / gemv:.1f}x")
     assert "transfer 0.5593 ms" in capsys.readouterr().out
     # The INT4 draft: all of a layer's routed experts in one fused kernel (three launches),
@@ -150,7 +150,7 @@ def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
     # The host-computed draft (specmoe) needs the host profile.
     with pytest.raises(ValueError, match="no host profile"):
         cost.host_expert_s(1)
-    host = CostModel(HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6,
+    host = CostModel(HardwareProfile("a100_pcie4_ideal", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6,
                                      host_matrix_flops=2e12, host_mem_bandwidth_Bps=1e11), sizes)
     assert host.host_expert_s(1) == pytest.approx(2 * params / 1e11, rel=1e-12)  # 0.173 ms
 
@@ -166,7 +166,7 @@ def test_real_sizes_scale_each_role_by_its_own_layer_count():
     """A 4-layer model (1 dense, 3 MoE) standing for DeepSeek-V2-Lite (27 = 1 dense + 26 MoE):
     attention x 27/4, MoE block x 26/3, the dense MLP x 1/1; one decode step then charges
     exactly the real model's per-token sum."""
-    hw = HardwareProfile("a100_pcie4", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
+    hw = HardwareProfile("a100_pcie4_ideal", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
     per_layer = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(27, 26, 1))
     small = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(4, 3, 1))
     assert small.attn_multiplier == 27 / 4 and small.moe_multiplier == 26 / 3
@@ -231,3 +231,45 @@ def test_offloaded_and_resident_runs_charge_the_same_compute():
             assert l.tokens == r.tokens and l.stats["demand_misses"] > 0
             assert l.commit_times_s[-1] - l.start_time_s == pytest.approx(
                 r.commit_times_s[-1] - r.start_time_s, rel=1e-6)  # transfers: ~1e-11 s each
+
+
+def test_transformers_sizes_its_device_map_from_the_budgets_gib():
+    """budget=high of a DeepSeek-shaped model: accelerate gets the paper's 24 GiB (19 of
+    DeepSeek-V2-Lite's 26 MoE layers fit whole, no INT4 draft charged), not Specter's 16 slots;
+    the same share of the tiny model's layers stays resident, the link is charged the real
+    model's 7 offloaded layers per token, and the record says what accelerate moved."""
+    from specter.budget import resolve
+    from experiments.systems import footprint
+
+    cfg = RunConfig.from_dict({
+        "model": {"name": "tiny_deepseek", "source": "project", "stands_for": "deepseek",
+                  "budget_slots": {"high": 16}, "budget_gb": {"high": 24}},
+        "budget": {"name": "high"}, "system": {"name": "transformers"},
+        "dataset": {"name": "gsm8k"}, "hardware": {**A100, "charge": "real"}, "workload": {},
+        "progress": False})
+    loaded = load_model(cfg.model, torch.device("cpu"), progress=False)
+    budget = resolve(cfg.budget, cfg.model, None, loaded.spec.num_experts, loaded.spec.top_k,
+                     footprint(cfg.system), kv_tokens=144)
+    assert (budget.whole_layers, budget.whole_layers_of, budget.slots) == (19, 26, 16)
+    engine = build_engine(BuildContext(cfg, loaded, budget, torch.device("cpu")))
+    n_moe = loaded.spec.num_moe_layers
+    assert engine.n_resident == n_moe * 19 // 26 and engine.n_offloaded >= 1
+    expert = 3 * 2048 * 1408 * 2
+    assert engine.bytes_per_move * engine.n_offloaded == pytest.approx(7 * 64 * expert, abs=n_moe)
+    engine.reset()
+    g = engine.generate(loaded.tokenizer(PROMPTS[0])["input_ids"][:16], 4)
+    assert g.stats["accelerate_moves_what"] == "all experts of the layer"
+    assert g.stats["accelerate_moves"] == 4 * engine.n_offloaded  # prefill + 3 decode steps
+
+
+def test_hit_rate_never_exceeds_its_slot_cap():
+    e_k = {}
+    for slots in (6, 64):
+        lru, loaded = make_engine("tiny_deepseek", "lru", slots)
+        gens = decode_all(lru, loaded.tokenizer)
+        for g in gens:
+            assert g.stats["hit_rate"] <= g.stats["hit_rate_cap"] + 1e-12
+        e_k[slots] = [g.stats["hit_rate_cap"] for g in gens]
+    assert all(c == 1.0 for c in e_k[64])  # every expert fits: nothing caps the hit rate
+    # One token needs top-6 experts: 6 slots can hold them all, so the cap is 1 there too.
+    assert all(c == 1.0 for c in e_k[6])

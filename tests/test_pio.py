@@ -13,14 +13,19 @@ from conftest import TINY
 from specter.errors import UserError
 from specter.pio import planner
 from specter.pio.elb import ExpertLookaheadBuffer
-from test_offload import decode_all, make_engine
+from test_offload import A100, decode_all, make_engine
 
 # -- planner: pure rules ---------------------------------------------------------------------
 
 
 def test_cold_start_and_chunk_sizing():
-    assert [planner.cold_start_steps(k) for k in (1, 2, 4, 5, 6, 16, 32)] == [1, 1, 1, 1, 2, 4, 7]
+    ks = (1, 2, 4, 5, 6, 8, 10, 16, 32)
+    # The artifact's max(1, int(0.2 K)) by default; ours before: max(1, ceil(0.2 K)).
+    assert [planner.cold_start_steps(k) for k in ks] == [1, 1, 1, 1, 1, 1, 2, 3, 6]
+    assert [planner.cold_start_steps(k, rounding="ceil") for k in ks] == [1, 1, 1, 1, 2, 2, 2, 4, 7]
     assert planner.cold_start_steps(16, 0.5) == 8 and planner.cold_start_steps(3, 1.0) == 3
+    with pytest.raises(ValueError, match="rounding"):
+        planner.cold_start_steps(8, rounding="round")
     # The next chunk computes about as long as the batch moves: ceil(batch / step), >= 1.
     assert planner.next_chunk_steps(batch_s=10e-3, step_s=2.5e-3) == 4
     assert planner.next_chunk_steps(batch_s=10.1e-3, step_s=2.5e-3) == 5
@@ -72,6 +77,10 @@ def test_running_mean_starts_from_the_prior_then_tracks():
     assert m.value == 2.0
     m.update(4.0)
     assert m.value == 3.0
+    # The artifact's EMA: the prior is the starting value, each sample moves it by the weight.
+    a = planner.RunningMean(prior=12e9, weight=0.25, blend=True)
+    a.update(4e9)
+    assert a.value == pytest.approx(10e9) and a.samples == 1
 
 
 def test_elb_counts_like_bincount_and_snapshots_once_per_call():
@@ -108,13 +117,23 @@ def test_pinned_experts_survive_later_loads_until_released():
 
 # -- system=specter -------------------------------------------------------------------------
 
+# Our first reading of every rule where the artifact differs (the artifact's are the defaults).
+OURS = {"cold_start_round": "ceil", "final_plan": True, "wait_last_batch": False,
+        "bandwidth_prior_Bps": None, "step_prior_s": None, "top_m": 2}
+
 VARIANTS = [
     {"name": "specter"},
     {"name": "sp_e"},
     {"name": "sp_l"},
-    {"name": "specter", "shared": False},
+    {"name": "sp_l", "wait_last_batch": False},
+    {"name": "specter", "shared": False},  # kv_copy (the artifact's SIC off)
+    {"name": "specter", "shared": False, "kv_copy": False},  # its own KV
     {"name": "specter", "orchestrator": False},
+    {"name": "specter", "overlap": False},
+    {"name": "specter", "orchestrator": False, "shared": False, "reorder": False,
+     "overlap": False},  # the ablation's "none"
     {"name": "specter", "prefetch_noise": 0.5},
+    {"name": "specter", **OURS},
 ]
 
 
@@ -148,6 +167,18 @@ def test_single_plans_ablations_and_wrong_predictions_stay_lossless(system, qwen
         assert all(g.stats["plan_boundaries_per_window"] == 1.0 for g in gens)
     if system.get("prefetch_noise"):
         assert sum(g.stats["prefetch_corrupted"] for g in gens) > 0
+    # Every row names the rules that ran.
+    rec = gens[0].stats
+    assert rec["overlap"] == system.get("overlap", True)
+    assert rec["draft_kv"] == ("shared" if system.get("shared", True) else
+                               "copied" if system.get("kv_copy", True) else "own")
+    if planned:
+        assert rec["wait_last_batch"] == system.get("wait_last_batch", True)
+        assert rec["top_m"] == system.get("top_m") or loaded.spec.top_k + 2  # None: the slots
+    if planned and system["name"] == "specter":
+        assert rec["cold_start_round"] == system.get("cold_start_round", "floor")
+        assert rec["final_plan"] == system.get("final_plan", False)
+        assert rec["bandwidth_prior_Bps"] == system.get("bandwidth_prior_Bps", 12e9)
 
 
 def test_serial_experts_match_grouped_within_rounding_and_cost_more():
@@ -182,12 +213,53 @@ def test_orchestrator_raises_hit_rate_over_on_demand_loading():
         assert [g.tokens for g in stats[label]] == [g.tokens for g in stats["pio"]]
 
 
+def test_wait_last_batch_serial_loading_and_kv_copy_are_charged():
+    """wait_last_batch: verification waits for the last batch, counted; overlap=false: misses
+    copied one by one, more exposed wait than overlapped demand loading; kv_copy: the draft
+    reads the target's KV (acceptance as the shared instance's), the copy charged on the
+    clock at read + write of the KV bytes."""
+    def run(name="specter", hardware=A100, **knobs):
+        eng, loaded = make_engine("tiny_deepseek", {"name": name, **knobs}, 8, hardware=hardware,
+                                  spec={"k": 6})
+        return decode_all(eng, loaded.tokenizer)
+
+    total = lambda gens, key: sum(g.stats[key] for g in gens)  # noqa: E731
+    slow = {**A100, "h2d_bandwidth_Bps": 5e8}  # Specter's last batch still in flight at the end
+    for name, hardware in (("sp_l", A100), ("specter", slow)):
+        blocked = run(name, hardware)
+        per_expert = run(name, hardware, wait_last_batch=False)
+        assert total(blocked, "last_batch_wait_ms") > 0, name
+        assert total(per_expert, "last_batch_wait_ms") == 0, name
+        # The wait is the link's: exposed, and verification starts later.
+        assert total(blocked, "exposed_wait_ms") >= total(blocked, "last_batch_wait_ms") - 1e-9
+        assert total(blocked, "verify_ms_per_window") > total(per_expert, "verify_ms_per_window")
+        assert [g.tokens for g in blocked] == [g.tokens for g in per_expert]
+
+    overlapped, serial = run(orchestrator=False), run(orchestrator=False, overlap=False)
+    assert total(serial, "exposed_wait_ms") > total(overlapped, "exposed_wait_ms")
+    assert total(serial, "demand_misses") == total(overlapped, "demand_misses")
+    assert [g.tokens for g in serial] == [g.tokens for g in overlapped]
+
+    shared, copied = run(orchestrator=False), run(orchestrator=False, shared=False)
+    assert [g.stats["accepted_lens"] for g in copied] == [g.stats["accepted_lens"] for g in shared]
+    assert all(g.stats["kv_copy_bytes"] > 0 for g in copied)
+    assert all(g.stats["kv_copy_bytes"] == 0 for g in shared)
+    draft_s = lambda gens: sum(g.stats["draft_ms_per_window"] * g.stats["windows"]  # noqa: E731
+                               for g in gens) / 1e3
+    copy_s = 2 * total(copied, "kv_copy_bytes") / A100["mem_bandwidth_Bps"]  # read + write
+    assert draft_s(copied) - draft_s(shared) == pytest.approx(copy_s, rel=1e-6)
+
+
 def test_knobs_are_refused_by_systems_that_do_not_have_them():
     from experiments.systems import check_system
     from specter.config import SystemConfig
 
     check_system(SystemConfig(name="specter", shared=False, top_m=3))
-    check_system(SystemConfig(name="sp_l", top_m=3))
+    check_system(SystemConfig(name="sp_l", top_m=3, wait_last_batch=False))
+    with pytest.raises(UserError, match="system.overlap applies to specter only"):
+        check_system(SystemConfig(name="sp_e", overlap=False))
+    with pytest.raises(UserError, match="system.kv_copy applies to specter only"):
+        check_system(SystemConfig(name="specmoeoff", kv_copy=False))
     with pytest.raises(UserError, match="system.shared applies to specter only"):
         check_system(SystemConfig(name="lru_s", shared=False))
     with pytest.raises(UserError, match="prefetch_noise"):
@@ -217,6 +289,9 @@ class _Link:
     def compute(self, s):
         self.t += s
 
+    def wait(self, t):
+        self.t = max(self.t, t.end)
+
 
 class _Cache:
     def __init__(self, layers, slots, link, nbytes):
@@ -225,6 +300,12 @@ class _Cache:
         self.res = [set(range(slots)) for _ in range(layers)]
         self.pins = [set() for _ in range(layers)]
         self.issued: list[tuple[float, int, int]] = []  # (time, layer, expert)
+        self.inflight: dict[tuple[int, int], _Transfer] = {}
+
+    def wait(self, l, e):
+        t = self.inflight.pop((l, e), None)
+        if t is not None:
+            self.link.wait(t)
 
     def resident_set(self, l):
         return set(self.res[l])
@@ -245,7 +326,8 @@ class _Cache:
         start = max(self.link.t, self.link.te)
         self.link.te = start + self.transfer_bytes / self.link.bw
         self.issued.append((self.link.t, l, e))
-        return _Transfer(self.transfer_bytes, start, self.link.te, self.link)
+        self.inflight[(l, e)] = _Transfer(self.transfer_bytes, start, self.link.te, self.link)
+        return self.inflight[(l, e)]
 
 
 class _Runtime:
@@ -290,6 +372,45 @@ def test_orchestrator_phases_follow_transfer_time_and_step_time():
     assert all(not p for p in cache.pins) and orch.stats.windows == 1
 
 
+def _synthetic(k, cold_start_round="floor", final_plan=False, top_m=1, layers=2):
+    """One window of k 1-s draft steps, each routing a new (absent) expert per layer; copies
+    take 1 s each. Returns the orchestrator, the link and the cache."""
+    from specter.pio.orchestrator import Orchestrator
+
+    link = _Link(bandwidth=1000.0)
+    cache = _Cache(layers=layers, slots=4, link=link, nbytes=1000)
+    elb = ExpertLookaheadBuffer(layers, 16, torch.device("cpu"))
+    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=top_m, bandwidth_Bps=1000.0,
+                        latency_s=0.0, cold_start_round=cold_start_round, final_plan=final_plan)
+    _drive(orch, link, [[[8 + (i + 3 * l) % 8] for l in range(layers)] for i in range(k)], 1.0)
+    return orch, link, cache
+
+
+def test_cold_start_rounding_sets_the_first_boundary():
+    """K=8: the artifact's max(1, int(1.6)) = 1 step before the first plan; ceil: 2."""
+    for rounding, first in (("floor", 1.0), ("ceil", 2.0)):
+        _, _, cache = _synthetic(8, cold_start_round=rounding)
+        assert min(t for t, _, _ in cache.issued) == first, rounding
+
+
+def test_final_plan_and_the_last_batch_wait():
+    """K=4, floor: plans after steps 1 and 3 (2 copies of 1 s each: chunk 2 steps); the next
+    boundary would be step 5 > K. final_plan=false (the artifact): no plan after step 4;
+    true: one more with the whole window's counts. Verification (wait_last_batch) then
+    waits until the last copy has landed, and counts the wait."""
+    orch, link, cache = _synthetic(4)
+    assert sorted({t for t, _, _ in cache.issued}) == [1.0, 3.0] and orch.stats.boundaries == 2
+    assert link.t == 4.0 and link.te == 5.0  # the step-3 batch lands at 5 s
+    orch.on_forward("verify")
+    assert link.t == 5.0 and orch.stats.last_batch_wait_s == pytest.approx(1.0)
+    assert orch.stats.as_record()["last_batch_wait_ms"] == pytest.approx(1000.0)
+    orch, link, cache = _synthetic(4, final_plan=True)
+    assert sorted({t for t, _, _ in cache.issued}) == [1.0, 3.0, 4.0] and orch.stats.boundaries == 3
+    orch.wait_last_batch = False
+    orch.on_forward("verify")
+    assert link.t == 4.0 and orch.stats.last_batch_wait_s == 0.0
+
+
 def test_orchestrator_late_plan_waits_for_the_whole_window():
     from specter.pio.orchestrator import Orchestrator
 
@@ -313,7 +434,6 @@ def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_
     from conftest import REPO
     from experiments import records, runner
     from specter.config import RunConfig
-    from test_offload import A100
 
     def cfg(system, temperature, seed, out):
         return RunConfig.from_dict({
@@ -335,6 +455,27 @@ def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_
     with pytest.raises(UserError, match="decodes greedily only"):
         runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("knob,value,text", [
+    ("cold_start_round", "round", "system.cold_start_round must be floor or ceil"),
+    ("bandwidth_prior_Bps", -1.0, "system.bandwidth_prior_Bps must be a positive number"),
+    ("step_prior_s", 0.0, "system.step_prior_s must be a positive number"),
+    ("final_plan", "yes", "system.final_plan must be bool"),
+])
+def test_bad_planner_switches_are_one_sentence(knob, value, text):
+    import yaml
+
+    from conftest import REPO
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    with pytest.raises(UserError, match=text) as err:
+        RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": {"name": "specter", knob: value},
+            "dataset": {"name": "gsm8k"}, "hardware": A100, "workload": {}})
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
 
 
 def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_path):

@@ -1,6 +1,8 @@
 """experiments.plots: every Result renders from a synthetic results tree with the records' real
 column names (PNG, PDF and a Markdown table each), paper numbers appear beside ours, and the
-CLI's edges (missing root, unknown name, experiments without records) are one line each."""
+CLI's edges (missing root, unknown name, experiments without records) are one line each.
+Records of two engine profiles of the same cases (a100_pcie4_ideal, a100_pcie4_hf) render one
+panel per profile and a profile column; the main TPOT panels are log-scale."""
 
 from __future__ import annotations
 
@@ -10,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from experiments import memory_table, records
-from experiments.plots import RESULTS
-from experiments.plots.cli import main
+from experiments.plots import RESULTS, base, cache, main_tpot
+from experiments.plots.cli import load_all, main
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
-HW = {"hardware": "a100_pcie4", "clock": "virtual", "device": "cpu", "dataset_standin": True}
+HW = {"hardware": "a100_pcie4_ideal", "clock": "virtual", "device": "cpu", "dataset_standin": True}
 CHARGED = {"deepseek": "real:deepseek-ai/DeepSeek-V2-Lite", "qwen": "real:Qwen/Qwen1.5-MoE-A2.7B"}
 MODELS = {"small_deepseek": "deepseek", "small_qwen": "qwen", "small_dense": "deepseek"}
 SLOTS = {"low": 8, "high": 16, "xhigh": 32}
@@ -37,13 +39,15 @@ def _spec(k, **extra):
 
 def synthetic_rows() -> list[dict]:
     rows = []
-    tpot = {"resident": 5.0, "lru": 90.0, "specmoeoff": 60.0, "specter": 40.0}
+    tpot = {"resident": 5.0, "transformers": 300.0, "lru": 90.0, "specmoeoff": 60.0, "specter": 40.0}
     for (system, t), dataset in itertools.product(tpot.items(), ["gsm8k", "humaneval"]):
         extra = _spec(8) if system in ("specmoeoff", "specter") else {}
         rows.append(_row("main", system, "small_qwen", dataset=dataset, tpot_ms=t, **extra))
     for system, budget in itertools.product(["lru", "specter"], ["low", "high", "xhigh"]):
+        spec = system == "specter"
         rows.append(_row("cache", system, budget=budget, tpot_ms=50.0, hit_rate=0.5 + SLOTS[budget] / 100,
-                         hit_rate_tokens=0.6, prefetch_precision=0.9 if system == "specter" else None))
+                         hit_rate_cap=0.6 + SLOTS[budget] / 100, hit_rate_tokens=0.6,
+                         prefetch_precision=0.9 if spec else None, plan_recall=0.8 if spec else None))
     for orch, shared, reorder in [(True, True, True), (False, True, True), (False, False, True),
                                   (False, False, False)]:
         rows.append(_row("ablation", "specter", tpot_ms=70.0 + 10 * (3 - orch - shared - reorder),
@@ -78,6 +82,40 @@ def synthetic_rows() -> list[dict]:
                      "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
                      "hardware": "cpu", "request_id": f"{backend}-{tokens}", "repeat": 0})
     return rows
+
+
+# Two engine profiles of the same cases: the eager one slower; its records carry `engine`, the
+# ideal one's do not (older records: the engine comes from the name's suffix).
+PROFILED = ("main", "cache", "latency", "ablation", "oracle", "depth", "working_set")
+TWO_PROFILED = {"main_tpot", "cache_hit_rate", "h2d_hiding", "ablation", "oracle", "depth",
+                "working_set"}
+
+
+def two_profile_rows() -> list[dict]:
+    rows = []
+    for row in synthetic_rows():
+        rows.append(row)
+        if row["experiment"] not in PROFILED:
+            continue
+        hf = {**row, "hardware": "a100_pcie4_hf", "engine": "hf"}
+        for c in ("tpot_ms", "e2e_ms"):
+            if c in hf and hf[c] is not None:
+                hf[c] = hf[c] * (3.0 if hf["system"] == "transformers" else 2.0)
+        rows.append(hf)
+    return rows
+
+
+def _write_tree(root: Path, rows: list[dict]) -> Path:
+    for i, row in enumerate(rows):  # two trees under the root, as sweeps leave them
+        sub = root / ("sweep_a" if i % 2 else "sweep_b")
+        case = {"i": i, "experiment": row["experiment"], "hw": row.get("hardware")}
+        records.CaseStore(sub, case).write(row)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tree2(tmp_path_factory) -> Path:
+    return _write_tree(tmp_path_factory.mktemp("results2"), two_profile_rows())
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +184,95 @@ def test_experiment_overlays_name_their_records():
         with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
             cfg = compose(config_name="config", overrides=[f"experiment={path.stem}"])
         assert cfg.experiment == named[0], path.name
+
+
+def _visible(fig) -> list:
+    return [a for a in fig.axes if a.get_visible()]
+
+
+def test_main_tpot_is_log_scale_with_a_speedup_panel(tree):
+    df = load_all(tree)
+    df = df[df["experiment"] == "main"].reset_index(drop=True)
+    [(stem, fig)] = main_tpot.figures(main_tpot.table(df), df)
+    try:
+        axes = _visible(fig)
+        assert len(axes) == 2  # TPOT over speedup, one profile
+        assert axes[0].get_yscale() == "log"
+        assert "speedup over SpecMoEOff" in axes[1].get_title()
+        ticks = [t.get_text() for t in axes[1].get_xticklabels()]
+        assert "specter\n1.50x" in ticks and "specmoeoff\n1.00x" in ticks  # 60 / 40
+        # paper diamonds on both panels, labelled as the A100's
+        assert all(any(lab.startswith("paper (A100)") for lab in a.get_legend_handles_labels()[1])
+                   for a in axes)
+        assert "profile a100_pcie4_ideal (ideal roofline engine)" in fig._suptitle.get_text()
+        assert "virtual clock" in fig._suptitle.get_text()
+    finally:
+        base.plt.close(fig)
+
+
+def test_two_profiles_render_side_by_side(tree2, tmp_path, capsys):
+    out = tmp_path / "figures"
+    assert main([str(tree2), "--out", str(out), "--only", *sorted(TWO_PROFILED)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(TWO_PROFILED)
+    assert not [line for line in lines if "skipped" in line or "FAILED" in line], lines
+    for res in RESULTS:
+        if res.name not in TWO_PROFILED:
+            continue
+        md = (out / f"{res.name}.md").read_text()
+        header = next(line for line in md.splitlines() if line.startswith("| "))
+        assert "| profile | engine |" in header, res.name
+        body = md.split("\n_")[0]
+        assert "a100_pcie4_hf" in body and "a100_pcie4_ideal" in body, res.name
+        assert "| hf |" in body and "| ideal |" in body, res.name  # derived for the older records
+        assert "a100_pcie4_hf (eager engine)" in md, res.name
+    df = load_all(tree2)
+    main_df = df[df["experiment"] == "main"].reset_index(drop=True)
+    [(stem, fig)] = main_tpot.figures(main_tpot.table(main_df), main_df)
+    try:
+        axes = _visible(fig)
+        assert len(axes) == 4  # TPOT and speedup, each per profile side by side
+        tops = axes[:2]
+        assert all(a.get_yscale() == "log" for a in tops)
+        assert tops[0].get_ylim() == tops[1].get_ylim()
+        titles = " ".join(a.get_title() for a in axes)
+        assert "a100_pcie4_ideal (ideal roofline engine)" in titles
+        assert "a100_pcie4_hf (eager engine)" in titles
+        for a in axes:
+            assert any(lab.startswith("paper (A100)") for lab in a.get_legend_handles_labels()[1])
+    finally:
+        base.plt.close(fig)
+    cache_df = df[df["experiment"] == "cache"].reset_index(drop=True)
+    fig = cache.figure(cache.table(cache_df), cache_df)
+    try:
+        assert len(_visible(fig)) == 4  # hit_rate and hit_rate_tokens, each per profile
+    finally:
+        base.plt.close(fig)
+
+
+def test_cache_table_has_the_cap_and_the_caveat(tree, tmp_path):
+    out = tmp_path / "f"
+    assert main([str(tree), "--out", str(out), "--only", "cache_hit_rate"]) == 0
+    md = (out / "cache_hit_rate.md").read_text()
+    header = next(line for line in md.splitlines() if line.startswith("| "))
+    for c in ("hit_rate", "hit_rate_cap", "hit_rate_tokens", "prefetch_precision", "plan_recall"):
+        assert f"| {c} |" in header, c
+    assert "99.85%/98.62%/96.25%" in md and "not like for like" in md
+    specter_high = next(line for line in md.splitlines() if "| high | 16 | specter |" in line)
+    assert "| 0.66 | 0.76 | 0.6 | 0.9 | 0.8 |" in specter_high
+    df = load_all(tree)
+    df = df[df["experiment"] == "cache"].reset_index(drop=True)
+    fig = cache.figure(cache.table(df), df)
+    try:
+        labels = fig.axes[0].get_legend_handles_labels()[1] + sum(
+            (a.get_legend_handles_labels()[1] for a in fig.axes), [])
+        assert cache.CAP_LABEL in labels
+    finally:
+        base.plt.close(fig)
+
+
+def test_engine_and_profile_labels():
+    assert base.engine_of("a100_pcie4_hf") == "hf" and base.engine_of("h200_ideal") == "ideal"
+    assert base.engine_of("a100_pcie4") == "-" and base.engine_of("x", "hf") == "hf"
+    assert base.profile_label("a100_pcie4_hf") == "a100_pcie4_hf (eager engine)"
+    assert base.profile_label("cpu") == "cpu"

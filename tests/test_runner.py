@@ -39,6 +39,10 @@ def test_cli_smoke_writes_records_then_resumes(tmp_path):
     assert df["prompt_tokens"].map(len).max() <= 16
     assert (df["output_tokens"].map(len) == 16).all()
     assert (df["tpot_ms"] > 0).all() and (df["peak_mem_bytes"] > 0).all()
+    # hardware=auto without a GPU: the virtual clock of the fallback GPU profile, said once.
+    assert "no GPU here" in first.stdout
+    assert (df["hardware"] == "a100_pcie4_hf").all() and (df["clock"] == "virtual").all()
+    assert (df["engine"] == "hf").all()
     again = run_cli("experiment=smoke", f"out_dir={out}", "progress=false")
     assert again.returncode == 0, again.stderr
     assert "skipped 2" in again.stdout
@@ -144,3 +148,20 @@ def test_spec_settings_are_part_of_the_case_only_for_speculative_systems():
 
     assert case("lru", 4) == case("lru", 8) and "spec" not in case("lru", 4)
     assert case("lru_s", 4) != case("lru_s", 8) and case("lru_s", 4)["spec"]["k"] == 4
+
+
+def test_auto_hardware_keeps_real_clocks_where_asked(tmp_path):
+    import torch
+
+    cfg = smoke_cfg(tmp_path, hardware={"name": "auto", "device": "auto", "cpu_fallback": "h200_ideal"})
+    moved = runner.resolve_auto_hardware(cfg, torch.device("cpu"), log=lambda *_: None)
+    assert (moved.hardware.name, moved.hardware.clock, moved.hardware.engine) == ("h200_ideal", "virtual", "ideal")
+    assert moved.hardware.device == "cpu"
+    for keep in (smoke_cfg(tmp_path),  # hardware=cpu: this CPU's wall clock
+                 smoke_cfg(tmp_path, hardware={"name": "auto", "cpu_fallback": "h200_ideal"},
+                           system={"name": "fidelity"})):
+        assert runner.resolve_auto_hardware(keep, torch.device("cpu")).hardware == keep.hardware
+    on_gpu = runner.resolve_auto_hardware(cfg, torch.device("cuda"))
+    assert on_gpu.hardware.clock == "wall"
+    with pytest.raises(UserError, match="unknown hardware profile 'nope'"):
+        runner.load_hardware("nope")

@@ -83,7 +83,7 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
         cfg = RunConfig.from_dict({
             "model": {"name": name, "source": "project"}, "budget": {"name": "high"},
             "system": {"name": "lru"}, "dataset": {"name": "gsm8k"},
-            "hardware": {"name": "a100_pcie4", "device": "cpu", "clock": "virtual",
+            "hardware": {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual",
                          "charge": "own", "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12,
                          "launch_overhead_s": 5e-6, "h2d_bandwidth_Bps": 31.5e9,
                          "h2d_latency_s": 1e-5},
@@ -109,7 +109,7 @@ def test_lru_s_system_through_the_runner(tmp_path):
     from experiments import records
 
     common = ["model=tiny_deepseek", "dataset=humaneval", "workload.items=2",
-              "workload.max_new_tokens=16", "workload.repeats=1", "hardware=a100_pcie4",
+              "workload.max_new_tokens=16", "workload.repeats=1", "hardware=a100_pcie4_ideal",
               "hardware.charge=own", "budget.slots=6", "quant.group=32", "quant.calib_tokens=512",
               "progress=false"]
     res = run_cli("-m", "system=resident,lru_s", "spec.k=3", f"out_dir={tmp_path}", *common)
@@ -242,7 +242,7 @@ def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     from experiments import records
 
     common = ["system=lru_s", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
-              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4",
+              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
               "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
               "spec.profile_ks=[1,3]", "spec.profile_prompts=2", "spec.profile_runs=1",
               f"cache_dir={tmp_path}/cache", "progress=false"]
@@ -293,7 +293,7 @@ def test_specmoeoff_is_lossless_and_prefetches(tmp_path, model):
 
     res = run_cli("-m", "system=resident,specmoeoff", f"model={model}", "dataset=humaneval",
                   "workload.items=2", "workload.max_new_tokens=16", "workload.repeats=1",
-                  "hardware=a100_pcie4", "budget=low", "quant.group=32", "quant.calib_tokens=512",
+                  "hardware=a100_pcie4_ideal", "budget=low", "quant.group=32", "quant.calib_tokens=512",
                   f"out_dir={tmp_path}", "progress=false")
     assert res.returncode == 0, res.stderr
     df = records.load(tmp_path)

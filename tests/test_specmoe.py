@@ -25,7 +25,7 @@ from test_offload import decode_all
 
 CPU = torch.device("cpu")
 # The modelled A100 and its host (host_expert_s needs the host profile), own sizes, this CPU.
-A100 = {**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "hardware" / "a100_pcie4.yaml")),
+A100 = {**OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "hardware" / "a100_pcie4_ideal.yaml")),
         "device": "cpu", "clock": "virtual", "charge": "own"}
 
 

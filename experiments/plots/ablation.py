@@ -1,6 +1,8 @@
 """The ablation (experiment `ablation`): mean TPOT of each Specter variant (its switches that
 differ from the defaults, named by `experiments.summarize.variant`), per model and budget;
-the paper's full / no PIO / no PIO+SIC / none ms/token beside the matching variants."""
+the paper's full / no PIO / no PIO+SIC / none ms/token beside the matching variants (on every
+engine profile's panel: one per profile side by side, one TPOT scale, where the records hold
+more than one)."""
 
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, Result, agg, clock_note, col, dedup_legend,
-                                    isnan, paper_marker, prepare, save_figure, subplots, title,
-                                    varying, write_table)
+from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, by_profile, case_columns,
+                                    clock_note, col, dedup_legend, isnan, panel_title,
+                                    paper_marker, prepare, same_limits, save_figure, subplots,
+                                    title, write_table)
 from experiments.summarize import variant
 
 NAME = "ablation"
@@ -27,29 +30,27 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     df["variant"] = df.apply(variant, axis=1) if len(df) else []
     for s in SWITCHES:
         df[s] = col(df, f"cfg.system.{s}").map(_switch)
-    t = agg(df, ["model", "budget", "budget_slots", "hardware", "clock", "charged", "system",
+    t = agg(df, ["model", "budget", "budget_slots", "hardware", "engine", "clock", "charged", "system",
                  "variant", *SWITCHES], ["tpot_ms", "acceptance_rate", "hit_rate", "h2d_hidden_frac"])
     named = [paper.ABLATION_MS.get(tuple(bool(r[s]) for s in SWITCHES)) if r["system"] == "specter"
              else None for _, r in t.iterrows()]
     t["paper variant"] = [n[0] if n else "" for n in named]
     t[f"ms/token {PAPER_LABEL}"] = [n[1] if n else float("nan") for n in named]
     t["_on"] = -t[list(SWITCHES)].sum(axis=1)
-    return t.sort_values(["model", "budget", "_on", "variant"]).drop(columns="_on").reset_index(drop=True)
+    return t.sort_values(["model", "budget", "hardware", "_on", "variant"]).drop(
+        columns="_on").reset_index(drop=True)
 
 
-def render(df: pd.DataFrame, out: Path) -> list[Path]:
-    t = table(df)
-    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged", "system"]),
-            "variant", *SWITCHES, "rows", "tpot_ms", "acceptance_rate", "hit_rate",
-            "h2d_hidden_frac", "paper variant", f"ms/token {PAPER_LABEL}"]
-    note = (clock_note(df) + ". variant: the switches that differ from Specter's defaults "
-            "('-': full Specter). Paper: no PIO = orchestrator off; no PIO+SIC = also no shared "
-            "instance; none = also no expert-grouped verification.")
-    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
-                        out, NAME, "Ablation: mean TPOT per Specter variant", note)
-    cases = list(t.groupby(["model", "budget"], sort=True))
-    fig, axes = subplots(len(cases), ncols=2, w=6.0, h=0.45 * t["variant"].nunique() + 1.8)
-    for ax, ((model, budget), g) in zip(axes, cases):
+def figure(t: pd.DataFrame, df: pd.DataFrame):
+    """One panel per model, budget and profile (profiles side by side, one TPOT scale); unsaved."""
+    split = by_profile(t)
+    n = len(split)
+    panels = [(model, budget, prof, g[(g["model"] == model) & (g["budget"] == budget)])
+              for (model, budget), _ in t.groupby(["model", "budget"], sort=True)
+              for prof, g in split]
+    rows = t.groupby(["model", "budget", "hardware"]).size().max()
+    fig, axes = subplots(len(panels), ncols=n if n > 1 else 2, w=6.0, h=0.45 * rows + 1.8)
+    for ax, (model, budget, prof, g) in zip(axes, panels):
         g = g.reset_index(drop=True)
         labels = [v if not p else f"{v}  [{p}]" for v, p in zip(g["variant"], g["paper variant"])]
         y = list(range(len(g)))
@@ -61,11 +62,26 @@ def render(df: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_xlabel("mean TPOT (ms)")
-        ax.set_title(f"{model}, budget {budget}", fontsize=9)
+        ax.set_title(panel_title(f"{model}, budget {budget}", prof), fontsize=9)
         ax.grid(axis="x", alpha=0.3)
         dedup_legend(ax, loc="lower right")
+    for k in range(0, len(axes), n):  # one TPOT scale across a case's profiles
+        same_limits(axes[k:k + n], axis="x")
     title(fig, "Ablation: orchestrator (PIO), shared instance (SIC), expert-grouped verification", df)
-    paths += save_figure(fig, out, NAME)
+    return fig
+
+
+def render(df: pd.DataFrame, out: Path) -> list[Path]:
+    t = table(df)
+    cols = ["model", "budget", "budget_slots", *case_columns(t, ["hardware", "clock", "charged", "system"]),
+            "variant", *SWITCHES, "rows", "tpot_ms", "acceptance_rate", "hit_rate",
+            "h2d_hidden_frac", "paper variant", f"ms/token {PAPER_LABEL}"]
+    note = (clock_note(df) + ". variant: the switches that differ from Specter's defaults "
+            "('-': full Specter). Paper: no PIO = orchestrator off; no PIO+SIC = also no shared "
+            "instance; none = also no expert-grouped verification.")
+    paths = write_table(t[cols].rename(columns=RENAME), out, NAME,
+                        "Ablation: mean TPOT per Specter variant", note)
+    paths += save_figure(figure(t, df), out, NAME)
     return paths
 
 

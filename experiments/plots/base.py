@@ -1,6 +1,13 @@
 """What every figure and table module shares: the `Result` record, saving figures (PNG and
 PDF, Agg backend) and tables (Markdown and LaTeX), and the label naming the clock, the
-hardware and the charged model sizes each number came from.
+engine profile (hardware name and engine) and the charged model sizes each number came from.
+
+Engine profiles: the virtual clock has two per GPU, `<gpu>_ideal` (the roofline of an optimised
+engine) and `<gpu>_hf` (an eager Hugging Face / PyTorch engine with framework costs). Records
+carry `hardware` (the profile name) and, since issue 12, `engine`; older records lack `engine`
+and it is derived from the name's suffix (`engine_of`). Where the records of a figure hold more
+than one profile, the figure shows one panel per profile (`by_profile`) and the table a
+`profile` / `engine` column (`case_columns`, `RENAME`).
 
 Figures and tables read parquet records only (`experiments.records.load`, through the CLI);
 a render gets the rows of its experiment and writes into the output folder.
@@ -67,6 +74,111 @@ def with_family(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
+# ------------------------------------------------------------------------- engine profiles
+ENGINE_WORDS = {"hf": "eager engine", "ideal": "ideal roofline engine"}
+ENGINE_ORDER = ["ideal", "hf"]
+
+
+def _text(v) -> str | None:
+    if v is None or isnan(v):
+        return None
+    v = str(v)
+    return None if v in ("", "nan", "None", "NaN", "<NA>") else v
+
+
+def engine_of(hardware, engine=None) -> str:
+    """The engine a profile models: the records' `engine` where present, else the hardware
+    name's suffix (`_hf` / `_ideal`), else '-'."""
+    e = _text(engine)
+    if e:
+        return e
+    hw = _text(hardware) or ""
+    for suffix in ENGINE_ORDER:
+        if hw.endswith(f"_{suffix}"):
+            return suffix
+    return "-"
+
+
+def engines(df: pd.DataFrame) -> pd.Series:
+    """`engine_of` per record."""
+    return pd.Series([engine_of(h, e) for h, e in zip(col(df, "hardware", None), col(df, "engine", None))],
+                     index=df.index, dtype=object)
+
+
+def profile_label(hardware, engine=None) -> str:
+    """'a100_pcie4_hf (eager engine)': the profile's name and, where known, its engine."""
+    e = engine_of(hardware, engine)
+    hw = _text(hardware) or "unknown"
+    return f"{hw} ({ENGINE_WORDS.get(e, f'{e} engine')})" if e != "-" else hw
+
+
+def _profile_key(hw: str, engine: str) -> tuple:
+    base = hw[: -len(engine) - 1] if engine != "-" and hw.endswith(f"_{engine}") else hw
+    return (base, ENGINE_ORDER.index(engine) if engine in ENGINE_ORDER else len(ENGINE_ORDER), hw)
+
+
+def profiles(df: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (hardware, engine) profiles of the records, ideal before hf per GPU."""
+    if "hardware" not in df or df.empty:
+        return []
+    pairs: dict[str, str] = {}  # one engine per profile name (the first record's)
+    for h, e in zip(df["hardware"], col(df, "engine", None)):
+        if _text(h):
+            pairs.setdefault(str(h), engine_of(h, e))
+    return sorted(pairs.items(), key=lambda p: _profile_key(*p))
+
+
+def by_profile(df: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
+    """[(profile label, its rows)] when the rows hold more than one profile, else
+    [(None, all rows)]: figures draw one panel per entry, titled with the label."""
+    profs = profiles(df)
+    if len(profs) <= 1:
+        return [(None, df)]
+    hw = df["hardware"].astype(str)
+    return [(profile_label(h, e), df[hw == h]) for h, e in profs]
+
+
+def panel_title(text: str, profile: str | None) -> str:
+    """A panel's title, naming its profile when the figure splits by profile."""
+    return f"{text}\nprofile {profile}" if profile else text
+
+
+def case_columns(t: pd.DataFrame, cols=("hardware", "clock", "charged")) -> list[str]:
+    """`varying(t, cols)`, with `engine` beside `hardware` whenever the rows hold more than one
+    profile (rename `hardware` to `profile` in the table with `RENAME`)."""
+    v = varying(t, list(cols))
+    if "hardware" in v and "engine" in t:
+        v.insert(v.index("hardware") + 1, "engine")
+    return v
+
+
+RENAME = {"hardware": "profile", "budget_slots": "slots", "tpot_ms": "TPOT ms"}
+
+
+def same_limits(axes, axis: str = "y") -> None:
+    """One scale on several panels (the union of their limits), to compare them by eye."""
+    axes = [a for a in axes if a is not None]
+    if len(axes) < 2:
+        return
+    get, put = (("get_ylim", "set_ylim") if axis == "y" else ("get_xlim", "set_xlim"))
+    lims = [getattr(a, get)() for a in axes]
+    lo, hi = min(min(l) for l in lims), max(max(l) for l in lims)
+    inverted = lims[0][0] > lims[0][1]
+    for a in axes:
+        getattr(a, put)((hi, lo) if inverted else (lo, hi))
+
+
+def log_axis(ax, axis: str = "y", suffix: str = "") -> None:
+    """A log axis ticked at 1, 2, 5 x 10^n with plain numbers (12, 50, 200 ms; 0.5x, 2x)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    a = ax.yaxis if axis == "y" else ax.xaxis
+    (ax.set_yscale if axis == "y" else ax.set_xscale)("log")
+    a.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    a.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{suffix}"))
+    a.set_minor_formatter(NullFormatter())
+
+
 def charged(df: pd.DataFrame) -> pd.Series:
     """The sizes the virtual clock charged (`charged.source`), '-' for real-time clocks."""
     return col(df, "charged.source", "-").fillna("-").astype(str)
@@ -80,11 +192,13 @@ def _values(df: pd.DataFrame, name: str) -> list[str]:
 
 
 def clock_note(df: pd.DataFrame, paper_numbers: bool = True) -> str:
-    """One line: the clock(s), hardware profile(s), charged sizes and device of our numbers,
-    and the paper's hardware where the figure or table shows paper numbers."""
+    """One line: the clock(s), engine profile(s) (hardware name and engine, e.g. "profile
+    a100_pcie4_hf (eager engine)"), charged sizes and device of our numbers, and the paper's
+    hardware where the figure or table shows paper numbers."""
     clocks = _values(df, "clock") or ["unknown"]
-    hw = _values(df, "hardware") or ["unknown"]
-    parts = [f"ours: {'/'.join(clocks)} clock, hardware {'/'.join(hw)}"]
+    profs = [profile_label(h, e) for h, e in profiles(df)] or ["unknown"]
+    parts = [f"ours: {'/'.join(clocks)} clock, profile{'s' if len(profs) > 1 else ''} "
+             f"{' and '.join(profs)}"]
     ch = [c for c in _values(df, "charged.source") if c != "-"]
     if ch:
         parts.append(f"charged {'/'.join(ch)}")
@@ -128,26 +242,30 @@ def paper_marker(ax, xs, ys, label: str = PAPER_LABEL, **kw) -> None:
     ax.plot(xs, ys, label=label, **{**PAPER_STYLE, **kw})
 
 
-def dedup_legend(ax, outside: bool = False, **kw) -> None:
-    """One legend entry per label; `outside`: to the right of the axes, clear of the data."""
-    handles, labels = ax.get_legend_handles_labels()
+def dedup_legend(ax, outside: bool = False, also=(), **kw) -> None:
+    """One legend entry per label; `outside`: to the right of the axes, clear of the data;
+    `also`: further axes whose entries join this legend (one legend for a row of panels)."""
     seen: dict[str, object] = {}
-    for h, lab in zip(handles, labels):
-        seen.setdefault(lab, h)
+    for a in (ax, *also):
+        for h, lab in zip(*a.get_legend_handles_labels()):
+            seen.setdefault(lab, h)
     if outside:
         kw = {**kw, "loc": "upper left", "bbox_to_anchor": (1.01, 1.0)}
     if seen:
         ax.legend(seen.values(), seen.keys(), fontsize=7, **kw)
 
 
-def bars(ax, categories: list[str], series: dict[str, list[float]], width: float = 0.8) -> dict[str, list[float]]:
-    """Grouped bars: one group per category, one bar per series; returns each series' x."""
+def bars(ax, categories: list[str], series: dict[str, list[float]], width: float = 0.8,
+         colors: dict[str, str] | None = None) -> dict[str, list[float]]:
+    """Grouped bars: one group per category, one bar per series; returns each series' x.
+    `colors`: a fixed colour per series name (the same series the same colour in every panel)."""
     n = max(1, len(series))
     w = width / n
     xs: dict[str, list[float]] = {}
     for i, (name, values) in enumerate(series.items()):
         x = [c - width / 2 + w * (i + 0.5) for c in range(len(categories))]
-        ax.bar(x, [0 if isnan(v) else v for v in values], w, label=name)
+        kw = {"color": colors[name]} if colors and name in colors else {}
+        ax.bar(x, [0 if isnan(v) else v for v in values], w, label=name, **kw)
         xs[name] = x
     ax.set_xticks(range(len(categories)))
     ax.set_xticklabels(categories, rotation=30, ha="right", fontsize=8)
@@ -224,11 +342,20 @@ def system_key(name) -> tuple[int, str]:
 
 
 def prepare(df: pd.DataFrame) -> pd.DataFrame:
-    """A copy with `family` and `charged` columns, and the metric columns the renders read
-    as NaN where a record lacks them."""
+    """A copy with `family`, `charged` and `engine` (derived where older records lack it)
+    columns."""
     df = with_family(df)
     df["charged"] = charged(df)
+    if "hardware" not in df:
+        df["hardware"] = "-"
+    df["engine"] = engines(df)
     return df
+
+
+def palette(names) -> dict[str, str]:
+    """A fixed colour per name (in order), so a system keeps its colour across panels."""
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {n: cycle[i % len(cycle)] for i, n in enumerate(names)}
 
 
 def agg(df: pd.DataFrame, keys: list[str], metrics: list[str]) -> pd.DataFrame:

@@ -1,6 +1,8 @@
 """The draft-depth sweep (experiment `depth`): mean TPOT against K per model, budget and system,
 the K with the lowest mean TPOT marked (what `spec.k=auto` keeps: K* = argmin_K TPOT(K)),
-and the paper's chosen depths (DeepSeek-V2-Lite 16, Qwen1.5-MoE 8, Phi-3.5-MoE 16) beside."""
+and the paper's chosen depths (DeepSeek-V2-Lite 16, Qwen1.5-MoE 8, Phi-3.5-MoE 16) beside.
+K* is chosen per engine profile; where the records hold more than one, each case has one panel
+per profile side by side (one TPOT scale)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,14 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, Result, agg, clock_note, col,
-                                    dedup_legend, isnan, prepare, save_figure, subplots, title,
-                                    varying, write_table)
+from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, RENAME, Result, agg, by_profile,
+                                    case_columns, clock_note, col, dedup_legend, isnan,
+                                    panel_title, prepare, same_limits, save_figure, subplots,
+                                    title, write_table)
 
 NAME = "depth"
-CASE = ["model", "family", "budget", "budget_slots", "hardware", "clock", "charged", "system"]
+CASE = ["model", "family", "budget", "budget_slots", "hardware", "engine", "clock", "charged",
+        "system"]
 
 
 def table(df: pd.DataFrame) -> pd.DataFrame:
@@ -29,30 +33,25 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     chosen = {tuple(r[c] for c in CASE): r["K"] for _, r in best.iterrows()}
     t["chosen (ours)"] = [chosen.get(tuple(r[c] for c in CASE)) == r["K"] for _, r in t.iterrows()]
     t[f"K* {PAPER_LABEL}"] = [paper.CHOSEN_K.get(f, float("nan")) for f in t["family"]]
-    return t.sort_values(["model", "budget", "system", "K"]).reset_index(drop=True)
+    return t.sort_values(["model", "budget", "system", "hardware", "K"]).reset_index(drop=True)
 
 
-def render(df: pd.DataFrame, out: Path) -> list[Path]:
-    t = table(df)
-    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged", "system"]),
-            "K", "rows", "tpot_ms", "acceptance_rate", "mean_accepted_len", "hit_rate",
-            "chosen (ours)", f"K* {PAPER_LABEL}"]
-    note = (clock_note(df) + ". chosen: the K with the lowest mean TPOT of its case. Paper: K* "
-            "over K in {2,4,6,8,12,16,20,24,32}, 25 prompts x 3 runs; acceptance per draft token "
-            f"{paper.ACCEPTANCE['mean']:.2%} mean, up to {paper.ACCEPTANCE['max_deepseek']:.0%} on "
-            f"DeepSeek-V2-Lite, E[A] = {paper.ACCEPTANCE['expected_run']}.")
-    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
-                        out, NAME, "Draft depth: mean TPOT per K", note)
-    cases = list(t.groupby(["model", "budget"], sort=True))
-    fig, axes = subplots(len(cases), ncols=3, w=4.6, h=3.4)
-    for ax, ((model, budget), g) in zip(axes, cases):
-        for (system, hw, clock), s in g.groupby(["system", "hardware", "clock"], sort=True):
+def figure(t: pd.DataFrame, df: pd.DataFrame):
+    """One panel per model, budget and profile (profiles side by side); unsaved."""
+    split = by_profile(t)
+    n = len(split)
+    panels = [(model, budget, prof, g[(g["model"] == model) & (g["budget"] == budget)])
+              for (model, budget), _ in t.groupby(["model", "budget"], sort=True)
+              for prof, g in split]
+    fig, axes = subplots(len(panels), ncols=n if n > 1 else 3, w=4.6, h=3.4)
+    for ax, (model, budget, prof, g) in zip(axes, panels):
+        for (system, clock), s in g.groupby(["system", "clock"], sort=True):
             s = s.sort_values("K")
             line, = ax.plot(s["K"], s["tpot_ms"], marker="o", label=f"{system} ({clock})")
             c = s[s["chosen (ours)"]]
             ax.plot(c["K"], c["tpot_ms"], marker="*", markersize=15, color=line.get_color(),
                     linestyle="none", label="K* ours")
-        k = g[f"K* {PAPER_LABEL}"].iloc[0]
+        k = g[f"K* {PAPER_LABEL}"].iloc[0] if len(g) else float("nan")
         if not isnan(k):
             ax.axvline(k, color=PAPER_STYLE["color"], linestyle="--", linewidth=1.2,
                        label=f"K* {PAPER_LABEL} = {int(k)}")
@@ -62,11 +61,26 @@ def render(df: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_xticklabels([str(x) for x in ks], fontsize=7)
         ax.set_xlabel("draft depth K")
         ax.set_ylabel("mean TPOT (ms)")
-        ax.set_title(f"{model}, budget {budget}", fontsize=9)
+        ax.set_title(panel_title(f"{model}, budget {budget}", prof), fontsize=9)
         ax.grid(alpha=0.3)
         dedup_legend(ax)
+    for k in range(0, len(axes), n):
+        same_limits(axes[k:k + n])
     title(fig, "Draft depth sweep: TPOT vs K", df)
-    paths += save_figure(fig, out, NAME)
+    return fig
+
+
+def render(df: pd.DataFrame, out: Path) -> list[Path]:
+    t = table(df)
+    cols = ["model", "budget", "budget_slots", *case_columns(t, ["hardware", "clock", "charged", "system"]),
+            "K", "rows", "tpot_ms", "acceptance_rate", "mean_accepted_len", "hit_rate",
+            "chosen (ours)", f"K* {PAPER_LABEL}"]
+    note = (clock_note(df) + ". chosen: the K with the lowest mean TPOT of its case (per profile). "
+            "Paper: K* over K in {2,4,6,8,12,16,20,24,32}, 25 prompts x 3 runs; acceptance per draft "
+            f"token {paper.ACCEPTANCE['mean']:.2%} mean, up to {paper.ACCEPTANCE['max_deepseek']:.0%} "
+            f"on DeepSeek-V2-Lite, E[A] = {paper.ACCEPTANCE['expected_run']}.")
+    paths = write_table(t[cols].rename(columns=RENAME), out, NAME, "Draft depth: mean TPOT per K", note)
+    paths += save_figure(figure(t, df), out, NAME)
     return paths
 
 

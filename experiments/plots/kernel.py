@@ -98,7 +98,7 @@ def render(df: pd.DataFrame, out: Path) -> list[Path]:
     devices = sorted({str(d) for d in _col(df[df["clock"] != "virtual"], "device", "-").dropna()})
     note = (clock_note(df, paper_numbers=False) + ". Measured: wall clock (median of n timed "
             f"calls, 10th/90th percentiles) on {', '.join(devices) or '-'}; A100 model: the "
-            "virtual clock's CostModel (hardware=a100_pcie4, the real model's charged sizes) "
+            "virtual clock's CostModel (hardware=a100_pcie4_ideal, the real model's charged sizes) "
             "for the same routing ('int4_per_expert': its fused-kernel formula one expert at a "
             "time). "
             "One MoE layer's routed experts, random weights, seeded random routing."

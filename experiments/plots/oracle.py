@@ -2,7 +2,8 @@
 rate against `cfg.system.prefetch_noise` (the fraction of the planner's expert IDs replaced by
 experts the draft did not route to), with a check that every request's output tokens equal
 those at the lowest noise level (verification keeps the output the target's); the paper's
-endpoints (precision 1.0 -> 0.41, TPOT 63.0 -> 84.2 ms, output unchanged) beside."""
+endpoints (precision 1.0 -> 0.41, TPOT 63.0 -> 84.2 ms, output unchanged) beside. Where the
+records hold more than one engine profile, one row of panels per profile (one TPOT scale)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, Result, agg, clock_note, col, dedup_legend,
-                                    paper_marker, prepare, save_figure, subplots, title, varying,
+from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, by_profile, case_columns,
+                                    clock_note, col, dedup_legend, panel_title, paper_marker,
+                                    prepare, same_limits, save_figure, subplots, title,
                                     write_table)
 
 NAME = "oracle"
-CASE = ["model", "family", "budget", "budget_slots", "hardware", "clock", "charged", "system"]
+CASE = ["model", "family", "budget", "budget_slots", "hardware", "engine", "clock", "charged",
+        "system"]
 REQUEST = ["dataset", "request_id", "repeat"]
 
 
@@ -37,48 +40,59 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     same = df.groupby([k for k in CASE if k in df] + ["noise"], dropna=False)["_same"].agg(["sum", "size"])
     t["same tokens"] = [f"{'yes' if s == n else 'NO'} ({s}/{n})" for s, n in
                         zip(same["sum"].astype(int), same["size"].astype(int))]
-    t = t.sort_values(["model", "budget", "system", "noise"]).reset_index(drop=True)
-    lo = t.groupby(["model", "budget", "system"])["noise"].transform("min") == t["noise"]
-    hi = t.groupby(["model", "budget", "system"])["noise"].transform("max") == t["noise"]
+    t = t.sort_values(["model", "budget", "system", "hardware", "noise"]).reset_index(drop=True)
+    sweep = t.groupby(["model", "budget", "system", "hardware", "clock"], dropna=False)["noise"]
+    lo, hi = sweep.transform("min") == t["noise"], sweep.transform("max") == t["noise"]
     p, q = paper.ROBUSTNESS["precision"], paper.ROBUSTNESS["tpot_ms"]
     t[f"precision {PAPER_LABEL}"] = [p[0] if a else p[1] if b else float("nan") for a, b in zip(lo, hi)]
     t[f"TPOT {PAPER_LABEL}"] = [q[0] if a else q[1] if b else float("nan") for a, b in zip(lo, hi)]
     return t
 
 
+def figure(t: pd.DataFrame, df: pd.DataFrame):
+    """TPOT vs noise, precision vs noise, TPOT vs precision: one row per profile; unsaved."""
+    split = by_profile(t)
+    n = len(split)
+    fig, axes = subplots(3 * n, ncols=3, w=4.4, h=3.4)
+    p, q = paper.ROBUSTNESS["precision"], paper.ROBUSTNESS["tpot_ms"]
+    for j, (prof, gp) in enumerate(split):
+        row = axes[3 * j: 3 * j + 3]
+        for (model, budget, system), g in gp.groupby(["model", "budget", "system"], sort=True):
+            lab = f"{model} ({budget}, {system})"
+            row[0].plot(g["noise"], g["tpot_ms"], marker="o", label=lab)
+            row[1].plot(g["noise"], g["prefetch_precision"], marker="o", label=lab)
+            row[2].plot(g["prefetch_precision"], g["tpot_ms"], marker="o", label=lab)
+        paper_marker(row[2], p, q, label=f"{PAPER_LABEL} endpoints")
+        row[1].axhline(p[1], color="crimson", linestyle=":", linewidth=1,
+                       label=f"{PAPER_LABEL}: lowest precision {p[1]}")
+        for ax, (xl, yl, what) in zip(row, [("prefetch noise", "mean TPOT (ms)", "TPOT"),
+                                            ("prefetch noise", "prefetch precision", "precision"),
+                                            ("prefetch precision", "mean TPOT (ms)", "TPOT vs precision")]):
+            ax.set_xlabel(xl)
+            ax.set_ylabel(yl)
+            ax.set_title(panel_title(what, prof), fontsize=9)
+            ax.grid(alpha=0.3)
+            dedup_legend(ax)
+        row[2].invert_xaxis()
+    same_limits([axes[3 * j] for j in range(n)] + [axes[3 * j + 2] for j in range(n)])
+    ok = t["same tokens"].str.startswith("yes").all()
+    title(fig, "Robustness to wrong predictions; output tokens "
+               + ("identical at every noise level" if ok else "DIFFER across noise levels"), df)
+    return fig
+
+
 def render(df: pd.DataFrame, out: Path) -> list[Path]:
     t = table(df)
-    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged", "system"]),
+    cols = ["model", "budget", "budget_slots", *case_columns(t, ["hardware", "clock", "charged", "system"]),
             "noise", "rows", "tpot_ms", "prefetch_precision", "plan_recall", "hit_rate",
             "acceptance_rate", "same tokens", f"precision {PAPER_LABEL}", f"TPOT {PAPER_LABEL}"]
     note = (clock_note(df) + ". noise: fraction of the planner's expert IDs replaced by experts the "
             "draft did not route to; same tokens: requests whose output token ids equal those at the "
             "lowest noise level. The paper gives its endpoints only (precision 1.0 -> 0.41, TPOT "
             "63.0 -> 84.2 ms, output unchanged), shown at our lowest and highest noise.")
-    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
-                        out, NAME, "Robustness: wrong prefetch predictions", note)
-    fig, axes = subplots(3, ncols=3, w=4.4, h=3.4)
-    for (model, budget, system), g in t.groupby(["model", "budget", "system"], sort=True):
-        lab = f"{model} ({budget}, {system})"
-        axes[0].plot(g["noise"], g["tpot_ms"], marker="o", label=lab)
-        axes[1].plot(g["noise"], g["prefetch_precision"], marker="o", label=lab)
-        axes[2].plot(g["prefetch_precision"], g["tpot_ms"], marker="o", label=lab)
-    p, q = paper.ROBUSTNESS["precision"], paper.ROBUSTNESS["tpot_ms"]
-    paper_marker(axes[2], p, q, label=f"{PAPER_LABEL} endpoints")
-    axes[1].axhline(p[1], color="crimson", linestyle=":", linewidth=1,
-                    label=f"{PAPER_LABEL}: lowest precision {p[1]}")
-    for ax, (xl, yl) in zip(axes, [("prefetch noise", "mean TPOT (ms)"),
-                                   ("prefetch noise", "prefetch precision"),
-                                   ("prefetch precision", "mean TPOT (ms)")]):
-        ax.set_xlabel(xl)
-        ax.set_ylabel(yl)
-        ax.grid(alpha=0.3)
-        dedup_legend(ax)
-    axes[2].invert_xaxis()
-    ok = t["same tokens"].str.startswith("yes").all()
-    title(fig, "Robustness to wrong predictions; output tokens "
-               + ("identical at every noise level" if ok else "DIFFER across noise levels"), df)
-    paths += save_figure(fig, out, NAME)
+    paths = write_table(t[cols].rename(columns=RENAME), out, NAME,
+                        "Robustness: wrong prefetch predictions", note)
+    paths += save_figure(figure(t, df), out, NAME)
     return paths
 
 

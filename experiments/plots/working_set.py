@@ -7,7 +7,10 @@ tokens per target forward, the paper's "K consecutive tokens".
 When the records hold a dense model (name containing "dense", e.g. the dense twin
 `tiny_dense`/`small_dense`), a second panel: the speculative speedup at each K, mean TPOT of
 `lru` (autoregressive; any K) / mean TPOT of `lru_s` at that K, one line per model: on a MoE
-the working set grows with K and eats the gain, on a dense model it cannot grow."""
+the working set grows with K and eats the gain, on a dense model it cannot grow.
+
+Where the records hold more than one engine profile, each panel comes once per profile, side by
+side (the working set follows the routing and should agree; the speedup follows the profile)."""
 
 from __future__ import annotations
 
@@ -16,12 +19,13 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, Result, agg, clock_note, col, dedup_legend,
-                                    paper_marker, prepare, save_figure, subplots, title, varying,
+from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, by_profile, case_columns,
+                                    clock_note, col, dedup_legend, panel_title, paper_marker,
+                                    prepare, same_limits, save_figure, subplots, title,
                                     write_table)
 
 NAME = "working_set"
-CASE = ["model", "family", "budget", "budget_slots", "hardware", "clock", "charged"]
+CASE = ["model", "family", "budget", "budget_slots", "hardware", "engine", "clock", "charged"]
 AUTOREGRESSIVE = "lru"
 SPECULATIVE = "lru_s"
 
@@ -62,12 +66,12 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     t[f"growth {PAPER_LABEL}"] = [
         paper.EXPLOSION_GROWTH_1_TO_16.get(r["family"], float("nan")) if at(r, 16) else float("nan")
         for _, r in t.iterrows()]
-    return t.sort_values(["model", "budget", "tokens/forward"]).reset_index(drop=True)
+    return t.sort_values(["model", "budget", "hardware", "tokens/forward"]).reset_index(drop=True)
 
 
 def render(df: pd.DataFrame, out: Path) -> list[Path]:
     t = table(df)
-    cols = ["model", "budget", "budget_slots", *varying(t, ["hardware", "clock", "charged"]),
+    cols = ["model", "budget", "budget_slots", *case_columns(t),
             "system", "K", "tokens/forward", "rows", "distinct_experts_per_forward",
             "growth vs 1 token", "distinct_experts_mean", "tpot_ms", "acceptance_rate",
             "speculative speedup", f"distinct {PAPER_LABEL}", f"growth {PAPER_LABEL}"]
@@ -77,26 +81,38 @@ def render(df: pd.DataFrame, out: Path) -> list[Path]:
             "/ TPOT(lru_s at K). Paper: DeepSeek-V2-Lite 6.0 -> 31.7 for K = 1 -> 16 consecutive "
             "tokens; growth 1 -> 16 Qwen 7.18x, Phi 4.65x; a paper value for n tokens sits on our row "
             "with n tokens per forward, else on the K = n row.")
-    paths = write_table(t[cols].rename(columns={"budget_slots": "slots", "tpot_ms": "TPOT ms"}),
+    paths = write_table(t[cols].rename(columns=RENAME),
                         out, NAME, "Expert working set per target forward vs draft depth", note)
+    paths += save_figure(figure(t, df), out, NAME)
+    return paths
+
+
+def figure(t: pd.DataFrame, df: pd.DataFrame):
+    """Expert explosion (and, with a dense model, the speculative speedup), one panel each per
+    profile side by side; unsaved."""
     dense = any("dense" in str(m) for m in t["model"].unique())
-    fig, axes = subplots(2 if dense else 1, ncols=2, w=5.6, h=3.8)
-    ax = axes[0]
-    for (model, budget), g in t.groupby(["model", "budget"], sort=True):
-        g = g.sort_values("tokens/forward")
-        ax.plot(g["tokens/forward"], g["distinct_experts_per_forward"], marker="o",
-                label=f"{model} ({budget})")
-    paper_marker(ax, list(paper.EXPLOSION_DEEPSEEK), list(paper.EXPLOSION_DEEPSEEK.values()),
-                 label=f"{PAPER_LABEL}: {paper.MODELS['deepseek']}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("tokens per target forward (K+1; autoregressive = 1)")
-    ax.set_ylabel("distinct experts per layer per forward")
-    ax.set_title("Expert explosion", fontsize=9)
-    ax.grid(alpha=0.3)
-    dedup_legend(ax, loc="best")
-    if dense:
-        ax = axes[1]
-        s = t[t["speculative speedup"].notna()]
+    split = by_profile(t)
+    n = len(split)
+    fig, axes = subplots((2 if dense else 1) * n, ncols=n if n > 1 else 2, w=5.6, h=3.8)
+    tops, bottoms = axes[:n], axes[n:]
+    for j, (prof, tp) in enumerate(split):
+        ax = tops[j]
+        for (model, budget), g in tp.groupby(["model", "budget"], sort=True):
+            g = g.sort_values("tokens/forward")
+            ax.plot(g["tokens/forward"], g["distinct_experts_per_forward"], marker="o",
+                    label=f"{model} ({budget})")
+        paper_marker(ax, list(paper.EXPLOSION_DEEPSEEK), list(paper.EXPLOSION_DEEPSEEK.values()),
+                     label=f"{PAPER_LABEL}: {paper.MODELS['deepseek']}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per target forward (K+1; autoregressive = 1)")
+        ax.set_ylabel("distinct experts per layer per forward")
+        ax.set_title(panel_title("Expert explosion", prof), fontsize=9)
+        ax.grid(alpha=0.3)
+        dedup_legend(ax, loc="best")
+        if not dense:
+            continue
+        ax = bottoms[j]
+        s = tp[tp["speculative speedup"].notna()]
         for (model, budget), g in s.groupby(["model", "budget"], sort=True):
             g = g.sort_values("K")
             ax.plot(g["K"], g["speculative speedup"], marker="o",
@@ -105,12 +121,13 @@ def render(df: pd.DataFrame, out: Path) -> list[Path]:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("draft depth K")
         ax.set_ylabel("TPOT(lru) / TPOT(lru_s at K)")
-        ax.set_title("Speculative speedup: MoE vs dense", fontsize=9)
+        ax.set_title(panel_title("Speculative speedup: MoE vs dense", prof), fontsize=9)
         ax.grid(alpha=0.3)
         dedup_legend(ax)
+    same_limits(tops)
+    same_limits(bottoms)
     title(fig, "Expert working set vs draft depth", df)
-    paths += save_figure(fig, out, NAME)
-    return paths
+    return fig
 
 
 RESULTS = [Result(name=NAME, experiment="working_set", render=render)]

@@ -61,6 +61,7 @@ class Timing:
                "h2d_hidden_frac": s.hidden_frac, "time_scale": self.time_scale}
         if self.cost is not None:
             rec.update(self.cost.sizes.as_record())
+            rec["engine"] = self.cost.hw.engine  # ideal | hf: which engine the profile models
         return rec
 
 
@@ -68,13 +69,15 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
     if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
         raise UserError(f"hardware={hw.name} has no device profile (matrix_flops, "
                         "mem_bandwidth_Bps, h2d_bandwidth_Bps) for the "
-                        f"{hw.clock} clock; use hardware=a100_pcie4 or hardware=h200.")
+                        f"{hw.clock} clock; use a GPU profile: hardware=a100_pcie4_hf, a100_pcie4_ideal, h200_hf or h200_ideal.")
     return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
                            mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
                            launch_overhead_s=hw.launch_overhead_s,
                            h2d_bandwidth_Bps=hw.h2d_bandwidth_Bps, h2d_latency_s=hw.h2d_latency_s,
                            host_matrix_flops=hw.host_matrix_flops,
-                           host_mem_bandwidth_Bps=hw.host_mem_bandwidth_Bps)
+                           host_mem_bandwidth_Bps=hw.host_mem_bandwidth_Bps,
+                           layer_overhead_s=hw.layer_overhead_s,
+                           expert_overhead_s=hw.expert_overhead_s, engine=hw.engine)
 
 
 def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:
@@ -141,8 +144,8 @@ def offload_model(ctx, timing: Timing, prefetcher: Prefetcher | None = None,
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
     the device, through `timing`'s link."""
     if timing.clock in ("wall",):
-        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4 "
-                        "(virtual clock) or hardware=a100_pcie4 hardware.clock=emulated.")
+        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
+                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
     model, device = ctx.loaded.model, ctx.device
     store = HostExpertStore(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None

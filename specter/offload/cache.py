@@ -28,12 +28,17 @@ class LayerCache:
         self.inflight: dict[int, Transfer] = {}
         self.protected: set[int] = set()  # in use by the forward now running
         self.pinned: set[int] = set()  # planned for the coming verification (prefetch pins)
+        self.staged: dict[int, int] = {}  # expert -> staging buffer (prefetched beyond the slots)
         self.policy = policy
 
 
 class ExpertCache:
     def __init__(self, store: HostExpertStore, slots: int, device: torch.device, link: Link,
-                 make_policy: Callable[[], EvictionPolicy], transfer_bytes: int | None = None):
+                 make_policy: Callable[[], EvictionPolicy], transfer_bytes: int | None = None,
+                 staging: int = 0):
+        """`staging`: expert-sized buffers shared by all layers (budget.staging) where a
+        prefetch lands when no slot of its layer can take it; a staged expert serves its
+        layer's next target forward and its buffer is freed right after (`release_staged`)."""
         layout = store.layout
         assert layout is not None and 1 <= slots <= layout.num_experts
         self.store, self.slots, self.link = store, slots, link
@@ -42,6 +47,9 @@ class ExpertCache:
         self.transfer_bytes = transfer_bytes or layout.nbytes
         self.layers = [LayerCache(slots, layout.numel, layout.dtype, device, make_policy())
                        for _ in range(store.num_moe_layers)]
+        self.pool = torch.empty(staging, layout.numel, dtype=layout.dtype, device=device)  # [B, flat]
+        self.pool_free = list(range(staging))
+        self.staged_loads = 0  # prefetches that landed in a staging buffer (since reset)
 
     # --- state -------------------------------------------------------------------------
     def reset(self) -> None:
@@ -52,23 +60,28 @@ class ExpertCache:
             lc.inflight.clear()
             lc.protected.clear()
             lc.pinned.clear()
+            lc.staged.clear()
             for s in range(self.slots):
                 lc.buf[s].copy_(self.store.expert(l, s))
                 lc.slot_of[s] = s
                 lc.expert_in[s] = s
             lc.policy.reset(range(self.slots))
+        self.pool_free = list(range(self.pool.shape[0]))
+        self.staged_loads = 0
 
     def resident(self, l: int, e: int) -> bool:
-        """In a slot (its copy may still be in flight)."""
-        return e in self.layers[l].slot_of
+        """In a slot or a staging buffer (its copy may still be in flight)."""
+        lc = self.layers[l]
+        return e in lc.slot_of or e in lc.staged
 
     def ready(self, l: int, e: int) -> bool:
-        """In a slot with no copy outstanding."""
+        """Resident with no copy outstanding."""
         lc = self.layers[l]
-        return e in lc.slot_of and e not in lc.inflight
+        return self.resident(l, e) and e not in lc.inflight
 
     def resident_set(self, l: int) -> set[int]:
-        return set(self.layers[l].slot_of)
+        lc = self.layers[l]
+        return set(lc.slot_of) | set(lc.staged)
 
     def protect(self, l: int, experts) -> None:
         self.layers[l].protected.update(experts)
@@ -134,6 +147,28 @@ class ExpertCache:
         lc.policy.touch(e)
         return t
 
+    def stage(self, l: int, e: int) -> Transfer | None:
+        """Copy `e` into a free staging buffer for layer `l`'s next forward; None when it is
+        already resident or every buffer is taken."""
+        lc = self.layers[l]
+        if self.resident(l, e) or not self.pool_free:
+            return None
+        buf = self.pool_free.pop()
+        lc.staged[e] = buf
+        t = self.link.copy(self.pool[buf], self.store.expert(l, e), nbytes=self.transfer_bytes)
+        lc.inflight[e] = t
+        self.staged_loads += 1
+        return t
+
+    def release_staged(self, l: int) -> None:
+        """Layer `l`'s target forward is done: its staged experts leave their buffers (a copy
+        still in flight is waited for first: the buffer must not be overwritten under it)."""
+        lc = self.layers[l]
+        for e, buf in list(lc.staged.items()):
+            self.wait(l, e)
+            del lc.staged[e]
+            self.pool_free.append(buf)
+
     def wait(self, l: int, e: int) -> None:
         """The compute stream waits for `e`'s copy, if one is outstanding."""
         t = self.layers[l].inflight.pop(e, None)
@@ -141,8 +176,16 @@ class ExpertCache:
             self.link.wait(t)
 
     def touch(self, l: int, e: int) -> None:
-        self.layers[l].policy.touch(e)
+        if e in self.layers[l].slot_of:  # staged experts are outside the eviction order
+            self.layers[l].policy.touch(e)
 
     def weights(self, l: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         lc = self.layers[l]
+        if e in lc.staged:
+            return self.layout.views(self.pool[lc.staged[e]])
         return self.layout.views(lc.buf[lc.slot_of[e]])
+
+    def device_bytes(self) -> int:
+        """Bytes of every slot and staging buffer on the device."""
+        slots = sum(lc.buf.numel() * lc.buf.element_size() for lc in self.layers)
+        return slots + self.pool.numel() * self.pool.element_size()

@@ -1,6 +1,9 @@
 """The cost model of the modelled hardware: seconds for each compute step and each transfer.
 
-Owns: hardware profiles (matrix rate, memory bandwidth, launch overhead, H2D link), the
+Owns: hardware profiles (matrix rate, memory bandwidth, launch overhead, H2D link, and an
+engine's framework costs: per decoder layer and per MLP call, zero for the ideal roofline,
+calibrated to public measurements of eager decoding for the `*_hf` profiles, see
+docs/calibration.md), the
 charged sizes of one decoder layer by role (attention, router, shared experts, dense MLP,
 one routed expert, lm head), and the roofline arithmetic that turns (role, tokens, context)
 into seconds. The virtual clock advances by these numbers; nothing here runs a model.
@@ -37,6 +40,10 @@ class HardwareProfile:
     h2d_latency_s: float  # per transfer
     host_matrix_flops: float = 0.0  # the host CPU's FLOP/s (experts computed on the host)
     host_mem_bandwidth_Bps: float = 0.0  # host memory bytes/s
+    # Framework costs of an eager engine (0 for the ideal roofline; docs/calibration.md):
+    layer_overhead_s: float = 0.0  # per decoder layer per forward (attention, norms, router glue)
+    expert_overhead_s: float = 0.0  # per MLP call: a routed/shared expert, a dense MLP, a fused draft layer
+    engine: str = "ideal"  # "ideal" | "hf"
 
 
 @dataclass(frozen=True)
@@ -161,21 +168,27 @@ class CostModel:
         proj = self.matmul_s(tokens, s.attn_params, kernels=6)
         kv_read = context * s.kv_elems_per_token * s.elem_bytes / self.hw.mem_bandwidth_Bps
         scores = 4.0 * tokens * context * s.heads * s.head_dim / self.hw.matrix_flops
-        return (proj + max(kv_read, scores)) * self.sizes.attn_multiplier
+        # The framework's per-layer cost is charged here, once per decoder layer and forward.
+        return (proj + max(kv_read, scores) + self.hw.layer_overhead_s) * self.sizes.attn_multiplier
 
     def router_s(self, tokens: int) -> float:
         return self.matmul_s(tokens, self.sizes.router_params, kernels=2) * self.sizes.moe_multiplier
 
+    def mlp_call_s(self, tokens: int, params: int) -> float:
+        """One MLP call (gate_up GEMM, activation, down GEMM) plus the framework's per-call cost."""
+        if params == 0:
+            return 0.0
+        return self.matmul_s(tokens, params, kernels=3) + self.hw.expert_overhead_s
+
     def shared_s(self, tokens: int) -> float:
-        return self.matmul_s(tokens, self.sizes.shared_params, kernels=3) * self.sizes.moe_multiplier
+        return self.mlp_call_s(tokens, self.sizes.shared_params) * self.sizes.moe_multiplier
 
     def dense_mlp_s(self, tokens: int) -> float:
-        return self.matmul_s(tokens, self.sizes.dense_mlp_params, kernels=3) \
-            * self.sizes.dense_multiplier
+        return self.mlp_call_s(tokens, self.sizes.dense_mlp_params) * self.sizes.dense_multiplier
 
     def expert_s(self, tokens: int) -> float:
         """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
-        return self.matmul_s(tokens, self.sizes.expert_params, kernels=3) * self.sizes.moe_multiplier
+        return self.mlp_call_s(tokens, self.sizes.expert_params) * self.sizes.moe_multiplier
 
     def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128) -> float:
         """One MoE layer's routed experts from their quantized copy in one fused kernel (SEE:
@@ -185,7 +198,7 @@ class CostModel:
         flops = sum(2.0 * n * p for n in tokens_per_expert)
         traffic = len(tokens_per_expert) * (p * bits / 8 + p / group * 2)
         seconds = max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
-            + 3 * self.hw.launch_overhead_s
+            + 3 * self.hw.launch_overhead_s + self.hw.expert_overhead_s  # one framework call
         return seconds * self.sizes.moe_multiplier
 
     def host_expert_s(self, tokens: int) -> float:
@@ -196,13 +209,14 @@ class CostModel:
                              "(host_matrix_flops, host_mem_bandwidth_Bps)")
         p = self.sizes.expert_params
         seconds = max(2.0 * tokens * p / self.hw.host_matrix_flops,
-                      p * self.sizes.elem_bytes / self.hw.host_mem_bandwidth_Bps)
+                      p * self.sizes.elem_bytes / self.hw.host_mem_bandwidth_Bps) \
+            + self.hw.expert_overhead_s
         return seconds * self.sizes.moe_multiplier
 
     def lm_head_s(self, tokens: int) -> float:
         """The lm head, plus any real dense MLP layers the modelled model lacks."""
         s = self.sizes
-        unmodelled = s.unmodelled_dense_layers * self.matmul_s(tokens, s.dense_mlp_params, kernels=3)
+        unmodelled = s.unmodelled_dense_layers * self.mlp_call_s(tokens, s.dense_mlp_params)
         return self.matmul_s(tokens, s.lm_head_params) + unmodelled
 
     def expert_transfer_bytes(self) -> int:

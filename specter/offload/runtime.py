@@ -60,6 +60,9 @@ class DemandStats:
     pair_hits: int = 0  # (token, expert) requests whose expert was resident
     pair_requests: int = 0  # (token, expert) requests: tokens x top-k
     prefetches: int = 0
+    # The most hits a slot-limited cache could score: per (layer, forward) at most `slots` of
+    # the experts it needs can be resident when it starts, so hits <= min(slots, needed).
+    cap_hits: int = 0
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
 
@@ -68,6 +71,7 @@ class DemandStats:
         per_layer = [len(self.distinct[l]) for l in sorted(self.distinct)]
         return {"demand_hits": self.hits, "demand_misses": self.misses,
                 "hit_rate": self.hits / total if total else float("nan"),
+                "hit_rate_cap": self.cap_hits / total if total else float("nan"),
                 "hit_rate_tokens": self.pair_hits / self.pair_requests if self.pair_requests
                 else float("nan"),
                 "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
@@ -135,6 +139,9 @@ class OffloadRuntime:
         self.record_demand = True  # False during prefill (hit rate excludes it)
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.serial = False  # True: one GEMV per (token, expert), no grouping (an ablation)
+        # False: serial demand loading (an ablation): each miss is copied only when its turn
+        # comes and waited for before anything else computes; no copy overlaps compute.
+        self.overlap = True
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -167,6 +174,7 @@ class OffloadRuntime:
         if self.record_demand:
             self.stats.hits += len(hits)
             self.stats.misses += len(misses)
+            self.stats.cap_hits += min(cache.slots, len(needed))
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
@@ -175,7 +183,9 @@ class OffloadRuntime:
             self.stats.pair_hits += sum(tokens_of[e] for e in hits)
         cache.protect(l, needed)  # needed and not yet computed: never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
-        waiting = self._issue(l, misses)  # misses that found no slot yet (multi-token forwards)
+        # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
+        # issued yet, each is copied when its turn comes.
+        waiting = self._issue(l, misses) if self.overlap else []
         # 2. Speculative loads for later layers go behind the demand copies.
         if self.prefetcher is not None:
             self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
@@ -184,7 +194,7 @@ class OffloadRuntime:
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for e in hits + misses:
             if not cache.resident(l, e):
-                waiting = self._issue(l, waiting)
+                waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
                 if not cache.resident(l, e):
                     raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
             cache.wait(l, e)

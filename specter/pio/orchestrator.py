@@ -12,6 +12,14 @@ authoritative; a layer's pins are released as soon as its verification starts).
 Hooks, wired by the engine: `on_draft_experts(layer, top_k_index)` from the draft instance,
 `on_forward(phase)` before every forward, `after_draft_step(i, k_eff)` after each draft token,
 `end_window()` after each verification, `reset()` before each request.
+
+Rules where the authors' artifact and our first reading differ, each a switch whose default
+is the artifact's (system.* in conf/system/specter.yaml): the first boundary's rounding
+(`cold_start_round`), no plan after the last draft step (`final_plan=False`; True: one last
+plan with the whole window's counts), verification starting only once the last batch has
+landed (`wait_last_batch=True`; False: verification waits per expert on its own copy), and
+the running averages' priors (12 GB/s and 1 ms, blended into the average as the artifact's
+EMA does; None: the link profile's bandwidth and no step time, replaced by the first sample).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ class PrefetchStats:
     demand_planned: int = 0  # ... of them in the plan (pinned or loaded)
     corrupted: int = 0  # loads replaced by wrong IDs (experiment=oracle)
     full_windows: int = 0  # windows whose lookahead stopped because every plan was full
+    last_batch_wait_s: float = 0.0  # wait_last_batch: compute-stream wait at verification start
 
     def as_record(self) -> dict:
         ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
@@ -46,23 +55,34 @@ class PrefetchStats:
                 "prefetch_precision": ratio(self.loads_used, self.loads),
                 "plan_recall": ratio(self.demand_planned, self.demand),
                 "prefetch_corrupted": self.corrupted,
-                "plan_full_frac": ratio(self.full_windows, self.windows)}
+                "plan_full_frac": ratio(self.full_windows, self.windows),
+                "last_batch_wait_ms": self.last_batch_wait_s * 1e3}
 
 
 class Orchestrator:
     def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer, *,
                  slots: int, top_m: int, bandwidth_Bps: float, latency_s: float,
                  mode: str = "pio", cold_start: float = 0.2, noise: float = 0.0, seed: int = 0,
-                 sync_s: float = 0.0):
+                 sync_s: float = 0.0, cold_start_round: str = "floor", final_plan: bool = False,
+                 wait_last_batch: bool = True, step_s: float = 0.0,
+                 blend_priors: tuple[bool, bool] = (False, False)):
+        """`bandwidth_Bps` / `step_s`: the running averages' priors; `blend_priors` (for the
+        bandwidth, for the step time): the prior is the average's starting value (the
+        artifact's EMA) rather than replaced by the first sample."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
+        if cold_start_round not in planner.ROUNDINGS:
+            raise ValueError(f"cold_start_round must be one of {planner.ROUNDINGS} "
+                             f"(got {cold_start_round!r})")
         self.runtime, self.cache, self.link, self.elb = runtime, runtime.cache, link, elb
         self.slots, self.top_m, self.mode = slots, top_m, mode
         self.cold_start, self.noise, self.seed = cold_start, noise, seed
+        self.cold_start_round, self.final_plan = cold_start_round, final_plan
+        self.wait_last_batch = wait_last_batch
         self.latency_s, self.sync_s = latency_s, sync_s  # sync_s: charged per ELB snapshot
         self.expert_bytes = self.cache.transfer_bytes
-        self.bandwidth = planner.RunningMean(bandwidth_Bps)
-        self.step_s = planner.RunningMean(0.0)
+        self.bandwidth = planner.RunningMean(bandwidth_Bps, blend=blend_priors[0])
+        self.step_s = planner.RunningMean(step_s, blend=blend_priors[1] and step_s > 0)
         self.reset()
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -88,6 +108,8 @@ class Orchestrator:
     def on_forward(self, phase: str) -> None:
         if phase == "draft":
             self._t_step = self.link.now()
+        elif phase == "verify" and self.wait_last_batch:
+            self._wait_last_batch()
 
     def after_draft_step(self, i: int, k_eff: int) -> None:
         if self._t_step is not None:
@@ -95,9 +117,13 @@ class Orchestrator:
         if self.stopped:
             return
         if self.boundary is None:
-            self.boundary = {"pio": planner.cold_start_steps(k_eff, self.cold_start),
+            self.boundary = {"pio": planner.cold_start_steps(k_eff, self.cold_start,
+                                                             self.cold_start_round),
                              "early": 1, "late": k_eff}[self.mode]
         if i < self.boundary and i < k_eff:
+            return
+        if self.mode == "pio" and i >= k_eff and not self.final_plan:
+            self.stopped = True  # the artifact: no plan after the last draft step
             return
         batch_s = self._plan()
         if self.mode != "pio" or i >= k_eff:
@@ -107,6 +133,16 @@ class Orchestrator:
             self.stats.full_windows += 1
         else:  # Prefetch Overlap: the next chunk computes while this batch moves
             self.boundary = i + planner.next_chunk_steps(batch_s, self.step_s.value)
+
+    def _wait_last_batch(self) -> None:
+        """Verification starts once every copy this window's plans issued has landed (the
+        artifact blocks on the last batch's event; one FIFO copy engine: the same instant).
+        The wait is the link's (exposed) and counted in `last_batch_wait_ms`."""
+        t0 = self.link.now()
+        for l, experts in enumerate(self.loaded):
+            for e in sorted(experts):
+                self.cache.wait(l, e)  # no-op once landed and waited for
+        self.stats.last_batch_wait_s += self.link.now() - t0
 
     def end_window(self) -> None:
         """After verification: score the window's plan against the target's demand."""

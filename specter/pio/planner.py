@@ -1,14 +1,17 @@
 """The layer-aware prefetch planner's rules, as pure functions (paper-facts.md, "PIO").
 
 Three phases per draft window of k steps:
-- Cold Start: no plan until `cold_start_steps(k)` draft steps have filled the ELB a little.
+- Cold Start: no plan until `cold_start_steps(k)` draft steps have filled the ELB a little
+  (`max(1, int(0.2 k))` as the authors' artifact rounds; `rounding="ceil"`: ceil(0.2 k)).
 - Prefetch Overlap: at each boundary, per layer, the top-M experts the draft routed to
-  (count >= 1) that are not resident or already planned go out as one H2D batch; the next
-  boundary is set so that the next draft chunk computes about as long as that batch takes
-  to move (`next_chunk_steps`, from running averages of bandwidth and draft-step time).
+  (count >= 1) that are not resident or already planned go out as one H2D batch (M = the
+  slots by default, as in the artifact); the next boundary is set so that the next draft
+  chunk computes about as long as that batch takes to move (`next_chunk_steps`, from running
+  averages of bandwidth and draft-step time).
 - Final Cleanup: lookahead stops once every layer's plan fills its slots (`plan_full`), or
-  the window ends (one last plan with the whole window's counts); verification then waits on
-  what is still in flight.
+  the window ends: no plan after the last draft step (the artifact), or, as an option, one
+  last plan with the whole window's counts; verification then waits for the last batch to
+  land (the artifact) or per expert on what is still in flight (an option).
 A layer's plan is the set of experts it holds for the coming verification: predicted experts
 already resident (pinned, free) and those loaded for it, at most `slots`.
 Nothing here touches a tensor, a cache or a clock.
@@ -22,9 +25,16 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 
-def cold_start_steps(k: int, fraction: float = 0.2) -> int:
-    """Draft steps before the first plan: about `fraction` of the window, at least one."""
-    return min(k, max(1, math.ceil(fraction * k)))
+ROUNDINGS = ("floor", "ceil")
+
+
+def cold_start_steps(k: int, fraction: float = 0.2, rounding: str = "floor") -> int:
+    """Draft steps before the first plan: about `fraction` of the window, at least one;
+    "floor": max(1, int(fraction * k)) (the artifact's), "ceil": max(1, ceil(fraction * k))."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS} (got {rounding!r})")
+    steps = int(fraction * k) if rounding == "floor" else math.ceil(fraction * k)
+    return min(k, max(1, steps))
 
 
 def next_chunk_steps(batch_s: float, step_s: float) -> int:
@@ -100,12 +110,15 @@ def corrupt(batch: list[LayerBatch], counts: Sequence[Sequence[int]], resident: 
 
 
 class RunningMean:
-    """Exponential moving average with a prior (the profile's value until measured)."""
+    """Exponential moving average with a prior. `blend=False`: the prior stands until the
+    first measurement replaces it; `blend=True` (the artifact's): the prior is the average's
+    starting value, each measurement moves it by `weight`."""
 
-    def __init__(self, prior: float, weight: float = 0.25):
-        self.value, self.weight, self.samples = prior, weight, 0
+    def __init__(self, prior: float, weight: float = 0.25, blend: bool = False):
+        self.value, self.weight, self.samples, self.blend = prior, weight, 0, blend
 
     def update(self, x: float) -> None:
         if x > 0 and math.isfinite(x):
-            self.value = x if self.samples == 0 else (1 - self.weight) * self.value + self.weight * x
+            first = self.samples == 0 and not self.blend
+            self.value = x if first else (1 - self.weight) * self.value + self.weight * x
             self.samples += 1

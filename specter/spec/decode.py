@@ -16,6 +16,7 @@ last one (`pending`), which the next window feeds first.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import torch
@@ -93,11 +94,35 @@ class SeparateDraft:
                 break
         return proposals
 
+    def sync(self, target_cache) -> None:
+        """At a window's start, before `propose` (own KV: nothing to do)."""
+
     def commit(self, n_valid: int) -> None:
         """Keep the draft's KV of the first `n_valid` tokens only."""
         excess = self.cache.get_seq_length() - n_valid
         if excess > 0:
             self.cache.crop(-excess)
+
+
+class CopiedKVDraft(SeparateDraft):
+    """A second model whose KV is a copy of the target's committed KV, made at the start of
+    every window (the authors' artifact's "SIC off": weights apart, KV copied per window, not
+    shared). The draft so reads exactly the target's KV, as the shared instance does: the
+    same proposals, the same acceptance; what it costs is the copy (`on_copy(tokens, cache)`
+    is told of each, to charge it) and the copy's memory."""
+
+    def __init__(self, model, on_copy=None):
+        super().__init__(model)
+        self.on_copy = on_copy
+
+    def sync(self, target_cache) -> None:
+        self.cache = copy.deepcopy(target_cache)  # every layer's K and V, device to device
+        if self.on_copy is not None:
+            self.on_copy(self.cache.get_seq_length(), self.cache)
+
+    def commit(self, n_valid: int) -> None:
+        """Nothing kept: the next window copies the target's KV afresh."""
+        self.cache = None
 
 
 @torch.no_grad()
@@ -110,7 +135,8 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
     sampled (temperature > 0: `accept_sampled`, tokens distributed as the target's sampling);
     `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `on_window(stats)` after each window; `separate`: draft with a
-    second model and its own cache instead of `shared`; `after_draft_step(i, k_eff)` after
+    second model and its own cache (or, `CopiedKVDraft`, a per-window copy of the target's)
+    instead of `shared`; `after_draft_step(i, k_eff)` after
     each draft token (a prefetcher's hook; when a stop token ends the window early, k_eff is
     the steps actually drafted, so i == k_eff marks every window's last step)."""
     sampling = temperature > 0
@@ -158,6 +184,7 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
         base = cache.get_seq_length()  # == len(seq) - 1
         t_draft = clock.now()
         if k_eff > 0 and separate is not None:
+            separate.sync(cache)
             proposals = separate.propose(seq, k_eff, lambda row: pick(row, q_rows), tell, stop,
                                          device, after_draft_step)
         elif k_eff > 0:

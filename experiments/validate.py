@@ -1,0 +1,332 @@
+"""The validation table: every number the paper publishes that this harness can produce, ours
+beside the paper's, per engine profile.
+
+    python -m experiments.validate OUT [--profiles a100_pcie4_ideal,a100_pcie4_hf]
+                                       [--items 3] [--tokens 64] [--datasets gsm8k] [--table-only]
+
+1. Runs the paper's cases (resumable: records already under OUT/records are skipped) on each
+   profile: Specter, SpecMoEOff, MO-SM, Transformers and resident on the three project-made
+   models at the high budget; Specter's ablation variants and its noisiest oracle case on the
+   DeepSeek-shaped model; Specter at 16 / 24 / 32 GiB (`budget=gb`) for the hit-rate study;
+   the routing fidelity of the INT4 draft (profile-independent).
+2. Writes OUT/validation.md and OUT/validation.parquet with the columns
+   `quantity, model, system, profile, paper, ours, ratio, note` (ratio = ours / paper), and the
+   median absolute log-ratio per profile.
+
+The paper's numbers come from experiments/plots/paper.py (an A100 40 GB, PCIe 4.0 x16, real
+models, means over five datasets); ours from the virtual clock with the real models' sizes
+charged, on the project-made models' routing and tokens. A ratio far from 1 is a finding to
+explain (ARTIFACT.md), not a number to tune: nothing here feeds back into any profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import pandas as pd
+
+from experiments.plots import paper
+
+MODELS = {"deepseek": "small_deepseek", "qwen": "small_qwen", "phi": "small_phi"}
+PROFILES = ("a100_pcie4_ideal", "a100_pcie4_hf")
+MAIN_SYSTEMS = ("resident", "specter", "specmoeoff", "mo_sm", "transformers")
+HIT_RATE_GB = (16, 24, 32)
+NOISE_HIGH = 0.75
+
+
+@dataclass(frozen=True)
+class Case:
+    overrides: tuple[str, ...]
+
+
+def ablation_variants() -> dict[str, tuple[str, ...]]:
+    """The paper's four ablation rows as our switches (plots.paper.ABLATION_MS)."""
+    from specter.config import SystemConfig
+
+    knobs = {f.name for f in fields(SystemConfig)}
+    none = ["system.orchestrator=false", "system.shared=false", "system.reorder=false"]
+    if "overlap" in knobs:  # the artifact's "none": serial demand loading
+        none.append("system.overlap=false")
+    return {"full": (), "no PIO": ("system.orchestrator=false",),
+            "no PIO+SIC": ("system.orchestrator=false", "system.shared=false"),
+            "none": tuple(none)}
+
+
+def cases(profiles, models=MODELS) -> list[Case]:
+    out: list[Case] = []
+    for hw in profiles:
+        for fam, model in models.items():
+            for system in MAIN_SYSTEMS:
+                out.append(Case((f"hardware={hw}", f"model={model}", f"system={system}", "budget=high")))
+        if "deepseek" in models:
+            ds = models["deepseek"]
+            for variant in ablation_variants().values():
+                if variant:
+                    out.append(Case((f"hardware={hw}", f"model={ds}", "system=specter", "budget=high",
+                                     *variant)))
+            out.append(Case((f"hardware={hw}", f"model={ds}", "system=specter", "budget=high",
+                             f"system.prefetch_noise={NOISE_HIGH}")))
+            for gb in HIT_RATE_GB:
+                out.append(Case((f"hardware={hw}", f"model={ds}", "system=specter", "budget=gb",
+                                 f"budget.gb={gb}")))
+    for model in models.values():  # routing fidelity: no clock involved
+        out.append(Case((f"hardware={profiles[0]}", f"model={model}", "system=fidelity", "budget=high")))
+    return out
+
+
+def run_cases(out: Path, todo: list[Case], common: list[str], log=print) -> int:
+    """Each case through the runner in this process (Hydra's compose API, the configs of
+    run.py); returns how many failed (their one-sentence errors printed)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments.runner import run
+    from run import CONF, system_knob_overrides
+    from specter.config import RunConfig
+    from specter.errors import UserError
+
+    failed = 0
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for i, case in enumerate(todo, 1):
+            overrides = system_knob_overrides([*case.overrides, *common, f"out_dir={out}",
+                                               "experiment=validate", "progress=false"])
+            log(f"[validate] case {i}/{len(todo)}: {' '.join(case.overrides)}")
+            try:
+                cfg = compose(config_name="config", overrides=overrides)
+                run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
+                    log=lambda *_: None)
+            except UserError as e:
+                failed += 1
+                log(f"[validate]   error: {e}")
+    return failed
+
+
+# --------------------------------------------------------------------------------- the table
+def _mean(df: pd.DataFrame, column: str) -> float:
+    if df.empty or column not in df:
+        return math.nan
+    v = pd.to_numeric(df[column], errors="coerce").dropna()
+    return float(v.mean()) if len(v) else math.nan
+
+
+def _knob(df: pd.DataFrame, name: str, value):
+    """Rows whose `system.<name>` is `value`; a record without it (a system that lacks the
+    knob, or an older record) holds the default."""
+    from specter.config import SystemConfig
+
+    is_default = value == getattr(SystemConfig(name="-"), name)
+    col = f"cfg.system.{name}"
+    if col not in df:
+        return pd.Series(is_default, index=df.index)
+    return (df[col].isna() & is_default) | (df[col] == value)
+
+
+def _defaults(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of systems run with every knob at its default (no ablation, no noise)."""
+    from specter.config import SystemConfig
+
+    keep = pd.Series(True, index=df.index)
+    for f in fields(SystemConfig):
+        if f.name != "name":
+            keep &= _knob(df, f.name, getattr(SystemConfig(name="-"), f.name))
+    return df[keep]
+
+
+def _value(text: str):
+    """An override's value as Hydra would type it (bool, number or string)."""
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        try:
+            return float(text)
+        except ValueError:
+            return text
+
+
+def _variant(df: pd.DataFrame, overrides: tuple[str, ...]) -> pd.DataFrame:
+    from specter.config import SystemConfig
+
+    want = {f.name: getattr(SystemConfig(name="-"), f.name) for f in fields(SystemConfig)
+            if f.name != "name"}
+    for o in overrides:
+        key, _, value = o.partition("=")
+        want[key.split(".", 1)[1]] = _value(value)
+    keep = pd.Series(True, index=df.index)
+    for k, v in want.items():
+        keep &= _knob(df, k, v)
+    return df[keep]
+
+
+def table(df: pd.DataFrame) -> pd.DataFrame:
+    rows: list[dict] = []
+
+    def add(quantity, model, system, profile, paper_v, ours, note=""):
+        ratio = ours / paper_v if paper_v and not (math.isnan(ours) or math.isnan(paper_v)) else math.nan
+        rows.append({"quantity": quantity, "model": model, "system": system, "profile": profile,
+                     "paper": paper_v, "ours": ours, "ratio": ratio, "note": note})
+
+    df = df[df["system"] != "fidelity"] if "system" in df else df
+    fam_of = {v: k for k, v in MODELS.items()}
+    df = df.assign(family=df["model"].map(lambda m: fam_of.get(m, m)))
+    for hw in sorted(df["hardware"].dropna().unique()):
+        d = df[df["hardware"] == hw]
+        high = _defaults(d[(d["budget"] == "high")])
+        spd = []
+        for fam in MODELS:
+            h = high[high["family"] == fam]
+            tp = {s: _mean(h[h["system"] == s], "tpot_ms") for s in MAIN_SYSTEMS}
+            for s, v in paper.TPOT_HIGH_MS.get(fam, {}).items():
+                if s in tp:
+                    add("TPOT at the high budget (ms)", fam, s, hw, v, tp[s])
+            pt = paper.TPOT_HIGH_MS.get(fam, {})
+            if "specmoeoff" in pt:
+                add("speedup of Specter over SpecMoEOff", fam, "specter", hw,
+                    pt["specmoeoff"] / pt["specter"], tp["specmoeoff"] / tp["specter"])
+            if "transformers" in pt:
+                add("Transformers TPOT / Specter TPOT", fam, "specter", hw,
+                    pt["transformers"] / pt["specter"], tp["transformers"] / tp["specter"])
+            spd.append(tp["specmoeoff"] / tp["specter"])
+            sp = h[h["system"] == "specter"]
+            add("hidden fraction of H2D time", fam, "specter", hw, paper.H2D_HIDDEN_FRAC[fam],
+                _mean(sp, "h2d_hidden_frac"))
+            k = _mean(sp, "k")
+            distinct = _mean(sp, "distinct_experts_per_forward")
+            top_k = {"deepseek": 6, "qwen": 4, "phi": 2}[fam]
+            if fam == "deepseek":
+                add("distinct experts per layer, one verify forward", fam, "specter", hw,
+                    paper.EXPLOSION_DEEPSEEK[16], distinct,
+                    f"ours: mean over verify forwards at K={k:g} (the last windows are shorter)")
+            add("working-set growth, 1 -> K+1 tokens (x)", fam, "specter", hw,
+                paper.EXPLOSION_GROWTH_1_TO_16[fam], distinct / top_k,
+                f"paper: K=16; ours: K={k:g}" + ("" if k == 16 else " (not like for like)"))
+        spd = [s for s in spd if not math.isnan(s)]
+        add("speedup over SpecMoEOff, mean of models", "all", "specter", hw,
+            paper.SPEEDUP_VS_SPECMOEOFF["mean"], sum(spd) / len(spd) if spd else math.nan)
+        add("speedup over SpecMoEOff, max of models", "all", "specter", hw,
+            paper.SPEEDUP_VS_SPECMOEOFF["max"], max(spd) if spd else math.nan)
+        acc = _mean(high[high["system"] == "specter"], "acceptance_rate")
+        add("acceptance per draft token, mean", "all", "specter", hw, paper.ACCEPTANCE["mean"], acc)
+        # Ablation and robustness, DeepSeek-shaped model.
+        ds = d[(d["family"] == "deepseek") & (d["budget"] == "high") & (d["system"] == "specter")]
+        by_name = {name: ms for name, ms in paper.ABLATION_MS.values()}
+        for name, ov in ablation_variants().items():
+            add(f"ablation: {name} (ms/token)", "deepseek", "specter", hw, by_name[name],
+                _mean(_variant(ds, ov), "tpot_ms"))
+        lo = _mean(_variant(ds, ()), "tpot_ms")
+        hi = _mean(_variant(ds, (f"system.prefetch_noise={NOISE_HIGH}",)), "tpot_ms")
+        p_lo, p_hi = paper.ROBUSTNESS["tpot_ms"]
+        prec = (_mean(_variant(ds, ()), "prefetch_precision"),
+                _mean(_variant(ds, (f"system.prefetch_noise={NOISE_HIGH}",)), "prefetch_precision"))
+        add("robustness: TPOT, accurate prefetch (ms)", "deepseek", "specter", hw, p_lo, lo,
+            f"paper: precision 1.0; ours: noise 0, precision {prec[0]:.2f}")
+        add("robustness: TPOT, wrong prefetch (ms)", "deepseek", "specter", hw, p_hi, hi,
+            f"paper: precision 0.41; ours: noise {NOISE_HIGH}, precision {prec[1]:.2f}")
+        add("robustness: TPOT ratio wrong / accurate", "deepseek", "specter", hw, p_hi / p_lo, hi / lo)
+        # Hit rate at 16/24/32 GiB.
+        gb = _defaults(d[(d["family"] == "deepseek") & (d["budget"] == "gb") & (d["system"] == "specter")])
+        paper_hr = {g: v for g, v in paper.HIT_RATE_DEEPSEEK.values()}
+        for g in HIT_RATE_GB:
+            r = gb[pd.to_numeric(gb.get("budget_gb", pd.Series(dtype=float)), errors="coerce") == g]
+            slots = _mean(r, "budget_slots")
+            add(f"hit rate at {g} GiB", "deepseek", "specter", hw, paper_hr[g], _mean(r, "hit_rate"),
+                f"{slots:.0f} slots/layer; cap slots/distinct {_mean(r, 'hit_rate_cap'):.3f}; per "
+                f"(token, expert) {_mean(r, 'hit_rate_tokens'):.3f}; plan recall "
+                f"{_mean(r, 'plan_recall'):.3f}" if not math.isnan(slots) else "not run")
+    return pd.DataFrame(rows)
+
+
+def profile_free(fid: pd.DataFrame) -> pd.DataFrame:
+    """Numbers that no clock touches: routing fidelity and the memory saving."""
+    rows = []
+    fam_of = {v: k for k, v in MODELS.items()}
+    for model, g in fid.groupby("model") if len(fid) else []:
+        fam = fam_of.get(model)
+        if fam in paper.FIDELITY_GPTQ4:
+            ours = _mean(g, "fidelity_topk")
+            rows.append({"quantity": "routing fidelity, INT4 GPTQ top-k match", "model": fam,
+                         "system": "fidelity", "profile": "-", "paper": paper.FIDELITY_GPTQ4[fam],
+                         "ours": ours, "ratio": ours / paper.FIDELITY_GPTQ4[fam], "note": ""})
+    from experiments.memory_table import rows as memory_rows
+
+    m = paper.MEMORY_QWEN_12K
+    for r in memory_rows(m["context"]):
+        if r["model"] == "qwen" and r["budget"] == "high":
+            for q, p, o in (("GPU memory, shared instance, Qwen 12K (GB)", m["shared_GB"], r["shared_GB"]),
+                            ("GPU memory, two models, Qwen 12K (GB)", m["separate_GB"], r["separate_GB"]),
+                            ("GPU memory saving of sharing, Qwen 12K", m["saving"], r["saving"])):
+                rows.append({"quantity": q, "model": "qwen", "system": "specter", "profile": "-",
+                             "paper": p, "ours": o, "ratio": o / p,
+                             "note": f"byte arithmetic at {r['slots']} slots/layer"})
+    return pd.DataFrame(rows)
+
+
+def median_abs_log_ratio(t: pd.DataFrame) -> dict[str, float]:
+    out = {}
+    for hw, g in t.groupby("profile"):
+        r = pd.to_numeric(g["ratio"], errors="coerce").dropna()
+        r = r[r > 0]
+        out[hw] = float(r.map(lambda v: abs(math.log(v))).median()) if len(r) else math.nan
+    return out
+
+
+def write(out: Path, t: pd.DataFrame) -> list[Path]:
+    from experiments.plots.base import markdown
+
+    med = median_abs_log_ratio(t)
+    note = ("paper: A100 40 GB, PCIe 4.0 x16, real models, means over five datasets. ours: virtual "
+            "clock with the real models' sizes charged, routing and tokens from the project-made "
+            "models (small_deepseek / small_qwen / small_phi). ratio = ours / paper. Median "
+            "|log ratio| per profile: " + ", ".join(f"{k} {v:.3f} (x{math.exp(v):.2f})"
+                                                   for k, v in med.items()))
+    md = out / "validation.md"
+    pq = out / "validation.parquet"
+    out.mkdir(parents=True, exist_ok=True)
+    md.write_text(markdown(t, "Validation: the paper's numbers beside ours", note))
+    t.to_parquet(pq, index=False)
+    return [md, pq]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
+    ap.add_argument("out", help="results tree (records are added under OUT/records)")
+    ap.add_argument("--profiles", default=",".join(PROFILES))
+    ap.add_argument("--items", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--datasets", default="gsm8k", help="comma-separated; the paper averages five")
+    ap.add_argument("--table-only", action="store_true", help="tabulate the records already there")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    profiles = tuple(p for p in args.profiles.split(",") if p)
+    failed = 0
+    if not args.table_only:
+        common = [f"workload.items={args.items}", f"workload.max_new_tokens={args.tokens}",
+                  "workload.repeats=1"]
+        todo = [Case((*c.overrides, f"dataset={ds}")) for ds in args.datasets.split(",")
+                for c in cases(profiles)]
+        failed = run_cases(out, todo, common)
+    from experiments import records
+
+    df = records.load(out)
+    if df.empty:
+        print(f"error: no records under {out}", file=sys.stderr)
+        return 2
+    df = df[df["experiment"] == "validate"]
+    t = pd.concat([table(df[df["system"] != "fidelity"]), profile_free(df[df["system"] == "fidelity"])],
+                  ignore_index=True)
+    paths = write(out, t)
+    with pd.option_context("display.width", 220, "display.max_columns", 20, "display.max_colwidth", 60):
+        print(t.drop(columns="note").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    for hw, v in median_abs_log_ratio(t).items():
+        print(f"median |log(ours/paper)| {hw}: {v:.3f} (a typical factor of {math.exp(v):.2f})")
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
