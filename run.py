@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "budget", "system", "dataset", "hardware", "quant", "experiment")
+GROUPS = ("model", "budget", "system", "dataset", "hardware", "quant", "experiment", "ablation")
 
 
 def check_group_choices(argv: list[str]) -> None:

@@ -40,7 +40,7 @@ class SpeculativeOffloadEngine:
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.shared = SharedInstance(model, draft.experts, draft.backend, device)
         self.stop = eos_ids(model) if stop_on_eos else set()
-        slot_bytes = sum(lc.buf.numel() * lc.buf.element_size() for lc in runtime.cache.layers)
+        slot_bytes = runtime.cache.device_bytes()  # resident slots and staging buffers
         self.memory = DeviceMemory(model, device, extra_bytes=slot_bytes + self.shared.draft_bytes)
         self.charger = timing.charger(model, charge_experts=False)
         if timing.cost is not None and timing.clock == "virtual":
@@ -51,7 +51,7 @@ class SpeculativeOffloadEngine:
         self.separate: SeparateDraft | None = None
         self.draft_instance = self.shared  # the instance whose draft routing listeners see
         self._draft_charger = None
-        self.kv_copy_bytes = 0  # KV bytes copied to a CopiedKVDraft this request
+        self.kv_copy_bytes = self.kv_copies = 0  # copies to a CopiedKVDraft this request
 
     def attach_separate_draft(self, draft_model, kv_copy: bool = False) -> None:
         """Draft with a second instance (its own non-expert weights, routed experts = the INT4
@@ -79,18 +79,21 @@ class SpeculativeOffloadEngine:
         link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))  # one fused kernel
 
     def _charge_kv_copy(self, tokens: int, cache) -> None:
-        """One per-window copy of the committed KV (`tokens` positions), device to device: read
-        and write at the device's memory bandwidth on the virtual clock, the charged sizes' KV
-        bytes (the real model's under charge=real); real clocks measure the copy itself."""
+        """One per-window copy of the committed KV (`tokens` positions), device to device: on
+        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
+        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
+        real clocks measure the copy itself."""
         cost = self.timing.cost
         if cost is not None and self.timing.clock == "virtual":
             s = cost.sizes
-            nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes
-                               * len(self.model.model.layers) * s.attn_multiplier))
-            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps)
+            layers = len(self.model.model.layers) * s.attn_multiplier
+            nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes * layers))
+            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
+                                     + 2 * layers * cost.hw.launch_overhead_s)
         else:
             nbytes = cache_bytes(cache)
         self.kv_copy_bytes += nbytes
+        self.kv_copies += 1
 
     def _before_forward(self, tokens: int, context: int, phase: str) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill")
@@ -101,7 +104,7 @@ class SpeculativeOffloadEngine:
     def reset(self) -> None:
         self.timing.link.synchronize()
         self.runtime.reset()
-        self.kv_copy_bytes = 0
+        self.kv_copy_bytes = self.kv_copies = 0
 
     def seed_request(self, seed: int) -> None:
         """The sampling generator of the next request (workload.temperature > 0)."""
@@ -124,6 +127,7 @@ class SpeculativeOffloadEngine:
         gen.stats.update(self.timing.link_record())
         gen.stats.update(self.draft.as_record())
         gen.stats["k_source"] = self.k_source
+        gen.stats["staged_loads"] = self.runtime.cache.staged_loads  # prefetches into staging
         gen.stats.update(self._extra_stats())
         return gen
 

@@ -11,7 +11,10 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, fidelity, memory, kernel, figures), then `--` and extra run.py overrides.
+# working_set, fidelity, memory, kernel, validate, figures), then `--` and extra run.py overrides.
+# On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
+# modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
+# docs/calibration.md), and the figures show them side by side.
 # Resumable: every step skips the rows already recorded, so rerun the same command after a
 # crash or an interruption. Progress: one header per step with the elapsed time.
 set -euo pipefail
@@ -40,8 +43,11 @@ FIGS="${FIGS:-figures/$PROFILE}"
 case "$PROFILE" in
   quick)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
-    HW=(hardware=a100_pcie4_hf)
+    HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
+    # spec.k=auto (the main step): the depth profiler on 2 prompts, one run (the clock is exact)
+    PROFILER=(spec.profile_prompts=2 spec.profile_runs=1 "spec.profile_ks=[4,8,16,32]")
+    VALIDATE=(--items 1 --tokens 32 --datasets gsm8k)
     MAIN_DATASETS=gsm8k
     DEPTH_KS=2,4,8,16,32
     WS_KS=1,2,4,8,16,32
@@ -49,8 +55,10 @@ case "$PROFILE" in
     KERNEL=(--quick) ;;
   small)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
-    HW=(hardware=a100_pcie4_hf)
+    HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.repeats=1)  # the artifact's 5 items x 128 tokens; the virtual clock needs 1 repeat
+    PROFILER=(spec.profile_runs=1)
+    VALIDATE=(--items 5 --tokens 128 --datasets gsm8k,wikitext2,humaneval,gpqa,c4)
     MAIN_DATASETS=gsm8k,wikitext2,humaneval,gpqa,c4
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
@@ -62,8 +70,10 @@ case "$PROFILE" in
     done
     MOE=("deepseek model.path=$DEEPSEEK_PATH" "qwen model.path=$QWEN_PATH" "phi model.path=$PHI_PATH")
     DS="deepseek model.path=$DEEPSEEK_PATH"
-    HW=(hardware=cuda)
+    HW=(hardware=cuda); HW1=(hardware=cuda)
     WL=()  # the artifact's workload: 5 items x 128 tokens x 3 repeats
+    PROFILER=()
+    VALIDATE=()  # the validation table compares virtual-clock profiles: not a --full step
     MAIN_DATASETS=gsm8k,wikitext2,humaneval,gpqa,c4
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
@@ -88,12 +98,15 @@ if want main; then
   for m in "${MOE[@]}"; do
     header "main: TPOT of every system x budget x dataset, model=${m%% *}"
     # shellcheck disable=SC2086
-    run main model=$m dataset="$MAIN_DATASETS"
+    run main model=$m dataset="$MAIN_DATASETS" "${PROFILER[@]}"
   done
 fi
 # shellcheck disable=SC2086  # $DS and $m may carry "model.path=..." as a second word
-if want cache; then header "cache: hit rate x budget"; run cache model=$DS; fi
-if want ablation; then header "ablation: orchestrator x sharing x reordering"; run ablation model=$DS; fi
+if want cache; then
+  header "cache: hit rate x budget"
+  HW_ALL=("${HW[@]}"); HW=("${HW1[@]}"); run cache model=$DS; HW=("${HW_ALL[@]}")
+fi
+if want ablation; then header "ablation: the paper's four rows (full, no PIO, no PIO+SIC, none)"; run ablation model=$DS; fi
 if want latency; then header "latency: H2D total, exposed and hidden"; run latency model=$DS; fi
 if want oracle; then header "oracle: wrong prefetch IDs 0-75%"; run oracle model=$DS; fi
 if want depth; then
@@ -116,7 +129,9 @@ if want fidelity; then
     for q in "${FIDELITY[@]}"; do
       header "fidelity: draft vs target routing, model=${m%% *}, $q"
       # shellcheck disable=SC2086
+      HW_ALL=("${HW[@]}"); HW=("${HW1[@]}")  # routing only: no clock involved
       run fidelity model=$m dataset=gsm8k $q
+      HW=("${HW_ALL[@]}")
     done
   done
 fi
@@ -128,9 +143,14 @@ if want kernel; then
   header "kernel: INT4 draft kernel and verification reordering microbenchmark"
   "$PY" -m experiments.kernel_bench --out "$OUT/kernel" "${KERNEL[@]}"
 fi
+if want validate && [[ ${#VALIDATE[@]} -gt 0 ]]; then
+  header "validate: every paper number beside ours, per engine profile"
+  "$PY" -m experiments.validate "$OUT/validate" "${VALIDATE[@]}"
+fi
 if want figures; then
   header "figures and tables from parquet -> $FIGS"
   "$PY" -m experiments.plots "$OUT" --out "$FIGS"
+  if [[ -f "$OUT/validate/validation.md" ]]; then cp "$OUT/validate/validation.md" "$FIGS/"; fi
 fi
 printf '\nreproduce_all.sh: done in %dm%02ds; results under %s, figures and tables under %s\n' \
   $(((SECONDS - T0) / 60)) $(((SECONDS - T0) % 60)) "$OUT" "$FIGS"

@@ -61,9 +61,9 @@ class SystemConfig:
     # Where the authors' artifact and our first reading differ (defaults: the artifact's).
     cold_start_round: str = "floor"  # first boundary max(1, int(f*K)); "ceil": ceil(f*K)
     final_plan: bool = False  # True: one last plan after the last draft step (ours before)
-    wait_last_batch: bool = True  # verification starts once the last batch landed (False: per expert)
+    wait_last_batch: bool = True  # verify once the last batch landed (False: per-expert waits)
     overlap: bool = True  # False: serial demand loading, no copy/compute overlap (ablation "none")
-    kv_copy: bool = True  # shared=false: the draft gets a copy of the target's KV per window (False: its own KV)
+    kv_copy: bool = True  # shared=false: target's KV copied to the draft per window (False: own KV)
     bandwidth_prior_Bps: float | None = 12e9  # planner's bandwidth prior; None: the link profile's
     step_prior_s: float | None = 1e-3  # planner's draft-step prior; None: none (first measurement)
     draft_top_k: int | None = None  # specmoe: experts per draft token; None: max(1, top-k // 2)

@@ -87,7 +87,7 @@ class SpecterEngine(SpeculativeOffloadEngine):
         rec = {"plan_mode": self.plan_mode or "none", "shared_instance": self.separate is None,
                "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
                "draft_kv": "shared" if self.separate is None else "copied" if copied else "own",
-               "kv_copy_bytes": self.kv_copy_bytes}
+               "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
         if self.orch is not None:
             o = self.orch
             rec.update(o.stats.as_record())

@@ -29,6 +29,8 @@ def synthetic(scale: float) -> list[dict]:
                              k=16, distinct_experts_per_forward=20.0))
     ds = validate.MODELS["deepseek"]
     rows.append(_row(hw, ds, "specter", **{"cfg.system.orchestrator": False, "tpot_ms": 90.0}))
+    for k, v in ((4, 80.0), (8, 70.0), (32, 95.0)):  # the K sweep: K*=8 beats the main case's K=16
+        rows.append(_row(hw, ds, "specter", **{"cfg.spec.k": k, "tpot_ms": v * scale, "k": k}))
     rows.append(_row(hw, ds, "specter", **{"cfg.system.prefetch_noise": 0.75, "tpot_ms": 99.0,
                                            "prefetch_precision": 0.3}))
     for gb in validate.HIT_RATE_GB:
@@ -58,6 +60,8 @@ def test_table_has_every_quantity_with_ratios_per_profile():
     assert hr["ours"] == 0.5 and "cap slots/distinct 0.600" in hr["note"]
     rob = t[t["quantity"] == "robustness: TPOT, wrong prefetch (ms)"]
     assert rob["ours"].tolist() == [99.0, 99.0]
+    kstar = t[(t["quantity"] == "chosen depth K* (argmin TPOT)") & (t["model"] == "deepseek")]
+    assert kstar["ours"].tolist() == [8.0, 8.0] and kstar["paper"].tolist() == [16, 16]
     med = validate.median_abs_log_ratio(t)
     assert med["a100_pcie4_ideal"] < med["a100_pcie4_hf"]
     for q in ("none", "no PIO+SIC"):  # not run here: ours is missing, never invented
@@ -82,6 +86,8 @@ def test_cases_cover_both_profiles_and_the_paper_experiments():
     flat = [" ".join(c.overrides) for c in cs]
     for hw in validate.PROFILES:
         assert sum(f"hardware={hw}" in f and "budget=high" in f and "system=specter" in f
-                   and "system." not in f.replace("system=", "") for f in flat) == 3
+                   and "system." not in f.replace("system=", "") and "spec.k" not in f
+                   for f in flat) == 3
+        assert sum(f"hardware={hw}" in f and "spec.k=" in f for f in flat) == 3 * len(validate.DEPTHS)
         assert sum(f"hardware={hw}" in f and "budget.gb=" in f for f in flat) == 3
     assert sum("system=fidelity" in f for f in flat) == 3

@@ -18,7 +18,16 @@ from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, by_profile
 from experiments.summarize import variant
 
 NAME = "ablation"
-SWITCHES = ("orchestrator", "shared", "reorder")
+SWITCHES = ("orchestrator", "shared", "reorder", "overlap")  # overlap=false: serial demand loading
+
+
+def _paper_row(r):
+    """The paper's row a Specter variant is: keyed by (orchestrator, shared, reorder); the
+    artifact's "none" also loads serially (overlap off), every other row overlaps."""
+    n = paper.ABLATION_MS.get(tuple(bool(r[s]) for s in SWITCHES[:3]))
+    if n is None or bool(r["overlap"]) != (n[0] != "none"):
+        return None
+    return n
 
 
 def _switch(v) -> bool:
@@ -32,8 +41,7 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
         df[s] = col(df, f"cfg.system.{s}").map(_switch)
     t = agg(df, ["model", "budget", "budget_slots", "hardware", "engine", "clock", "charged", "system",
                  "variant", *SWITCHES], ["tpot_ms", "acceptance_rate", "hit_rate", "h2d_hidden_frac"])
-    named = [paper.ABLATION_MS.get(tuple(bool(r[s]) for s in SWITCHES)) if r["system"] == "specter"
-             else None for _, r in t.iterrows()]
+    named = [_paper_row(r) if r["system"] == "specter" else None for _, r in t.iterrows()]
     t["paper variant"] = [n[0] if n else "" for n in named]
     t[f"ms/token {PAPER_LABEL}"] = [n[1] if n else float("nan") for n in named]
     t["_on"] = -t[list(SWITCHES)].sum(axis=1)

@@ -150,6 +150,6 @@ def offload_model(ctx, timing: Timing, prefetcher: Prefetcher | None = None,
     store = HostExpertStore(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
     cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[policy],
-                        transfer_bytes=transfer_bytes)
+                        transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
     cost = timing.cost
     return OffloadRuntime(model, cache, timing.link, cost, prefetcher)

@@ -214,6 +214,7 @@ class OffloadRuntime:
         for e in needed:
             token_idx, out = outs[e]
             final.index_add_(0, token_idx, out.to(final.dtype))
+        cache.release_staged(l)  # staging buffers serve one forward of their layer
         return final
 
     def _issue(self, l: int, experts: list[int]) -> list[int]:

@@ -76,6 +76,10 @@ class Orchestrator:
                              f"(got {cold_start_round!r})")
         self.runtime, self.cache, self.link, self.elb = runtime, runtime.cache, link, elb
         self.slots, self.top_m, self.mode = slots, top_m, mode
+        # Staging buffers (budget.staging) let a layer's plan grow past its resident slots: by
+        # its share of the pool, while buffers last (cache.stage).
+        staging, layers = self.cache.pool.shape[0], len(self.cache.layers)
+        self.plan_cap = slots + (-(-staging // layers) if staging else 0)
         self.cold_start, self.noise, self.seed = cold_start, noise, seed
         self.cold_start_round, self.final_plan = cold_start_round, final_plan
         self.wait_last_batch = wait_last_batch
@@ -128,7 +132,7 @@ class Orchestrator:
         batch_s = self._plan()
         if self.mode != "pio" or i >= k_eff:
             self.stopped = True
-        elif planner.plan_full(self.planned, self.slots):
+        elif planner.plan_full(self.planned, self.plan_cap):
             self.stopped = True
             self.stats.full_windows += 1
         else:  # Prefetch Overlap: the next chunk computes while this batch moves
@@ -165,7 +169,7 @@ class Orchestrator:
         if self.sync_s:
             self.link.compute(self.sync_s)
         resident = [self.cache.resident_set(l) for l in range(len(counts))]
-        batch = planner.plan_batch(counts, resident, self.planned, self.slots, self.top_m)
+        batch = planner.plan_batch(counts, resident, self.planned, self.plan_cap, self.top_m)
         self.stats.corrupted += planner.corrupt(batch, counts, resident, self.noise, self.rng)
         for l, b in enumerate(batch):  # pins first: this batch's loads must not evict them
             self.cache.pin(l, b.pin)
@@ -178,7 +182,9 @@ class Orchestrator:
             predicted = {e for e, c in enumerate(counts[l]) if c >= 1}
             for e in b.load:
                 t = self.cache.load(l, e, avoid=predicted)
-                if t is None:  # every slot held by a pin, a predicted expert or one in use
+                if t is None:  # every slot held by a pin, a predicted expert or one in use:
+                    t = self.cache.stage(l, e)  # a staging buffer, if there is one free
+                if t is None:
                     break
                 self.cache.pin(l, [e])
                 self.planned[l].add(e)

@@ -136,9 +136,9 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
     `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `on_window(stats)` after each window; `separate`: draft with a
     second model and its own cache (or, `CopiedKVDraft`, a per-window copy of the target's)
-    instead of `shared`; `after_draft_step(i, k_eff)` after
-    each draft token (a prefetcher's hook; when a stop token ends the window early, k_eff is
-    the steps actually drafted, so i == k_eff marks every window's last step)."""
+    instead of `shared`; `after_draft_step(i, k_eff)` after each draft token (a prefetcher's
+    hook; when a stop token ends the window early, k_eff is the steps actually drafted, so
+    i == k_eff marks every window's last step)."""
     sampling = temperature > 0
     if sampling and generator is None:
         raise ValueError("sampling needs a torch.Generator (seeded per request)")
