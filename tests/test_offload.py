@@ -3,6 +3,8 @@ cache's invariants, and the cost model against hand arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -21,8 +23,9 @@ A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge
 
 
 def make_engine(name: str, system: str | dict, slots: int | None, hardware=None, budget="high",
-                spec: dict | None = None):
-    """`system`: a name, or a dict with `name` and knobs; `spec`: e.g. {"k": 4}."""
+                spec: dict | None = None, staging: int = 0):
+    """`system`: a name, or a dict with `name` and knobs; `spec`: e.g. {"k": 4}; `staging`:
+    staging buffers (budget.staging)."""
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project",
                   "stands_for": zoo.STANDS_FOR[zoo.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
@@ -31,6 +34,7 @@ def make_engine(name: str, system: str | dict, slots: int | None, hardware=None,
         "spec": spec or {}, "progress": False})
     loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates it
     budget_r = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
+    budget_r = dataclasses.replace(budget_r, staging=staging)
     return build_engine(BuildContext(cfg, loaded, budget_r, torch.device("cpu"))), loaded
 
 

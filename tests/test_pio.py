@@ -137,6 +137,23 @@ VARIANTS = [
 ]
 
 
+def test_staging_buffers_take_prefetches_beyond_the_slots_losslessly():
+    """budget.staging: a plan may hold more than the resident slots; the extra experts land in
+    the shared staging pool, serve their layer's verification, and leave; tokens unchanged."""
+    resident, loaded = make_engine("tiny_deepseek", "resident", None)
+    ref = [g.tokens for g in decode_all(resident, loaded.tokenizer)]
+    k = loaded.spec.top_k
+    plain, _ = make_engine("tiny_deepseek", "specter", k, spec={"k": 8})
+    staged, _ = make_engine("tiny_deepseek", "specter", k, spec={"k": 8}, staging=8)
+    a, b = decode_all(plain, loaded.tokenizer), decode_all(staged, loaded.tokenizer)
+    assert [g.tokens for g in b] == ref
+    assert sum(g.stats["staged_loads"] for g in a) == 0 < sum(g.stats["staged_loads"] for g in b)
+    assert sum(g.stats["hit_rate"] for g in b) > sum(g.stats["hit_rate"] for g in a)
+    cache = staged.runtime.cache
+    assert cache.staging == 8 and len(cache.pool_free) == 8  # every buffer back after a request
+    assert staged.memory.param_bytes - plain.memory.param_bytes == 8 * cache.pool[0].numel() * 4
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_specter_is_lossless_on_every_architecture_and_budget(name):
     resident, loaded = make_engine(name, "resident", None)
@@ -305,6 +322,10 @@ class _Cache:
         self.pins = [set() for _ in range(layers)]
         self.issued: list[tuple[float, int, int]] = []  # (time, layer, expert)
         self.inflight: dict[tuple[int, int], _Transfer] = {}
+        self.staging = 0  # no staging buffers: a load that finds no slot stays unplanned
+
+    def stage(self, l, e):
+        return None
 
     def wait(self, l, e):
         t = self.inflight.pop((l, e), None)

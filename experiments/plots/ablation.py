@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, by_profile, case_columns,
+from experiments.plots.base import (PAPER_LABEL, RENAME, Result, agg, case_columns, case_panels,
                                     clock_note, col, dedup_legend, isnan, panel_title,
                                     paper_marker, prepare, same_limits, save_figure, subplots,
                                     title, write_table)
@@ -51,11 +51,7 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
 
 def figure(t: pd.DataFrame, df: pd.DataFrame):
     """One panel per model, budget and profile (profiles side by side, one TPOT scale); unsaved."""
-    split = by_profile(t)
-    n = len(split)
-    panels = [(model, budget, prof, g[(g["model"] == model) & (g["budget"] == budget)])
-              for (model, budget), _ in t.groupby(["model", "budget"], sort=True)
-              for prof, g in split]
+    n, panels = case_panels(t)
     rows = t.groupby(["model", "budget", "hardware"]).size().max()
     fig, axes = subplots(len(panels), ncols=n if n > 1 else 2, w=6.0, h=0.45 * rows + 1.8)
     for ax, (model, budget, prof, g) in zip(axes, panels):

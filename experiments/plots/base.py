@@ -138,6 +138,16 @@ def by_profile(df: pd.DataFrame) -> list[tuple[str | None, pd.DataFrame]]:
     return [(profile_label(h, e), df[hw == h]) for h, e in profs]
 
 
+def case_panels(t: pd.DataFrame) -> tuple[int, list[tuple]]:
+    """(profiles, [(model, budget, profile label, rows)]): one panel per model, budget and
+    profile, the profiles of a case side by side."""
+    split = by_profile(t)
+    panels = [(model, budget, prof, g[(g["model"] == model) & (g["budget"] == budget)])
+              for (model, budget), _ in t.groupby(["model", "budget"], sort=True)
+              for prof, g in split]
+    return len(split), panels
+
+
 def panel_title(text: str, profile: str | None) -> str:
     """A panel's title, naming its profile when the figure splits by profile."""
     return f"{text}\nprofile {profile}" if profile else text

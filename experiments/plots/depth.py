@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments.plots import paper
-from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, RENAME, Result, agg, by_profile,
+from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, RENAME, Result, agg, case_panels,
                                     case_columns, clock_note, col, dedup_legend, isnan,
                                     panel_title, prepare, same_limits, save_figure, subplots,
                                     title, write_table)
@@ -38,11 +38,7 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
 
 def figure(t: pd.DataFrame, df: pd.DataFrame):
     """One panel per model, budget and profile (profiles side by side); unsaved."""
-    split = by_profile(t)
-    n = len(split)
-    panels = [(model, budget, prof, g[(g["model"] == model) & (g["budget"] == budget)])
-              for (model, budget), _ in t.groupby(["model", "budget"], sort=True)
-              for prof, g in split]
+    n, panels = case_panels(t)
     fig, axes = subplots(len(panels), ncols=n if n > 1 else 3, w=4.6, h=3.4)
     for ax, (model, budget, prof, g) in zip(axes, panels):
         for (system, clock), s in g.groupby(["system", "clock"], sort=True):

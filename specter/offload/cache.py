@@ -185,6 +185,11 @@ class ExpertCache:
             return self.layout.views(self.pool[lc.staged[e]])
         return self.layout.views(lc.buf[lc.slot_of[e]])
 
+    @property
+    def staging(self) -> int:
+        """Staging buffers in the pool (budget.staging)."""
+        return self.pool.shape[0]
+
     def device_bytes(self) -> int:
         """Bytes of every slot and staging buffer on the device."""
         slots = sum(lc.buf.numel() * lc.buf.element_size() for lc in self.layers)

@@ -78,7 +78,7 @@ class Orchestrator:
         self.slots, self.top_m, self.mode = slots, top_m, mode
         # Staging buffers (budget.staging) let a layer's plan grow past its resident slots: by
         # its share of the pool, while buffers last (cache.stage).
-        staging, layers = self.cache.pool.shape[0], len(self.cache.layers)
+        staging, layers = self.cache.staging, len(self.cache.layers)
         self.plan_cap = slots + (-(-staging // layers) if staging else 0)
         self.cold_start, self.noise, self.seed = cold_start, noise, seed
         self.cold_start_round, self.final_plan = cold_start_round, final_plan
