@@ -32,6 +32,9 @@ def variant(row: pd.Series) -> str:
     parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(SystemConfig)
              if f.name != "name" and f"cfg.system.{f.name}" in row
              and not _same(row[f"cfg.system.{f.name}"], getattr(defaults, f.name))]
+    staging = row.get("budget_staging")
+    if isinstance(staging, (int, float)) and not math.isnan(staging) and staging > 0:
+        parts.append(f"staging={int(staging)}")
     k = row.get("cfg.spec.k")
     if k is not None and not (isinstance(k, float) and math.isnan(k)):
         parts.append(f"k={k}")
@@ -63,7 +66,7 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
-SHORT = {"system": "system", "tpot_ms": "TPOT ms", "x_resident": "x resident",
+SHORT = {"system": "system", "variant": "variant", "tpot_ms": "TPOT ms", "x_resident": "x resident",
          "speedup_vs_specmoeoff": "speedup vs SpecMoEOff", "hit_rate": "hit rate",
          "hit_rate_cap": "hit-rate cap", "h2d_hidden_frac": "H2D hidden", "acceptance_rate": "acceptance"}
 
