@@ -295,6 +295,20 @@ def median_abs_log_ratio(t: pd.DataFrame) -> dict[str, float]:
     return out
 
 
+def wide(t: pd.DataFrame) -> pd.DataFrame:
+    """One row per quantity: the paper's number, then ours and the ratio on each profile."""
+    keys = ["quantity", "model", "system"]
+    order = list(dict.fromkeys(tuple(r) for r in t[keys].itertuples(index=False)))
+    out = pd.DataFrame(order, columns=keys)
+    out["paper"] = [t[(t[keys] == list(k)).all(axis=1)]["paper"].iloc[0] for k in order]
+    for prof in sorted(t["profile"].unique(), key=lambda p: (p == "-", p.endswith("_hf"), p)):
+        g = t[t["profile"] == prof].set_index(keys)
+        label = "ours" if prof == "-" else f"ours {prof}"
+        out[label] = [g["ours"].get(k, math.nan) for k in order]
+        out["ratio" if prof == "-" else f"ratio {prof}"] = [g["ratio"].get(k, math.nan) for k in order]
+    return out
+
+
 def write(out: Path, t: pd.DataFrame) -> list[Path]:
     from experiments.plots.base import markdown
 
@@ -307,7 +321,8 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
     md = out / "validation.md"
     pq = out / "validation.parquet"
     out.mkdir(parents=True, exist_ok=True)
-    md.write_text(markdown(t, "Validation: the paper's numbers beside ours", note))
+    md.write_text(markdown(wide(t), "Validation: the paper's numbers beside ours, per profile", note)
+                  + "\n" + markdown(t, "The same, one row per number (with notes)", ""))
     t.to_parquet(pq, index=False)
     return [md, pq]
 

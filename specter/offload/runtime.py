@@ -61,7 +61,8 @@ class DemandStats:
     pair_requests: int = 0  # (token, expert) requests: tokens x top-k
     prefetches: int = 0
     # The most hits a slot-limited cache could score: per (layer, forward) at most `slots` of
-    # the experts it needs can be resident when it starts, so hits <= min(slots, needed).
+    # the experts it needs can be resident when it starts (plus every staging buffer, which
+    # budget.staging may add), so hits <= min(slots + staging, needed).
     cap_hits: int = 0
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
@@ -174,7 +175,7 @@ class OffloadRuntime:
         if self.record_demand:
             self.stats.hits += len(hits)
             self.stats.misses += len(misses)
-            self.stats.cap_hits += min(cache.slots, len(needed))
+            self.stats.cap_hits += min(cache.slots + cache.staging, len(needed))
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
