@@ -86,7 +86,7 @@ def short(df: pd.DataFrame) -> str:
         out.append(g.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}"))
         out.append("")
     out.append("hit-rate cap: the most a slot-limited per-layer demand hit rate can reach, "
-               "sum(min(slots, experts needed)) / experts needed over verify forwards.")
+               "sum(min(slots + staging buffers, experts needed)) / experts needed over verify forwards.")
     return "\n".join(out)
 
 
