@@ -22,23 +22,18 @@ import sys
 def rows(context: int) -> list[dict]:
     from pathlib import Path
 
-    import torch
     import yaml
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from specter.budget import resolve_slots
+    from specter.budget import fp16_spec, resolve_slots
     from specter.config import BudgetConfig, ModelConfig
-    from specter.models.introspect import moe_spec
     from specter.models.real_configs import REAL_CONFIGS
     from specter.quant.shared import account_model
 
     out = []
     conf = Path(__file__).resolve().parents[1] / "conf" / "model"
     for name, real in REAL_CONFIGS.items():
-        cfg = AutoConfig.for_model(**real)
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(cfg, dtype=torch.float16)
-        spec = moe_spec(meta)
+        spec = fp16_spec(AutoConfig.for_model(**real))
         mcfg = ModelConfig(**yaml.safe_load((conf / f"{name}.yaml").read_text()))
         for budget in ("high", "low"):
             slots = resolve_slots(BudgetConfig(name=budget), mcfg, spec.num_experts, spec.top_k).slots

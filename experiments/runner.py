@@ -25,7 +25,7 @@ from experiments import records
 from experiments.provenance import provenance
 from experiments.systems import SPECULATIVE, BuildContext, build_engine, check_system, footprint
 from specter import budget as budget_mod
-from specter.config import HardwareConfig, RunConfig
+from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
@@ -64,13 +64,7 @@ def load_hardware(name: str) -> HardwareConfig:
     if not path.is_file():
         options = ", ".join(sorted(p.stem for p in HARDWARE_DIR.glob("*.yaml")))
         raise UserError(f"unknown hardware profile '{name}'; choose one of: {options}.")
-    return RunConfig.from_dict({**_minimal(), "hardware": OmegaConf.to_container(OmegaConf.load(path))}).hardware
-
-
-def _minimal() -> dict:
-    return {"model": {"name": "-", "source": "project"}, "budget": {"name": "high"},
-            "system": {"name": "resident"}, "dataset": {"name": "gsm8k"},
-            "hardware": {"name": "-"}, "workload": {}}
+    return hardware_from_dict(OmegaConf.to_container(OmegaConf.load(path)))
 
 
 def resolve_auto_hardware(cfg: RunConfig, device: torch.device, log=print) -> RunConfig:

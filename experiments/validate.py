@@ -131,13 +131,7 @@ def _knob(df: pd.DataFrame, name: str, value):
 
 def _defaults(df: pd.DataFrame) -> pd.DataFrame:
     """Rows of systems run with every knob at its default (no ablation, no noise)."""
-    from specter.config import SystemConfig
-
-    keep = pd.Series(True, index=df.index)
-    for f in fields(SystemConfig):
-        if f.name != "name":
-            keep &= _knob(df, f.name, getattr(SystemConfig(name="-"), f.name))
-    return df[keep]
+    return _variant(df, ())
 
 
 def _value(text: str):

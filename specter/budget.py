@@ -128,17 +128,14 @@ class Footprint:
     whole_layers: bool = False  # accelerate's device map: whole experts modules, not slots
 
 
-def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
-    """INT4 codes plus one FP16 scale per group of one expert (symmetric GPTQ)."""
-    return expert_params // 2 + expert_params // group * scale_bytes
-
-
 def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv_tokens: int,
                staging: int, reserve_gb: float, minimum: int, group: int = 128,
                name: str = "gb") -> ResolvedBudget:
     """`gb` GiB of device memory -> resident slots per MoE layer (or whole layers, for
     accelerate's device map), from the FP16 bytes of `spec` (the real model a project-made
     one stands for, or the model itself: `sizes_of` says which)."""
+    from specter.quant.shared import int4_expert_bytes
+
     per_expert = spec.expert_bytes
     params = per_expert // 2  # FP16
     fixed = [("reserve (CUDA context, allocator slack, activations)", int(reserve_gb * GIB)),

@@ -254,6 +254,11 @@ def _check(f, value: Any, prefix: str) -> Any:
     return value
 
 
+def hardware_from_dict(d: dict[str, Any]) -> HardwareConfig:
+    """A hardware profile (conf/hardware/<name>.yaml as a dict), checked like a run's."""
+    return _build(HardwareConfig, d, "hardware.")
+
+
 _NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetConfig,
            ("RunConfig", "system"): SystemConfig, ("RunConfig", "dataset"): DatasetConfig,
            ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig,
