@@ -21,8 +21,11 @@ from specter.quant.shared import SharedInstance
 
 
 @torch.no_grad()
-def routing_fidelity(shared: SharedInstance, ids: torch.Tensor, start: int) -> dict:
-    """Top-k agreement of draft and target over positions `start`.. of `ids` [1, S]."""
+def routing_fidelity(shared: SharedInstance, ids: torch.Tensor, start: int,
+                     with_matches: bool = False) -> dict:
+    """Top-k agreement of draft and target over positions `start`.. of `ids` [1, S];
+    `with_matches` adds `draft_token_matches`, per position whether the draft's greedy token
+    is the target's."""
     model = shared.model
     target = router_topk(model, ids)  # per MoE layer: [S, k]
     target_logits = model(input_ids=ids).logits[0, start:]
@@ -37,12 +40,13 @@ def routing_fidelity(shared: SharedInstance, ids: torch.Tensor, start: int) -> d
         per_layer.append(float(overlap.mean()))
         per_position += overlap / len(target)
         top1.append(float((t[:, 0] == d[:, 0]).float().mean()))
-    return {"fidelity_topk": sum(per_layer) / len(per_layer),
+    matches = target_logits.argmax(-1) == draft_logits.argmax(-1)
+    extra = {"draft_token_matches": matches.tolist()} if with_matches else {}
+    return {**extra, "fidelity_topk": sum(per_layer) / len(per_layer),
             "fidelity_top1": sum(top1) / len(top1),
             "fidelity_per_layer": per_layer,
             "fidelity_per_position": per_position.tolist(),
-            "draft_token_match": float((target_logits.argmax(-1) == draft_logits.argmax(-1))
-                                       .float().mean()),
+            "draft_token_match": float(matches.float().mean()),
             "fidelity_positions": ids.shape[1] - start}
 
 

@@ -29,6 +29,7 @@ from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
+from specter.models.routing_stats import checkpoint_record
 from specter.workloads import DATASETS, Workload, load_workload, truncate_prompt
 
 
@@ -161,7 +162,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
 
     # 3. Decode every (request, repeat) that is not recorded yet.
     engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device))
-    store = records.CaseStore(cfg.out_dir, case_of(cfg, budget.slots))
+    case = case_of(cfg, budget.slots)
+    if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
+        case["model_build"] = checkpoint.name  # with another recipe is another case
+    store = records.CaseStore(cfg.out_dir, case)
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     fixed = {
         "run_id": run_id, "case_id": store.case_id, "system": cfg.system.name,
@@ -172,7 +176,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "experiment": cfg.experiment, "seed": cfg.seed, "checkpoint": str(checkpoint),
         "acct_non_expert_bytes": acct.non_expert_bytes,
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
-        "acct_kv_bytes": acct.kv_bytes,
+        "acct_kv_bytes": acct.kv_bytes, **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }
     jobs = [(i, r) for i in range(len(prompts)) for r in range(cfg.workload.repeats)]

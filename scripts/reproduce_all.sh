@@ -11,7 +11,7 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, fidelity, memory, kernel, validate, figures), then `--` and extra run.py overrides.
+# working_set, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
 # On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
 # modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
 # docs/calibration.md), and the figures show them side by side.
@@ -52,6 +52,7 @@ case "$PROFILE" in
     DEPTH_KS=2,4,8,16,32
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=rtn quant.bits=2,3,4,8" "quant.method=gptq quant.bits=4")
+    ROUTING=(--models small_deepseek,small_qwen,small_phi)
     KERNEL=(--quick) ;;
   small)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
@@ -63,6 +64,7 @@ case "$PROFILE" in
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=gptq,rtn quant.bits=2,3,4,8")
+    ROUTING=(--models small_deepseek,small_qwen,small_phi)
     KERNEL=() ;;
   full)
     for v in DEEPSEEK_PATH QWEN_PATH PHI_PATH; do
@@ -78,6 +80,8 @@ case "$PROFILE" in
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=gptq,rtn quant.bits=2,3,4,8")
+    ROUTING=(--models deepseek,qwen,phi --device cuda --path "deepseek=$DEEPSEEK_PATH"
+             --path "qwen=$QWEN_PATH" --path "phi=$PHI_PATH")
     KERNEL=(--device cuda) ;;
 esac
 
@@ -134,6 +138,10 @@ if want fidelity; then
       HW=("${HW_ALL[@]}")
     done
   done
+fi
+if want routing; then
+  header "routing: working-set curve, reuse, load entropy, distinct-4, draft fidelity and acceptance vs the real models"
+  "$PY" -m experiments.routing_report "${ROUTING[@]}" --out "$OUT/routing"
 fi
 if want memory; then
   header "memory: the shared instance vs two models"

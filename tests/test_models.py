@@ -76,6 +76,38 @@ def test_build_is_deterministic_and_cached(tmp_path):
     assert zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a") == a
     assert (a / "model.safetensors").stat().st_mtime == mtime  # reused, not rebuilt
     assert zoo.checkpoint_dir("tiny_olmoe", 4, tmp_path / "a") != a  # the seed is in the key
+    assert zoo.checkpoint_dir("tiny_olmoe", 3, tmp_path / "a", router_balance=0.1) != a
+    # the build measured its routing on the benchmark prompts; result rows read it from there
+    from specter.models.routing_stats import checkpoint_record
+
+    routing = json.loads((a / "specter_build.json").read_text())["routing_benchmark"]
+    assert routing["working_set"]["1"] == pytest.approx(8.0)  # OLMoE: top-8
+    assert routing["prompts"] == 25 and 0 < routing["distinct_4"] <= 1
+    rec = checkpoint_record(a)
+    assert rec["model.ws_1"] == pytest.approx(8.0)
+    assert rec["model.ws_growth"] == pytest.approx(routing["working_set"]["17"] / 8.0)
+    assert all(v != v for v in checkpoint_record(tmp_path).values())  # no record: nan
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_per_layer_balance_loss_reaches_every_router(name, tiny_models):
+    """The recipe's router balance: one router per MoE layer, found by structure, and the
+    loss's gradient reaches each of them."""
+    from specter.models.introspect import experts_modules, routers
+
+    model = tiny_models(name).model
+    found = routers(model)
+    assert len(found) == len(experts_modules(model))
+    balance = zoo._BalanceLoss(model)
+    try:
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9, 10]]), use_cache=False)
+        loss = balance.take()
+        assert loss.dim() == 0 and 0 < loss.item() < found[0].weight.shape[0]
+        loss.backward()
+        assert all(r.weight.grad is not None and r.weight.grad.abs().sum() > 0 for r in found)
+    finally:
+        balance.remove()
+        model.zero_grad(set_to_none=True)
 
 
 def test_unknown_project_model_is_a_user_error():

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from experiments import memory_table, records
+from experiments import memory_table, records, routing_report
 from experiments.plots import RESULTS, base, cache, main_tpot
 from experiments.plots.cli import load_all, main
 
@@ -129,7 +129,25 @@ def tree(tmp_path_factory) -> Path:
          "context": 12288, "non_expert_GB": 3.7, "int4_draft_GB": 6.4, "target_slots_GB": 0.4 * slots,
          "kv_GB": 2.4, "shared_GB": 12.5 + 0.4 * slots, "separate_GB": 18.6 + 0.4 * slots, "saving": 0.3}
         for budget, slots in (("high", 15), ("low", 8))])
+    for model, fam in (("small_deepseek", "deepseek"), ("tiny_mixtral", None)):
+        routing_report.write_record(root, model, Path(f"/ck/{model}"), synthetic_routing(fam))
     return root
+
+
+def synthetic_routing(family) -> dict:
+    """A routing report as routing_report.model_report returns it (draft side included)."""
+    from specter.models.routing_stats import WINDOWS, random_working_set
+
+    e, k = (64, 6) if family else (8, 2)
+    ws = {n: min(e, k * n ** 0.6) for n in WINDOWS}
+    return {"experts": e, "top_k": k, "moe_layers": 3, "prompts": 25, "tokens": 64,
+            "working_set": ws, "random_working_set": {n: random_working_set(e, k, n) for n in WINDOWS},
+            "growth_1_to_17": ws[17] / ws[1], "reuse": 0.3, "load_entropy": 0.9,
+            "distinct_4": 0.7, "stands_for": family,
+            "target": routing_report.check(ws, family), "fidelity_topk": 0.95,
+            "draft_token_match": 0.97, "draft": "gptq w4g128",
+            "acceptance": {kk: 0.99 - 0.01 * kk for kk in routing_report.ACCEPT_KS},
+            "recipe": {"router_balance": 0.03}}
 
 
 def test_every_result_renders(tree, tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""The routing report's statistics on synthetic routing, and one pass on a tiny model."""
+"""The routing report's statistics on synthetic routing, its targets and acceptance walk, and
+one pass on a tiny model (router and INT4 draft)."""
 
 from __future__ import annotations
 
@@ -23,14 +24,57 @@ def test_statistics_on_synthetic_routing():
     assert rr.random_working_set(64, 6, 17) == pytest.approx(64 * (1 - (58 / 64) ** 17))
 
 
-def test_measure_on_a_tiny_model(tiny_models):
-    lm = tiny_models("tiny_deepseek")
-    prompts = [lm.tokenizer("def f(x):")["input_ids"], lm.tokenizer("The cat")["input_ids"]]
-    r = rr.measure(lm.model, lm.tokenizer, prompts, tokens=18)
+def test_target_band_passes_through_the_published_ends():
+    assert rr.endpoint_17("deepseek") == pytest.approx(31.7)
+    assert rr.endpoint_17("qwen") == pytest.approx(4 * 7.18)
+    assert rr.endpoint_17("mixtral") is None and rr.target_band(None) == {}
+    for fam, k in (("deepseek", 6), ("qwen", 4), ("phi", 2)):
+        band = rr.target_band(fam)
+        assert band[1] == pytest.approx((k, k))
+        assert band[17][0] == pytest.approx(rr.endpoint_17(fam), rel=1e-6)
+        assert band[17][1] == pytest.approx(rr.endpoint_17(fam), rel=1e-6)
+        assert all(band[n][0] < band[n][1] for n in range(2, 17))  # two different shapes
+    # a curve on the band's lower edge with the published end passes; 20% under it fails
+    edge = {n: lo for n, (lo, _) in rr.target_band("deepseek").items()}
+    assert rr.check(edge, "deepseek")["within"]
+    low = {n: 0.8 * v for n, v in edge.items()}
+    c = rr.check(low, "deepseek")
+    assert not c["within"] and c["dev_17"] == pytest.approx(-0.2)
+    assert c["worst_dev"] == pytest.approx(-0.2)
+
+
+def test_acceptance_walk():
+    assert rr.acceptance_at([True] * 10, 4) == 1.0
+    assert rr.acceptance_at([False] * 10, 1) == 0.0
+    # K = 2 over T T F T T: window 1 accepts 2 (p -> 3), window 2 at p=3 accepts T T (p -> 6)
+    assert rr.acceptance_at([True, True, False, True, True], 2) == pytest.approx(4 / 4)
+    # K = 4 over T F T T T T: window 1 accepts 1 of 4 (p -> 2), window 2 accepts 4 of 4
+    assert rr.acceptance_at([True, False, True, True, True, True], 4) == pytest.approx(5 / 8)
+    # deeper windows waste more drafts after a miss
+    m = [True, True, True, False] * 8
+    assert rr.acceptance_at(m, 1) > rr.acceptance_at(m, 16)
+
+
+def test_report_on_a_tiny_model():
+    from specter.config import ModelConfig
+    from specter.models.loading import load_model
+
+    # a fresh copy: the draft side switches the model's experts implementation
+    lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), torch.device("cpu"),
+                    progress=False)
+    r = rr.model_report(lm.model, lm.tokenizer, "deepseek", items=1, tokens=18)
     ws = r["working_set"]
     assert ws[1] == pytest.approx(r["top_k"])  # one token needs exactly top-k experts
     assert all(ws[a] <= ws[b] + 1e-9 for a, b in zip(range(1, 17), range(2, 18)))
     assert ws[17] <= r["random_working_set"][17] * 1.2
     assert 0 <= r["reuse"] <= 1 and 0 < r["load_entropy"] <= 1 and 0 < r["distinct_4"] <= 1
-    md = rr.report({"x": {**r, "stands_for": "deepseek", "paper": rr.paper_targets("deepseek")}})
-    assert "| x | deepseek | 64 / 6 | 6.0 |" in md and "| 5.28x |" in md  # the paper's growth beside
+    assert 0 < r["fidelity_topk"] <= 1 and 0 <= r["draft_token_match"] <= 1
+    assert set(r["acceptance"]) == set(rr.ACCEPT_KS)
+    assert r["target"]["target_17"] == pytest.approx(31.7)
+    md = rr.report({"x": r})
+    assert "| x | deepseek | 64 / 6 |" in md and "[31.7]" in md
+
+
+def test_unknown_model_is_one_sentence(capsys):
+    assert rr.main(["--models", "no_such_model", "--out", "/tmp/unused"]) == 2
+    assert "unknown model 'no_such_model'" in capsys.readouterr().err

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-MODULES = ("main_tpot", "memory", "cache", "ablation", "latency", "fidelity", "working_set",
-           "depth", "oracle", "kernel")
+MODULES = ("main_tpot", "memory", "cache", "ablation", "latency", "fidelity", "routing",
+           "working_set", "depth", "oracle", "kernel")
 
 
 def _collect() -> list:

@@ -49,6 +49,9 @@ GPTQ_METHODS = ("gptq", "gptqmodel")
 EXPLOSION_DEEPSEEK = {1: 6.0, 16: 31.7}
 EXPLOSION_GROWTH_1_TO_16 = {"deepseek": 31.7 / 6.0, "qwen": 7.18, "phi": 4.65}
 
+# Routed experts and top-k of the real models the working-set targets are for.
+REAL_MOE = {"deepseek": (64, 6), "qwen": (60, 4), "phi": (16, 2)}
+
 # The depth profiler's choice K* = argmin_K TPOT(K).
 CHOSEN_K = {"deepseek": 16, "qwen": 8, "phi": 16}
 

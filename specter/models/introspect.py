@@ -60,6 +60,25 @@ def experts_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
     return found
 
 
+def routers(model: nn.Module) -> list[nn.Module]:
+    """The router of every MoE layer, in layer order: the sibling of the experts module that
+    holds a 2D `weight` of shape [experts, hidden] (HF names it `gate` or `router`). Every
+    supported router returns (logits [T, E], weights [T, k], indices [T, k])."""
+    found = []
+    for i, experts in experts_modules(model):
+        layer = _decoder_layers(model)[i]
+        parent = next(m for m in layer.modules() if any(c is experts for c in m.children()))
+        n_exp = experts.gate_up_proj.shape[0]
+        cands = [c for c in parent.children()
+                 if isinstance(getattr(c, "weight", None), torch.Tensor)
+                 and c.weight.dim() == 2 and c.weight.shape[0] == n_exp]
+        if len(cands) != 1:
+            raise RuntimeError(f"layer {i}: found {len(cands)} router candidates beside the "
+                               f"experts (a module with a [{n_exp}, hidden] weight); expected one")
+        found.append(cands[0])
+    return found
+
+
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)

@@ -178,8 +178,24 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
 
 
-def _recipe(name: str, seed: int) -> dict:
+# Per-layer router load balancing for the benchmark-size models (issue 13): the coefficient of a
+# Switch-style balance loss, E * sum_e f_e * P_e, averaged over MoE layers, added to the LM loss
+# in training (f_e: share of the layer's top-k choices that went to expert e; P_e: the layer's
+# mean router probability of e). It replaces HF's own auxiliary loss, which DeepSeek-V2 lacks and
+# which Qwen2-MoE/Phi pool over all layers at once (so one layer may collapse while another
+# spreads). Larger coefficients spread a window's tokens over more experts: the working-set
+# curve rises towards uniform routing. Each value is the one, from a measured sweep
+# (docs/routing.md), whose curve on the benchmark prompts lies nearest its real model's;
+# small_phi keeps HF's pooled loss (0.01), already within the target (the per-layer one at
+# 0.01 overshoots by 25%), and the models without a published target keep theirs.
+ROUTER_BALANCE = {"small_deepseek": 0.01, "small_qwen": 0.3}
+
+
+def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
+    """The build recipe (hashed into the cache key). `router_balance` overrides the model's
+    ROUTER_BALANCE coefficient (the sweep in experiments.routing_report uses it)."""
     size, arch = parse_name(name)
+    balance = ROUTER_BALANCE.get(name) if router_balance is None else router_balance
     shape, training = SIZES[size]
     if arch in DENSE_ARCHS and size == "small":
         # Every block active makes a training step ~10x a MoE step on the CPU: fewer steps
@@ -188,22 +204,24 @@ def _recipe(name: str, seed: int) -> dict:
     return {"name": name, "arch": arch, "size": size, "seed": seed, "shape": asdict(shape),
             "training": asdict(training), "tokenizer_vocab": TOKENIZER_VOCAB,
             "recipe_version": 3,
+            **({"router_balance": balance} if balance is not None else {}),
             **({"train_experts_forward": EVERY_EXPERT_IMPL} if arch in DENSE_ARCHS else {})}
 
 
-def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None) -> Path:
+def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None,
+                   router_balance: float | None = None) -> Path:
     """Where the checkpoint for (name, seed) lives; the folder name hashes the recipe."""
-    recipe = _recipe(name, seed)
+    recipe = _recipe(name, seed, router_balance)
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
     return (cache_dir or default_cache_dir()) / "models" / f"{name}-s{seed}-{digest}"
 
 
 def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None,
-                         progress: bool = True) -> Path:
+                         progress: bool = True, router_balance: float | None = None) -> Path:
     """Return the checkpoint folder of a project-made model, building it once if needed."""
     from filelock import FileLock
 
-    out = checkpoint_dir(name, seed, cache_dir)
+    out = checkpoint_dir(name, seed, cache_dir, router_balance)
     if (out / "specter_build.json").exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -212,7 +230,7 @@ def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None
             return out
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        _build(_recipe(name, seed), tmp, cache_dir or default_cache_dir(), progress)
+        _build(_recipe(name, seed, router_balance), tmp, cache_dir or default_cache_dir(), progress)
         os.replace(tmp, out)
     return out
 
@@ -237,6 +255,8 @@ def ensure_tokenizer(cache_dir: Path):
 
 def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     """Steps: 1 tokenizer, 2 config + init, 3 train, 4 routing stats, 5 save."""
+    from specter.models import routing_stats
+
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     t0 = time.time()
@@ -265,13 +285,19 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     was_deterministic = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        losses = _train(model, stream, training, recipe["seed"], progress, recipe["name"])
+        losses = _train(model, stream, training, recipe["seed"], progress, recipe["name"],
+                        recipe.get("router_balance"))
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         if dense:  # saved and evaluated with HF's own experts forward
             model.config._experts_implementation = saved_impl
     # 4. How specialised the routing became (held-out windows).
     load_entropy = _routing_entropy(model, stream, training, recipe["seed"])
+    #    ... and how it routes on the benchmark prompts (the working-set curve and the rest,
+    #    for the routing report and for every result row; routing_stats.py).
+    t_route = time.time()
+    routing = routing_stats.measure(model, routing_stats.benchmark_prompts(tok))
+    routing["seconds"] = round(time.time() - t_route, 1)
     # 5. Save as an ordinary HF checkpoint.
     model.config.output_router_logits = False
     model.generation_config = GenerationConfig(
@@ -285,7 +311,8 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     meta = dict(recipe, corpus_digest=corpus.corpus_digest(docs), corpus_tokens=len(stream),
                 parameters=sum(p.numel() for p in model.parameters()),
                 loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
-                routing_load_entropy=load_entropy, build_seconds=round(time.time() - t0, 1),
+                routing_load_entropy=load_entropy, routing_benchmark=routing,
+                build_seconds=round(time.time() - t0, 1),
                 torch=torch.__version__)
     (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
 
@@ -300,8 +327,34 @@ def _freeze_routers(model) -> None:
         gate.weight.requires_grad_(False)
 
 
+class _BalanceLoss:
+    """Collects the per-layer Switch balance term of every router during a forward."""
+
+    def __init__(self, model):
+        from specter.models.introspect import routers
+
+        self.terms: list[torch.Tensor] = []
+        self._hooks = [r.register_forward_hook(self._hook) for r in routers(model)]
+
+    def _hook(self, _mod, _args, out):
+        logits, idx = out[0], out[-1]
+        n_exp = logits.shape[-1]
+        probs = logits.float().softmax(-1).reshape(-1, n_exp)  # [T, E]
+        share = torch.bincount(idx.reshape(-1), minlength=n_exp).float() / idx.numel()
+        self.terms.append(n_exp * (share * probs.mean(0)).sum())
+
+    def take(self) -> torch.Tensor:
+        loss = torch.stack(self.terms).mean()
+        self.terms.clear()
+        return loss
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
 def _train(model, stream: torch.Tensor, tr: Training, seed: int, progress: bool,
-           name: str) -> list[float]:
+           name: str, router_balance: float | None = None) -> list[float]:
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(seed + 1)
@@ -309,7 +362,10 @@ def _train(model, stream: torch.Tensor, tr: Training, seed: int, progress: bool,
     warmup = max(1, tr.steps // 10)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / tr.steps)))
-    uses_aux = getattr(model.config, "router_aux_loss_coef", None) is not None
+    # HF's own auxiliary loss unless the recipe asks for the per-layer one.
+    uses_aux = (router_balance is None
+                and getattr(model.config, "router_aux_loss_coef", None) is not None)
+    balance = _BalanceLoss(model) if router_balance is not None else None
     model.train()
     losses: list[float] = []
     bar = tqdm(range(tr.steps), desc=f"training {name}", disable=not progress, leave=False)
@@ -317,14 +373,17 @@ def _train(model, stream: torch.Tensor, tr: Training, seed: int, progress: bool,
         starts = torch.randint(0, len(stream) - tr.seq_len - 1, (tr.batch,), generator=gen)
         x = torch.stack([stream[s:s + tr.seq_len] for s in starts.tolist()])  # [B, T]
         kwargs = {"output_router_logits": True} if uses_aux else {}
-        loss = model(input_ids=x, labels=x, use_cache=False, **kwargs).loss
+        lm_loss = model(input_ids=x, labels=x, use_cache=False, **kwargs).loss
+        loss = lm_loss if balance is None else lm_loss + router_balance * balance.take()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        losses.append(loss.item())  # host sync: once per training step
+        losses.append(lm_loss.item())  # host sync: once per training step; LM loss only
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    if balance is not None:
+        balance.remove()
     model.eval()
     return losses
 
