@@ -1,5 +1,5 @@
 """`system=lru_s`: self-speculative decoding with the INT4 draft, target experts loaded on
-demand into the LRU cache at verification, no prefetch (paper-facts.md, "LRU-S").
+demand into the LRU cache at verification, no prefetch (docs/paper-notes.md, "LRU-S").
 
 One model instance: the offloading runtime serves the target's experts, the INT4 copy the
 draft's (device-resident, no transfers). Under the virtual clock the draft's experts are

@@ -1,4 +1,4 @@
-"""`system=mo_sm`: Mixtral-offloading (Eliseev & Mazur, 2023) as paper-facts.md defines it:
+"""`system=mo_sm`: Mixtral-offloading (Eliseev & Mazur, 2023) as docs/paper-notes.md defines it:
 autoregressive decoding, an LRU expert cache, plus speculative expert loading: layer l+1's
 router applied to layer l's hidden state guesses layer l+1's experts, which are copied while
 layer l computes. A wrong guess only costs a transfer; demand misses stay misses, so the

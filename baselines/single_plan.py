@@ -1,4 +1,4 @@
-"""`system=sp_e` and `system=sp_l` (paper-facts.md, "SP-E / SP-L"): Specter's speculative
+"""`system=sp_e` and `system=sp_l` (docs/paper-notes.md, "SP-E / SP-L"): Specter's speculative
 decoding and shared INT4 draft with one single prefetch plan per window instead of the
 planner's phases: made from the ELB after the first draft step (early: little lookahead,
 most overlap) or just before verification (late: the whole window's routing, no overlap

@@ -1,6 +1,6 @@
 """`system=specmoe`: SpecMoE (arXiv 2604.10152, seed 003) as we read it at batch 1.
 
-This is a reading, not the authors' code (paper-facts.md, Baselines: "self-assisted
+This is a reading, not the authors' code (docs/paper-notes.md, Baselines: "self-assisted
 speculative decoding, draft computed where the experts live (host), verification on the GPU
 with prefetched experts"); the digest gives no draft-width or gamma figures, so those below
 are ours:

@@ -1,5 +1,5 @@
 """`system=specmoeoff`: SpecMoEOff (arXiv 2508.21706) as the Specter artifact re-implements it
-at batch 1 (paper-facts.md): speculative decoding with a *separate* INT4 draft model (its own
+at batch 1 (docs/paper-notes.md): speculative decoding with a *separate* INT4 draft model (its own
 non-expert weights and its own KV cache), K = 3, and route-frequency prefetch: at draft
 fractions 0.2 and 0.6 of each window, the top-M experts per layer by how often the draft has
 routed to them so far in the window are loaded for the coming verification.

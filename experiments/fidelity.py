@@ -1,5 +1,5 @@
 """`system=fidelity` (`experiment=fidelity`): how closely the INT4 self-draft routes like the
-target (paper-facts.md, "routing fidelity").
+target (docs/paper-notes.md, "routing fidelity").
 
 Per request: the target decodes greedily (its own output, the workload's prefix); then one
 teacher-forced forward over prompt + output in each mode of the shared instance gives every

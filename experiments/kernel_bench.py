@@ -1,4 +1,4 @@
-"""INT4 expert-kernel microbenchmark (issue 7): one MoE layer's routed experts at the real
+"""INT4 expert-kernel microbenchmark: one MoE layer's routed experts at the real
 models' expert shapes, measured on this machine beside what the cost model charges on the A100.
 
 `python -m experiments.kernel_bench --out results/kernel [--device cpu|cuda|auto]

@@ -1,4 +1,4 @@
-"""How each model routes and drafts, beside the real model it stands for (issue 13's report).
+"""How each model routes and drafts, beside the real model it stands for.
 
     python -m experiments.routing_report [--models small_deepseek,small_qwen,small_phi]
                                          [--items 5] [--tokens 64] [--out DIR] [--no-draft]

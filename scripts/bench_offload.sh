@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Offloading baselines side by side (issue 3's benchmark; not a timed test):
+# Offloading baselines side by side (a benchmark, not a timed test):
 # small DeepSeek-shaped model, modelled A100 + PCIe 4.0 x16, high and low budgets,
 # resident / lru / mo_sm / transformers under the virtual clock with the model's own sizes and with
 # DeepSeek-V2-Lite's sizes charged, then the emulated (wall-clock) check. Resumable.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's benchmark (not a timed test): the paper's five cases (DeepSeek high/low, Qwen
+# The engine profiles' benchmark (not a timed test): the paper's five cases (DeepSeek high/low, Qwen
 # high/low, Phi high; Phi's low budget resolves to the same 2 slots) on BOTH engine profiles
 # of the modelled A100 (a100_pcie4_ideal: optimised engine; a100_pcie4_hf: eager framework),
 # Specter beside SpecMoEOff, Transformers, LRU and resident, the virtual clock with the real

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 6's benchmark (not a timed test): every system side by side on the three small
+# Specter's benchmark (not a timed test): every system side by side on the three small
 # project-made models (DeepSeek-, Qwen- and Phi-shaped), modelled A100 + PCIe 4.0 x16, high
 # and low budgets, under the virtual clock with the real models' sizes charged; then a short
 # emulated (wall-clock) check on the DeepSeek-shaped model. Resumable; one table at the end.

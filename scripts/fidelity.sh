@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Routing fidelity of the INT4 self-draft (issue 4): the small models of the three paper
+# Routing fidelity of the INT4 self-draft : the small models of the three paper
 # architectures x {GPTQ, RTN} x {2, 3, 4, 8} bits, plus gptqmodel's GPTQ at 4 bits, on the
 # artifact workload's five datasets (first 5 items, 16 prompt tokens, 128 new tokens).
 # Resumable; prints the table. Usage: scripts/fidelity.sh [OUT_DIR] [extra overrides...]

@@ -9,7 +9,7 @@ it has one, KV, staging buffers, a reserve), and the device-memory accounting pr
 start of every run.
 Does not own: which experts occupy the slots (the residency policy of the offloading runtime).
 
-The paper's budgets are per-layer slot counts (paper-facts.md); models without a paper entry
+The paper's budgets are per-layer slot counts (docs/paper-notes.md); models without a paper entry
 use the same proportions as DeepSeek-V2-Lite and Qwen1.5-MoE: high = E/4, low = E/8, rounded
 up, never below top-k. `xhigh` = E/2 is the largest budget of the hit-rate study (our reading
 of DeepSeek-V2-Lite at 32 GB: twice the 24 GB case's slots).

@@ -22,10 +22,10 @@ class ModelConfig:
     hub_id: str | None = None
     path: str | None = None  # local checkpoint folder for source=hf
     dtype: str = "auto"  # auto: float32 on CPU, float16 on CUDA
-    # Resident expert slots per MoE layer for the named budgets (paper-facts.md); a budget
+    # Resident expert slots per MoE layer for the named budgets (docs/paper-notes.md); a budget
     # name missing here falls back to the proportional rule in budget.py.
     budget_slots: dict[str, int] = field(default_factory=dict)
-    # The paper's reference device memory (GiB) of the named budgets (paper-facts.md: DeepSeek
+    # The paper's reference device memory (GiB) of the named budgets (docs/paper-notes.md: DeepSeek
     # 24/18, Qwen 20/16, Phi 40/32). Recorded beside the slots; the Transformers baseline
     # sizes its device map from it (accelerate's max_memory), not from the slot count.
     budget_gb: dict[str, float] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Per-request timing metrics from commit timestamps (definitions in paper-facts.md).
+"""Per-request timing metrics from commit timestamps (definitions in docs/paper-notes.md).
 
 TPOT = (time of last committed token - time of first committed token) / (N - 1);
 TTFT = first commit - request start; tokens/s = N / (last commit - request start).

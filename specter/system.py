@@ -1,4 +1,4 @@
-"""`system=specter`: the full system (paper-facts.md): the shared INT4 self-draft (SIC),
+"""`system=specter`: the full system (docs/paper-notes.md): the shared INT4 self-draft (SIC),
 speculative decoding with verification that keeps the target's output, the predictive I/O
 orchestrator (PIO: ELB, three-phase planner, verification residency), and expert-grouped
 verification (SEE's reordering).

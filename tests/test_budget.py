@@ -1,4 +1,4 @@
-"""Budgets resolve to per-layer slot counts as in paper-facts.md, and impossible ones fail."""
+"""Budgets resolve to per-layer slot counts as in docs/paper-notes.md, and impossible ones fail."""
 
 from __future__ import annotations
 

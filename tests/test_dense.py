@@ -1,4 +1,4 @@
-"""The dense twin (issue 5's working-set comparison): a dense FFN of the MoE's size, offloaded in
+"""The dense twin (the working-set comparison): a dense FFN of the MoE's size, offloaded in
 the same expert-sized blocks, decoded losslessly by the same systems."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ engine profile (hardware name and engine) and the charged model sizes each numbe
 
 Engine profiles: the virtual clock has two per GPU, `<gpu>_ideal` (the roofline of an optimised
 engine) and `<gpu>_hf` (an eager Hugging Face / PyTorch engine with framework costs). Records
-carry `hardware` (the profile name) and, since issue 12, `engine`; older records lack `engine`
+carry `hardware` (the profile name) and, since the engine profiles, `engine`; older records lack `engine`
 and it is derived from the name's suffix (`engine_of`). Where the records of a figure hold more
 than one profile, the figure shows one panel per profile (`by_profile`) and the table a
 `profile` / `engine` column (`case_columns`, `RENAME`).

@@ -1,4 +1,4 @@
-"""The Specter paper's numbers as data (../shared/docs/paper-facts.md), to put beside ours.
+"""The Specter paper's numbers as data (docs/paper-notes.md), to put beside ours.
 
 Every number here comes from the paper's single A100 40 GB machine (PCIe 4.0 x16); tables
 show them in a "paper (A100)" column and figures as red diamonds. Keys: model families
@@ -11,7 +11,7 @@ from __future__ import annotations
 HARDWARE = "A100 40 GB, PCIe 4.0 x16 (31.5 GB/s)"
 MODELS = {"deepseek": "DeepSeek-V2-Lite", "qwen": "Qwen1.5-MoE-A2.7B", "phi": "Phi-3.5-MoE"}
 
-# Mean TPOT (ms) at the high budget (paper-facts "Headline results"); vllm has no system here.
+# Mean TPOT (ms) at the high budget (docs/paper-notes.md "Headline results"); vllm has no system here.
 TPOT_HIGH_MS: dict[str, dict[str, float]] = {
     "qwen": {"specter": 35.3, "specmoeoff": 66.4, "mo_sm": 74.2, "vllm": 176.6, "transformers": 258.2},
     "phi": {"specter": 163.3, "specmoeoff": 292.1, "mo_sm": 295.1, "vllm": 297.5, "transformers": 960.6},

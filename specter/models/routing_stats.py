@@ -1,5 +1,5 @@
 """How a MoE model routes on the benchmark prompts: the statistics every offloading result
-depends on (issue 13), measured from the model's own router (nothing synthetic).
+depends on, measured from the model's own router (nothing synthetic).
 
 Owns: the expert working-set curve (distinct experts per MoE layer needed by n consecutive
 tokens), consecutive-token reuse, per-layer load entropy and the distinct-4 of greedy outputs,

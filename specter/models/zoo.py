@@ -73,7 +73,7 @@ def _deepseek(s: Shape, vocab: int, special: dict):
 
 
 def _dense(s: Shape, vocab: int, special: dict):
-    """The dense twin of the DeepSeek-shaped model (issue 5's working-set comparison): the same
+    """The dense twin of the DeepSeek-shaped model (for the working-set comparison): the same
     layers, attention, shared experts and 64 expert-sized blocks, but every token uses all 64
     blocks with the weight 1/64 (the router is frozen at zero: softmax of equal logits). The
     sum over blocks is one dense SwiGLU FFN of 64 x moe_intermediate columns, so the model has
@@ -178,7 +178,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
 
 
-# Per-layer router load balancing for the benchmark-size models (issue 13): the coefficient of a
+# Per-layer router load balancing for the benchmark-size models (docs/routing.md): the coefficient of a
 # Switch-style balance loss, E * sum_e f_e * P_e, averaged over MoE layers, added to the LM loss
 # in training (f_e: share of the layer's top-k choices that went to expert e; P_e: the layer's
 # mean router probability of e). It replaces HF's own auxiliary loss, which DeepSeek-V2 lacks and

@@ -1,6 +1,6 @@
 """Measure of unions and intersections of closed time intervals.
 
-Owns: the interval arithmetic behind the link's H2D-hiding metric (paper-facts.md, "H2D
+Owns: the interval arithmetic behind the link's H2D-hiding metric (docs/paper-notes.md, "H2D
 hiding"): the busy time of the copy engine is the measure of the union of transfer intervals,
 the exposed wait is the measure of the union of the compute stream's wait intervals, and the
 hidden part of H2D is H2D minus their intersection.

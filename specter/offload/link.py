@@ -1,7 +1,7 @@
 """The host-to-device link: asynchronous expert copies and the compute-stream clock.
 
 Owns: the streams / threads and events of host-to-device (H2D) copies, the clock of the
-compute stream, and the H2D-hiding bookkeeping (paper-facts.md, "H2D hiding"): the busy
+compute stream, and the H2D-hiding bookkeeping (docs/paper-notes.md, "H2D hiding"): the busy
 intervals of the copy engine, the intervals the compute stream waited on a copy, and from
 them `h2d_s`, `exposed_wait_s` and `hidden_frac`.
 Does not own: which experts to move, when, or into which slot (the residency and prefetch
@@ -9,8 +9,8 @@ policies decide; they call `copy` and `wait`), pinning host memory (the caller p
 cost of compute steps (the cost model supplies the seconds passed to `compute`).
 It moves bytes and keeps time; it decides nothing.
 
-Three kinds behind one interface, chosen once by `make_link` (design.md, "Three kinds of
-link and clock"):
+Three kinds behind one interface, chosen once by `make_link` (README, "Clocks and engine
+profiles"):
 - `virtual`: a simulated clock with two resources, the compute stream (time `tc`) and one
   copy engine (free at `te`). Data is copied for real at issue; time moves only by the model,
   so results are deterministic and exact.

@@ -1,4 +1,4 @@
-"""The layer-aware prefetch planner's rules, as pure functions (paper-facts.md, "PIO").
+"""The layer-aware prefetch planner's rules, as pure functions (docs/paper-notes.md, "PIO").
 
 Three phases per draft window of k steps:
 - Cold Start: no plan until `cold_start_steps(k)` draft steps have filled the ELB a little

@@ -8,7 +8,7 @@ the target's token after it (the correction, or a bonus when all K match). The c
 cropped to the committed tokens, so it holds exactly the target's KV for them, and the output
 is the target's greedy output token for token.
 Does not own: where experts live (the target mode's experts implementation), what is
-prefetched during the draft (orchestrator, issue 6).
+prefetched during the draft (the orchestrator).
 
 Invariant between windows: the cache holds the target's KV for every committed token but the
 last one (`pending`), which the next window feeds first.
