@@ -38,6 +38,7 @@ def _assert_clean_tree(out_dir, expect_rows: int) -> "records.pd.DataFrame":
     return df
 
 
+@pytest.mark.slow
 def test_joblib_sweep_two_workers_one_tree(tmp_path):
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher")
     res = run_cli("-m", "hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "system=lru,lru_s",
@@ -49,6 +50,7 @@ def test_joblib_sweep_two_workers_one_tree(tmp_path):
     assert {r["written"] for r in _results(res.stdout)} == {1}
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep(tmp_path):
     """The SLURM plugin's local executor: each case a submitit job (own process and logs)."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
@@ -62,6 +64,7 @@ def test_submitit_local_sweep(tmp_path):
     assert len(logs) == 2 and all(_results(f.read_text()) for f in logs)
 
 
+@pytest.mark.slow
 def test_same_case_twice_at_once_writes_each_row_once(tmp_path):
     args = [sys.executable, str(REPO / "run.py"), "system=lru", f"out_dir={tmp_path}",
             *TINY_RUN, "workload.items=2", "workload.repeats=2"]

@@ -65,6 +65,7 @@ def test_resident_stops_at_eos_like_generate(tiny_models):
     assert ours == ref[0, len(ids):].tolist()
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_and_cached(tmp_path):
     # OLMoE: its training was thread-order dependent before deterministic kernels were forced.
     a = zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a", progress=False)

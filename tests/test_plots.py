@@ -228,6 +228,7 @@ def test_main_tpot_is_log_scale_with_a_speedup_panel(tree):
         base.plt.close(fig)
 
 
+@pytest.mark.slow
 def test_two_profiles_render_side_by_side(tree2, tmp_path, capsys):
     out = tmp_path / "figures"
     assert main([str(tree2), "--out", str(out), "--only", *sorted(TWO_PROFILED)]) == 0

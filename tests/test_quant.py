@@ -259,6 +259,7 @@ def test_builtin_gptq_within_ten_percent_of_gptqmodel(tmp_path):
     assert (df["rtn"].sum() > 3 * df["gptqmodel"].sum())  # the import is GPTQ, not garbage
 
 
+@pytest.mark.slow
 def test_fidelity_experiment_records_routing_agreement_by_bits(tmp_path):
     """`experiment=fidelity` on a tiny model at 2 and 8 bits: records with per-layer and
     per-position top-k agreement; 8-bit routes (almost) like the target, 2-bit less;

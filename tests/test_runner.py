@@ -27,6 +27,7 @@ def smoke_cfg(out_dir, **over) -> RunConfig:
     return RunConfig.from_dict(d)
 
 
+@pytest.mark.slow
 def test_cli_smoke_writes_records_then_resumes(tmp_path):
     out = tmp_path / "res"
     first = run_cli("experiment=smoke", f"out_dir={out}", "progress=false")
@@ -114,6 +115,7 @@ def test_unknown_config_key_is_named():
         RunConfig.from_dict({**smoke_cfg("x").to_dict(), "workload": {"itemz": 3}})
 
 
+@pytest.mark.slow
 def test_multirun_sweep(tmp_path):
     out = tmp_path / "sweep"
     proc = run_cli("-m", "experiment=smoke", f"out_dir={out}", "progress=false",

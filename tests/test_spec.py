@@ -102,6 +102,7 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
             assert runtime.stats.misses > 0  # the target really streamed experts
 
 
+@pytest.mark.slow
 def test_lru_s_system_through_the_runner(tmp_path):
     """system=lru_s at top-k slots under the virtual clock: resident's tokens, acceptance and
     window statistics recorded; a bad K is one sentence."""
@@ -179,6 +180,7 @@ def test_speculative_sampling_rule_reproduces_the_target_distribution():
     assert bad > chi2_crit_999(df_bad), bad  # the test has the power to catch a biased rule
 
 
+@pytest.mark.slow
 def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribution():
     """Tiny model, T = 1, a deliberately poor draft (experts with noise added, then INT4):
     the first speculated tokens (the 2nd and 3rd outputs; the 1st comes from the prefill) over
@@ -240,7 +242,14 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
 def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     from conftest import run_cli
     from experiments import records
+    from specter.models.zoo import default_cache_dir
 
+    # A fresh depth store, the shared cache's model, tokenizer and INT4 draft (no rebuild).
+    shared = default_cache_dir()
+    for sub in ("models", "tokenizer", "quant"):
+        (shared / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / sub).parent.mkdir(exist_ok=True)
+        (tmp_path / "cache" / sub).symlink_to(shared / sub, target_is_directory=True)
     common = ["system=lru_s", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
               "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
               "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
