@@ -67,7 +67,7 @@ QUICK_CASE_BUDGET_S = 2.0  # --quick: timed calls per case stop at about this ma
 
 
 @dataclass(frozen=True)
-class Shape:
+class ExpertShape:
     name: str
     hidden: int
     inter: int  # one routed expert's intermediate width
@@ -76,21 +76,21 @@ class Shape:
     source: str  # the real model's hub id, or "synthetic"
 
 
-def _real_shape(name: str) -> Shape:
+def _real_shape(name: str) -> ExpertShape:
     from specter.models.real_configs import REAL_CONFIGS
 
     c = REAL_CONFIGS[name]
     experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
-    return Shape(name, c["hidden_size"], c.get("moe_intermediate_size") or c["intermediate_size"],
+    return ExpertShape(name, c["hidden_size"], c.get("moe_intermediate_size") or c["intermediate_size"],
                  experts, c["num_experts_per_tok"], c["_name_or_path"])
 
 
 REAL_SHAPES = ("deepseek", "qwen", "phi")
 # A synthetic layer for tests (seconds, not minutes); its modelled rows charge its own size.
-TINY = Shape("tiny", hidden=64, inter=32, n_experts=8, top_k=2, source="synthetic")
+TINY = ExpertShape("tiny", hidden=64, inter=32, n_experts=8, top_k=2, source="synthetic")
 
 
-def shape_of(name: str) -> Shape:
+def shape_of(name: str) -> ExpertShape:
     if name == TINY.name:
         return TINY
     if name not in REAL_SHAPES:
@@ -127,7 +127,7 @@ class Routing:
         return torch.unique(self.index, return_counts=True)[1].tolist()
 
 
-def draw_routing(shape: Shape, tokens: int, seed: int) -> Routing:
+def draw_routing(shape: ExpertShape, tokens: int, seed: int) -> Routing:
     g = _generator(seed, shape.name, tokens)
     hidden = _bf16_exact(torch.randn(tokens, shape.hidden, generator=g))
     index = torch.stack([torch.randperm(shape.n_experts, generator=g)[:shape.top_k]
@@ -145,7 +145,7 @@ def random_int4(out: int, inp: int, g: torch.Generator) -> QuantizedMatrix:
     return QuantizedMatrix(codes, _bf16_exact(scales), 4, group, (out, inp))
 
 
-def random_layer(shape: Shape, n: int, seed: int):
+def random_layer(shape: ExpertShape, n: int, seed: int):
     """`n` random experts: (gate_up [2I, H], down [H, I]) QuantizedMatrix lists."""
     g = _generator(seed, shape.name, "weights")
     gate_up = [random_int4(2 * shape.inter, shape.hidden, g) for _ in range(n)]
@@ -299,7 +299,7 @@ def device_name(device: torch.device) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
-def modelled_cost(shape: Shape):
+def modelled_cost(shape: ExpertShape):
     """CostModel of hardware=a100_pcie4_ideal (the yaml's values, through the project's profile
     helper) with the real model's charged sizes (one real MoE layer: multipliers 1)."""
     from omegaconf import OmegaConf
@@ -352,7 +352,7 @@ def _dt(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def measured_case(shape: Shape, backend: str, dtype: str, tokens: int, s: Settings) -> dict:
+def measured_case(shape: ExpertShape, backend: str, dtype: str, tokens: int, s: Settings) -> dict:
     return {"experiment": EXPERIMENT, "shape": shape.name, "backend": backend, "dtype": dtype,
             "tokens": tokens, "top_k": shape.top_k, "n_experts": shape.n_experts,
             "hidden": shape.hidden, "inter": shape.inter, "group": GROUP, "seed": s.seed,
@@ -361,7 +361,7 @@ def measured_case(shape: Shape, backend: str, dtype: str, tokens: int, s: Settin
             "quick": s.quick}
 
 
-def modelled_case(shape: Shape, backend: str, tokens: int, seed: int, profile) -> dict:
+def modelled_case(shape: ExpertShape, backend: str, tokens: int, seed: int, profile) -> dict:
     return {"experiment": EXPERIMENT, "shape": shape.name, "backend": backend,
             "dtype": "int4" if backend in ("triton", "int4_per_expert") else "float16",
             "tokens": tokens, "top_k": shape.top_k, "n_experts": shape.n_experts,
@@ -403,7 +403,7 @@ def _not_timed(status: str, note: str, **extra) -> dict:
 MODELLED = ("triton", "int4_per_expert", "target_serial", "target_grouped")
 
 
-def run_modelled(out: Path, shape: Shape, tokens: list[int], seed: int) -> list[dict]:
+def run_modelled(out: Path, shape: ExpertShape, tokens: list[int], seed: int) -> list[dict]:
     cost = None  # built on first need: the real config on the meta device takes seconds
     rows = []
     for t, backend in [(t, b) for t in tokens for b in MODELLED]:
@@ -429,7 +429,7 @@ def run_modelled(out: Path, shape: Shape, tokens: list[int], seed: int) -> list[
     return rows
 
 
-def run_measured(out: Path, shape: Shape, tokens: list[int], s: Settings, log) -> list[dict]:
+def run_measured(out: Path, shape: ExpertShape, tokens: list[int], s: Settings, log) -> list[dict]:
     from specter.quant import kernels
 
     variants = draft_variants(s)
@@ -584,7 +584,7 @@ def parse_tokens(text: str) -> list[int]:
     return sorted(set(values))
 
 
-def parse_shapes(text: str) -> list[Shape]:
+def parse_shapes(text: str) -> list[ExpertShape]:
     names = [p.strip() for p in text.split(",") if p.strip()]
     if not names:
         raise UserError("--shapes is empty; choose from: deepseek, qwen, phi.")

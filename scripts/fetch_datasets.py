@@ -5,7 +5,7 @@ For machines with internet access (the benchmark itself never downloads anything
     python scripts/fetch_datasets.py [--items 100] [--out DIR] [--only gsm8k,c4]
 
 Each dataset becomes `<out>/<name>.jsonl`, one {"text": ...} object per line, holding the first
-N non-empty items in dataset order. Default out is `specter.workloads.default_cache_dir()`
+N non-empty items in dataset order. Default out is `specter.workloads.dataset_dir()`
 ($SPECTER_DATA_DIR or data/cache). GPQA is gated on the Hugging Face Hub: accept its terms
 and log in (`huggingface-cli login` or HF_TOKEN) first.
 """
@@ -24,7 +24,7 @@ from typing import Iterable
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from specter.errors import UserError  # noqa: E402
-from specter.workloads import DATASETS, default_cache_dir  # noqa: E402
+from specter.workloads import DATASETS, dataset_dir  # noqa: E402
 
 # name -> (load_dataset positional args, load_dataset keyword args, text field)
 SOURCES: dict[str, tuple[tuple[str, ...], dict, str]] = {
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None, help="output folder (default: the workload cache dir)")
     p.add_argument("--only", default=",".join(DATASETS), help="comma-separated subset of " + ",".join(DATASETS))
     a = p.parse_args(argv)
-    out = a.out if a.out is not None else default_cache_dir()
+    out = a.out if a.out is not None else dataset_dir()
     names = [n.strip() for n in a.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SOURCES]
     if unknown or a.items < 1:

@@ -36,7 +36,7 @@ class Workload:
     texts: tuple[str, ...]  # the first `items` non-empty items, in order
 
 
-def default_cache_dir() -> Path:
+def dataset_dir() -> Path:
     """`$SPECTER_DATA_DIR` if set, else `<repo>/data/cache`."""
     env = os.environ.get("SPECTER_DATA_DIR")
     return Path(env) if env else REPO_ROOT / "data" / "cache"
@@ -79,7 +79,7 @@ def load_workload(name: str, items: int | None, cache_dir: Path | None = None) -
     if items is not None and items < 1:
         raise UserError(f"items must be at least 1 (got {items}); ask for 1 or more prompts.")
 
-    cache_file = Path(cache_dir if cache_dir is not None else default_cache_dir()) / f"{name}.jsonl"
+    cache_file = Path(cache_dir if cache_dir is not None else dataset_dir()) / f"{name}.jsonl"
     texts: list[str] | None = None
     if cache_file.exists():
         texts, source, standin, origin = _read_jsonl_texts(cache_file), "local-cache", False, str(cache_file)

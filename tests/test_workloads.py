@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from specter.errors import UserError
-from specter.workloads import DATASETS, Workload, default_cache_dir, load_workload, truncate_prompt
+from specter.workloads import DATASETS, Workload, dataset_dir, load_workload, truncate_prompt
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -79,11 +79,11 @@ def test_local_cache_beats_humaneval_package(tmp_path):
 
 def test_default_cache_dir_honours_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECTER_DATA_DIR", str(tmp_path))
-    assert default_cache_dir() == tmp_path
+    assert dataset_dir() == tmp_path
     (tmp_path / "c4.jsonl").write_text(json.dumps({"text": "from the env cache"}) + "\n")
     assert load_workload("c4", 1).source == "local-cache"
     monkeypatch.delenv("SPECTER_DATA_DIR")
-    assert default_cache_dir() == REPO / "data" / "cache"
+    assert dataset_dir() == REPO / "data" / "cache"
 
 
 def test_empty_items_are_skipped_and_text_kept_verbatim(tmp_path):

@@ -34,7 +34,7 @@ TOKENIZER_CORPUS_BYTES = 2_000_000
 
 
 @dataclass(frozen=True)
-class Shape:
+class ModelShape:
     hidden: int
     layers: int
     heads: int
@@ -51,13 +51,13 @@ class Training:
     corpus_bytes: int
 
 
-TINY = (Shape(hidden=64, layers=3, heads=4, expert_inter=32, dense_inter=128),
+TINY = (ModelShape(hidden=64, layers=3, heads=4, expert_inter=32, dense_inter=128),
         Training(steps=300, batch=8, seq_len=64, lr=5e-3, corpus_bytes=400_000))
-SMALL = (Shape(hidden=192, layers=4, heads=4, expert_inter=96, dense_inter=384),
+SMALL = (ModelShape(hidden=192, layers=4, heads=4, expert_inter=96, dense_inter=384),
          Training(steps=1000, batch=16, seq_len=128, lr=3e-3, corpus_bytes=TOKENIZER_CORPUS_BYTES))
 
 
-def _deepseek(s: Shape, vocab: int, special: dict):
+def _deepseek(s: ModelShape, vocab: int, special: dict):
     from transformers import DeepseekV2Config
 
     # DeepSeek-V2-Lite: 64 routed / top-6 / 2 shared, first layer dense, MLA without q-LoRA.
@@ -72,7 +72,7 @@ def _deepseek(s: Shape, vocab: int, special: dict):
         norm_topk_prob=False, routed_scaling_factor=1.0, max_position_embeddings=1024, **special)
 
 
-def _dense(s: Shape, vocab: int, special: dict):
+def _dense(s: ModelShape, vocab: int, special: dict):
     """The dense twin of the DeepSeek-shaped model (for the working-set comparison): the same
     layers, attention, shared experts and 64 expert-sized blocks, but every token uses all 64
     blocks with the weight 1/64 (the router is frozen at zero: softmax of equal logits). The
@@ -99,7 +99,7 @@ def _every_expert_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.einsum("tei,ehi->th", act, self.down_proj)
 
 
-def _qwen(s: Shape, vocab: int, special: dict):
+def _qwen(s: ModelShape, vocab: int, special: dict):
     from transformers import Qwen2MoeConfig
 
     # Qwen1.5-MoE-A2.7B: 60 routed / top-4 / 1 shared expert of 4x size behind a sigmoid gate.
@@ -111,7 +111,7 @@ def _qwen(s: Shape, vocab: int, special: dict):
         max_position_embeddings=1024, router_aux_loss_coef=0.01, **special)
 
 
-def _phi(s: Shape, vocab: int, special: dict):
+def _phi(s: ModelShape, vocab: int, special: dict):
     from transformers import PhimoeConfig
 
     # Phi-3.5-MoE: 16 routed / top-2, no shared expert. Jitter off so routing is deterministic.
@@ -123,7 +123,7 @@ def _phi(s: Shape, vocab: int, special: dict):
         router_aux_loss_coef=0.01, **special)
 
 
-def _mixtral(s: Shape, vocab: int, special: dict):
+def _mixtral(s: ModelShape, vocab: int, special: dict):
     from transformers import MixtralConfig
 
     return MixtralConfig(
@@ -133,7 +133,7 @@ def _mixtral(s: Shape, vocab: int, special: dict):
         router_aux_loss_coef=0.01, **special)
 
 
-def _qwen3(s: Shape, vocab: int, special: dict):
+def _qwen3(s: ModelShape, vocab: int, special: dict):
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
@@ -144,7 +144,7 @@ def _qwen3(s: Shape, vocab: int, special: dict):
         max_position_embeddings=1024, router_aux_loss_coef=0.01, **special)
 
 
-def _olmoe(s: Shape, vocab: int, special: dict):
+def _olmoe(s: ModelShape, vocab: int, special: dict):
     from transformers import OlmoeConfig
 
     return OlmoeConfig(
@@ -260,7 +260,7 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     t0 = time.time()
-    shape, training = Shape(**recipe["shape"]), Training(**recipe["training"])
+    shape, training = ModelShape(**recipe["shape"]), Training(**recipe["training"])
     # 1. Tokenizer and token stream.
     tok = ensure_tokenizer(cache_dir)
     docs = corpus.corpus_documents(training.corpus_bytes)
