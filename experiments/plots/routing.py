@@ -28,11 +28,14 @@ NOTE = ("no clock: routing and tokens only. Measured on the benchmark prompts (g
         "speculation at depth K from the draft's per-token agreement")
 
 
+def latest(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per model: the last one recorded (a model's records differ only by build)."""
+    return df.groupby("model", sort=True).tail(1).sort_values("model").reset_index(drop=True)
+
+
 def table(df: pd.DataFrame) -> pd.DataFrame:
-    last = df.sort_values("finished_at" if "finished_at" in df else "model").groupby(
-        "model", sort=True).tail(1)
     rows = []
-    for _, r in last.iterrows():
+    for _, r in latest(df).iterrows():
         fam = r.get("stands_for")
         rows.append({
             "model": r["model"], "stands for": fam if isinstance(fam, str) else "-",
@@ -56,7 +59,7 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
 def render(df: pd.DataFrame, out: Path) -> list[Path]:
     t = table(df)
     paths = write_table(t, out, NAME, "Routing fidelity of the models vs the real ones", NOTE)
-    last = df.sort_values("model").groupby("model", sort=True).tail(1).reset_index(drop=True)
+    last = latest(df)
     n = len(last)
     fig, axes = subplots(2 * n, ncols=n, w=4.2, h=3.2)
     for i, (_, r) in enumerate(last.iterrows()):

@@ -132,10 +132,3 @@ def router_topk(model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]
         for h in hooks:
             h.remove()
     return seen
-
-
-def router_topk_counts(model: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """[moe_layers, experts] number of tokens routed to each expert."""
-    n_exp = experts_modules(model)[0][1].gate_up_proj.shape[0]
-    return torch.stack([torch.bincount(t.flatten(), minlength=n_exp).float()
-                        for t in router_topk(model, input_ids)])
