@@ -54,10 +54,13 @@ KiB, MiB = 1 << 10, 1 << 20
 DEEPSEEK_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # one DeepSeek-V2-Lite routed expert in fp16: 17.3 MB
 # The keys of conf/hardware/h200_hf.yaml, in its order (HardwareConfig's fields).
 PROFILE_KEYS = ("name", "device", "clock", "charge", "engine", "matrix_flops", "mem_bandwidth_Bps",
-                "launch_overhead_s", "layer_overhead_s", "expert_overhead_s", "h2d_bandwidth_Bps",
-                "h2d_latency_s", "host_matrix_flops", "host_mem_bandwidth_Bps")
+                "launch_overhead_s", "layer_overhead_s", "expert_overhead_s", "draft_overhead_s",
+                "offload_layer_overhead_s", "h2d_bandwidth_Bps", "h2d_latency_s",
+                "host_matrix_flops", "host_mem_bandwidth_Bps")
 NUMERIC_KEYS = PROFILE_KEYS[5:]
-TABLE_PROFILES = ("measured", "h200_hf", "h200_ideal")  # the virtual clocks compared
+# The virtual clocks compared: the measured profile without and with the fitted offload host
+# cost (fit on lru vs resident; every other system's row under measured_fit is held out).
+TABLE_PROFILES = ("measured", "measured_fit", "h200_hf", "h200_ideal")
 
 
 class Terminated(BaseException):
@@ -179,6 +182,35 @@ def load_profile_yaml(path: Path) -> dict:
     return OmegaConf.to_container(OmegaConf.load(path), resolve=True)
 
 
+def profile_numbers(y: dict) -> dict:
+    """A profile yaml's numeric keys; one written before the draft and offload costs existed
+    charges a draft layer as one MLP call and no offload host cost (HardwareConfig's defaults)."""
+    y = dict(y)
+    if y.get("draft_overhead_s") is None:
+        y["draft_overhead_s"] = y["expert_overhead_s"]
+    y.setdefault("offload_layer_overhead_s", 0.0)
+    return {k: float(y[k]) for k in NUMERIC_KEYS}
+
+
+def write_fitted_profile(ctx: "Ctx", vals: dict, base: Path | None) -> None:
+    """hardware_measured.yaml under --out with the table's offload fit: the other values and
+    their notes as in `base` (this run's or --profile's yaml), or this run's stages."""
+    values = {"name": ctx.args.name, "device": "auto", "clock": "virtual", "charge": "real",
+              "engine": "hf", **vals}
+    src = current_profile(ctx)[1]
+    if base is not None:
+        for line in base.read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in NUMERIC_KEYS and "#" in rest:
+                src[key] = rest.split("#", 1)[1].strip()
+        if base.resolve() != (ctx.out / "hardware_measured.yaml").resolve():
+            src.update({k: f"from {base}: {src[k]}" for k in NUMERIC_KEYS})
+    off = ctx.stage("table").get("offload_fit", {})
+    src["offload_layer_overhead_s"] = (f"fit: real {off.get('real_label')} lru - resident TPOT "
+                                       "beyond the virtual clock's, per MoE layer (stage_table)")
+    (ctx.out / "hardware_measured.yaml").write_text(profile_yaml(values, src))
+
+
 # ======================================================================================
 # timing
 # ======================================================================================
@@ -261,7 +293,9 @@ def _fallbacks() -> dict:
     conf = REPO / "conf" / "hardware"
     ideal, hf = load_profile_yaml(conf / "h200_ideal.yaml"), load_profile_yaml(conf / "h200_hf.yaml")
     return {**ideal, "layer_overhead_s": hf["layer_overhead_s"],
-            "expert_overhead_s": hf["expert_overhead_s"]}
+            "expert_overhead_s": hf["expert_overhead_s"],
+            # the stock profiles charge a draft layer as one MLP call and no offload host cost
+            "draft_overhead_s": hf["expert_overhead_s"], "offload_layer_overhead_s": 0.0}
 
 
 def current_profile(ctx: Ctx) -> tuple[dict, dict]:
@@ -287,6 +321,17 @@ def current_profile(ctx: Ctx) -> tuple[dict, dict]:
         if isinstance(v, (int, float)) and v >= 0 and math.isfinite(v):
             vals[key] = float(v)
             src[key] = f"fit: eager {fit.get('model')} layer at T=1 (scripts/calibrate_gpu.py fit_overheads)"
+    v = fit.get("draft_overhead_s")
+    if isinstance(v, (int, float)) and v >= 0 and math.isfinite(v):
+        vals["draft_overhead_s"] = float(v)
+        src["draft_overhead_s"] = (f"fit: fused INT4 draft layer of {fit.get('model')} at T=1 "
+                                   "minus its roofline (time_draft_layer)")
+    off = ctx.stage("table").get("offload_fit", {})
+    v = off.get("offload_layer_overhead_s")
+    if isinstance(v, (int, float)) and v >= 0 and math.isfinite(v):
+        vals["offload_layer_overhead_s"] = float(v)
+        src["offload_layer_overhead_s"] = (f"fit: real {off.get('real_label')} lru - resident "
+                                           "TPOT beyond the virtual clock's, per MoE layer (stage_table)")
     return vals, src
 
 
@@ -300,6 +345,9 @@ def hardware_profile(vals: dict, name: str, overheads: bool = True):
                            h2d_latency_s=vals["h2d_latency_s"],
                            layer_overhead_s=vals["layer_overhead_s"] if overheads else 0.0,
                            expert_overhead_s=vals["expert_overhead_s"] if overheads else 0.0,
+                           draft_overhead_s=vals.get("draft_overhead_s") if overheads else 0.0,
+                           offload_layer_overhead_s=vals.get("offload_layer_overhead_s", 0.0)
+                           if overheads else 0.0,
                            engine="hf" if overheads else "ideal")
 
 
@@ -546,6 +594,47 @@ def time_experts_loop(ctx: Ctx, shapes: dict) -> dict:
             "per_expert_call_s": (res[k] - res[1]) / max(1, k - 1)}
 
 
+def time_draft_layer(ctx: Ctx, shapes: dict, K: int, cost) -> dict:
+    """The draft's fused INT4 routed experts of one MoE layer, as the draft runs them on this
+    device (quant backend auto: Triton on CUDA), at T=1 and T=K+1 with the real shapes and
+    random weights (2 x top-k distinct experts), host-synchronized around each call (the
+    backend reads the routing on the host). Fits `draft_overhead_s`: the T=1 time minus the
+    cost model's draft roofline (`cost` has no framework overheads)."""
+    from specter.quant.build import resolve_backend
+    from specter.quant.formats import rtn_quantize
+    from specter.quant.kernels import make_experts
+
+    dev, dt, k = ctx.device, ctx.dtype, shapes["top_k"]
+    (two_i, H), (_, inter) = shapes["gate_up"], shapes["down"]
+    n_exp, group = 2 * k, 128
+    backend = resolve_backend("auto", 4, dev, {group})
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    quant = lambda o, i: rtn_quantize(torch.randn(o, i, generator=gen) * 0.02, 4, group).to(dev)  # noqa: E731
+    gate_up = [quant(two_i, H) for _ in range(n_exp)]
+    down = [quant(H, inter) for _ in range(n_exp)]
+    for qm in gate_up + down:
+        qm.scales = qm.scales.to(dt)
+
+    def act(x):
+        g, u = x.chunk(2, dim=-1)
+        return F.silu(g) * u
+
+    experts = make_experts(backend, gate_up, down, act, dt)
+    out: dict = {"backend": backend, "experts": n_exp, "group": group}
+    for T in (1, K + 1):
+        h = torch.randn(T, H, device=dev, dtype=dt)
+        idx = torch.stack([torch.randperm(n_exp, generator=gen)[:k] for _ in range(T)]).to(dev)
+        w = torch.full((T, k), 1.0 / k, device=dev, dtype=dt)
+        with torch.no_grad():
+            t = ctx.clock.synced(lambda: experts(h, idx, w), iters=5 if ctx.quick else 30)
+        per_expert = torch.unique(idx, return_counts=True)[1].tolist()
+        roof = cost.draft_experts_s(per_expert, 4, group) / cost.sizes.moe_multiplier
+        out[f"T{T}"] = {"measured_s": t, "roofline_s": roof, "tokens_per_expert": per_expert}
+    raw = out["T1"]["measured_s"] - out["T1"]["roofline_s"]
+    out["fit"] = {"draft_overhead_s": max(0.0, raw), "draft_overhead_raw_s": raw}
+    return out
+
+
 def time_layers(ctx: Ctx, real: dict, impl: str, K: int, ctx_tokens: int = 32) -> dict:
     """Eager decode steps of 1- and 3-layer all-MoE models of the real architecture (random
     weights, DynamicCache of `ctx_tokens`): per-layer seconds at T=1 and T=K+1, and the routed
@@ -637,6 +726,11 @@ def stage_roles(ctx: Ctx) -> dict:
                                 expert_roofline_s=roof.matmul_s(1, shapes["sizes"].expert_params, kernels=3),
                                 layer_rest_s=rest, n_mlp_calls=len(hit1) + (1 if shapes["shared"] else 0))
             res["fit"] = fit
+            try:  # the draft's fused INT4 layer: its own framework cost (not an MLP call's)
+                res["draft_layer"] = time_draft_layer(ctx, shapes, K, roof)
+                fit.update(res["draft_layer"]["fit"])
+            except Exception as e:  # noqa: BLE001
+                res["draft_layer"] = {"error": repr(e)}
             # 2. Check (not fitted): the layer at T=K+1 under the fitted profile.
             fitted = CostModel(hardware_profile({**vals, **fit}, "fitted"), shapes["sizes"])
             hitk = lay[f"tokens_per_expert_T{K + 1}"]
@@ -768,6 +862,8 @@ def measured_overrides(vals: dict, name: str) -> list[str]:
 
 
 def stage_table(ctx: Ctx) -> dict:
+    from experiments import records
+
     a = ctx.args
     systems = [s for s in a.systems.split(",") if s]
     model = a.table_model
@@ -778,8 +874,13 @@ def stage_table(ctx: Ctx) -> dict:
         out["notes"].append((note or f"{model} not built") + f"; falling back to {a.fallback_model}")
         model = a.fallback_model
     out["model"] = model
-    # 1. Real time: CUDA (lru/specter use the real CUDA link); on a CPU only resident has a real clock.
-    if ctx.cuda:
+    # 1. Real time: CUDA (lru/specter use the real CUDA link); on a CPU only resident has a real
+    # clock. --real-records: a GPU run's real records instead (re-deriving its table anywhere).
+    if a.real_records:
+        real_label, real_systems, real_over = "cuda", [], []
+        out["cases"]["cuda"] = {"from": a.real_records,
+                                "summary": summarize_records(records.load(Path(a.real_records)))}
+    elif ctx.cuda:
         real_label, real_systems, real_over = "cuda", systems, ["hardware=cuda"]
     else:
         real_systems = [s for s in systems if s == "resident"]
@@ -787,9 +888,12 @@ def stage_table(ctx: Ctx) -> dict:
         out["notes"].append("CPU: offloading systems have no real-time link here; their "
                             "measured column is empty")
     path = ctx.out / "hardware_measured.yaml"
-    vals = load_profile_yaml(path) if path.exists() else current_profile(ctx)[0]
+    given = Path(a.profile) if a.profile else path
+    vals = profile_numbers(load_profile_yaml(given)) if given.exists() else current_profile(ctx)[0]
+    vals["offload_layer_overhead_s"] = 0.0  # the "measured" case: none; fit below
     plan = [(real_label, real_over, real_systems),
             ("measured", measured_overrides(vals, a.name) + ["hardware.charge=own"], systems),
+            ("measured_fit", None, systems),  # overrides once the fit exists
             ("h200_hf", ["hardware=h200_hf", "hardware.charge=own"], systems),
             ("h200_ideal", ["hardware=h200_ideal", "hardware.charge=own"], systems)]
     out["real_label"] = real_label
@@ -799,6 +903,15 @@ def stage_table(ctx: Ctx) -> dict:
             if ctx.remaining() < 15:
                 out["cases"][label] = {"skipped": "time budget spent"}
                 continue
+            if overrides is None:
+                fit = fit_offload(ctx, out, model)
+                if fit is None:
+                    out["cases"][label] = {"skipped": "no offload fit (needs real and virtual "
+                                                      "lru and resident)"}
+                    continue
+                vals = dict(vals, offload_layer_overhead_s=fit["offload_layer_overhead_s"])
+                write_fitted_profile(ctx, vals, given if given.exists() else None)
+                overrides = measured_overrides(vals, a.name) + ["hardware.charge=own"]
             if syss:
                 out["cases"][label] = run_cases(ctx, label, overrides, syss, model,
                                                 later=len(plan) - 1 - i)
@@ -808,6 +921,49 @@ def stage_table(ctx: Ctx) -> dict:
     finally:
         table_rows(ctx, out)
     return out
+
+
+def moe_layer_count(model: str) -> int:
+    """MoE layers of a project-made model (its checkpoint's config, on the meta device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from specter.models.introspect import experts_modules
+    from specter.models.zoo import checkpoint_dir
+
+    cfg = AutoConfig.from_pretrained(checkpoint_dir(model))
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    return len(experts_modules(meta))
+
+
+def fit_offload_layer(real: dict, virtual: dict, moe_layers: int) -> dict | None:
+    """The offload runtime's host cost per MoE layer per forward: what lru adds over resident
+    in real time beyond what the virtual clock (without this cost) already charges it (its
+    exposed copy waits), per MoE layer (both decode one token per forward). `real` and
+    `virtual` are `summarize_records` outputs; None when a run is missing."""
+    try:
+        gap_ms = (real["lru"]["tpot_ms"] - real["resident"]["tpot_ms"]) \
+            - (virtual["lru"]["tpot_ms"] - virtual["resident"]["tpot_ms"])
+    except KeyError:
+        return None
+    raw = gap_ms / 1e3 / moe_layers
+    return {"offload_layer_overhead_s": max(0.0, raw), "offload_layer_overhead_raw_s": raw,
+            "moe_layers": moe_layers, "gap_ms": gap_ms}
+
+
+def fit_offload(ctx: Ctx, out: dict, model: str) -> dict | None:
+    from experiments import records
+
+    def summary(label):
+        done = out["cases"].get(label, {}).get("summary")
+        folder = ctx.out / f"records_{label}"
+        return done if done is not None else (
+            summarize_records(records.load(folder)) if folder.exists() else {})
+
+    fit = fit_offload_layer(summary(out["real_label"]), summary("measured"), moe_layer_count(model))
+    if fit is not None:
+        out["offload_fit"] = dict(fit, real_label=out["real_label"])
+    return fit
 
 
 def table_rows(ctx: Ctx, out: dict) -> None:
@@ -882,6 +1038,17 @@ def summary_lines(ctx: Ctx) -> list[str]:
         lines.append(f"  fit ({fit['model']}): layer_overhead={fit['layer_overhead_s'] * 1e6:.0f}us "
                      f"expert_overhead={fit['expert_overhead_s'] * 1e6:.0f}us; layer at T=K+1 "
                      f"predicted/measured={chk.get('predicted_over_measured', math.nan):.2f}")
+        draft = st["roles"]["models"][fit["model"]].get("draft_layer", {})
+        if "fit" in draft:
+            lines.append(f"  draft layer ({draft['backend']}): T=1 "
+                         f"{draft['T1']['measured_s'] * 1e6:.0f}us measured vs "
+                         f"{draft['T1']['roofline_s'] * 1e6:.0f}us roofline -> draft_overhead="
+                         f"{draft['fit']['draft_overhead_s'] * 1e6:.0f}us")
+    off = st.get("table", {}).get("offload_fit")
+    if off:
+        lines.append(f"  offload fit: lru - resident {off['gap_ms']:.3f} ms/token beyond the "
+                     f"virtual clock over {off['moe_layers']} MoE layers -> offload_layer_overhead="
+                     f"{off['offload_layer_overhead_s'] * 1e6:.0f}us")
     for r in st.get("table", {}).get("rows", []):
         lines.append(f"  {r['system']:9s} {r['profile']:10s} real {r['measured_tpot_ms']:8.3f} ms  "
                      f"virtual {r['virtual_tpot_ms']:8.3f} ms  ratio "
@@ -910,6 +1077,12 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--systems", default="resident,lru,specter")
     p.add_argument("--table-model", default=None, help="default small_deepseek; --quick: tiny_deepseek")
     p.add_argument("--fallback-model", default="tiny_deepseek")
+    p.add_argument("--real-records", default=None,
+                   help="the table's real-time side from a GPU run's records folder (e.g. its "
+                        "records_cuda) instead of running it: re-derive that table on any machine")
+    p.add_argument("--profile", default=None,
+                   help="start from this measured profile yaml (a GPU run's hardware_measured.yaml) "
+                        "instead of the stages' measurements, e.g. with --stages table")
     p.add_argument("--items", type=int, default=None, help="workload.items (default 2; --quick 1)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 32; --quick 16")
     p.add_argument("--repeats", type=int, default=None,

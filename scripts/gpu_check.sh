@@ -8,6 +8,10 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu_check}"
 mkdir -p "$OUT"
 PY="${PY:-.venv/bin/python}"
+# Stage limits in seconds (a lease is short: set them lower to fit, e.g. CAL_BUDGET_S=270).
+CAL_BUDGET_S="${CAL_BUDGET_S:-420}"
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
+BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 [ -x "$PY" ] || PY=python3
 status=0
 
@@ -19,13 +23,14 @@ status=0
 
 # First, so its results exist even if a later stage runs out of device time: the measured
 # hardware profile (launch, pinned H2D, HBM, GEMM, eager layer costs at the real shapes) and
-# the virtual clock's error against real CUDA time (scripts/calibrate_gpu.py; --budget-s 420).
+# the virtual clock's error against real CUDA time (scripts/calibrate_gpu.py; --budget-s).
 echo "== calibration: measured hardware profile, virtual clock vs real CUDA time" | tee "$OUT/calibration.txt"
-timeout -k 20 480 "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" 2>&1 | tee -a "$OUT/calibration.txt"
+timeout -k 20 $((CAL_BUDGET_S + 60)) "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" \
+  --budget-s "$CAL_BUDGET_S" 2>&1 | tee -a "$OUT/calibration.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== CUDA-marked tests" | tee "$OUT/tests.txt"
-"$PY" -m pytest -q -m cuda tests 2>&1 | tee -a "$OUT/tests.txt"
+timeout -k 10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -m cuda tests 2>&1 | tee -a "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== pinned H2D bandwidth" | tee "$OUT/h2d.txt"
@@ -43,8 +48,8 @@ for mb in (17, 64, 256):
 PY
 
 echo "== short benchmark: resident, lru, mo_sm, transformers, lru_s, specmoeoff, specter, sp_e on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
-"$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff,specter,sp_e hardware=cuda dataset=gsm8k \
-  workload.items=2 workload.repeats=1 workload.max_new_tokens=64 \
+timeout -k 10 "$BENCH_TIMEOUT_S" "$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff,specter,sp_e hardware=cuda dataset=gsm8k \
+  workload.items=2 workload.repeats=2 workload.max_new_tokens=64 \
   out_dir="$OUT/records" progress=false 2>&1 | tee -a "$OUT/bench.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 "$PY" - "$OUT" <<'PY' 2>&1 | tee "$OUT/summary.txt"

@@ -95,7 +95,14 @@ class HardwareConfig:
     # launches: an optimised engine) or "hf" (an eager framework: Hugging Face / PyTorch eager).
     engine: str = "ideal"
     layer_overhead_s: float = 0.0  # framework cost per decoder layer per forward (attention, norms, router glue)
-    expert_overhead_s: float = 0.0  # framework cost per MLP call (a routed or shared expert, a dense MLP, a fused draft layer)
+    expert_overhead_s: float = 0.0  # framework cost per MLP call (a routed or shared expert, a dense MLP)
+    # Framework cost of one fused INT4 draft layer call (the Triton kernel and its host-side
+    # routing prep); null: expert_overhead_s, as for any MLP call (the public-fit profiles).
+    draft_overhead_s: float | None = None
+    # Host cost the offload runtime adds per MoE layer per forward over HF's own experts loop
+    # (routing read on the host, residency bookkeeping, copy issue and wait); 0 in the
+    # public-fit profiles, fit on a GPU by scripts/calibrate_gpu.py (LRU vs resident).
+    offload_layer_overhead_s: float = 0.0
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
     # hardware=auto on a machine without a GPU: decoding systems run on the virtual clock of

@@ -343,7 +343,8 @@ def test_cuda_compute_overlaps_copy(factor):
     ev[2].record()
     link.wait(tr)
     ev[3].record()
-    link.synchronize()
+    link.synchronize()  # the copy stream only: the compute stream may still be sleeping
+    torch.cuda.synchronize()  # (an H200 run read ev[3] before it completed)
     total = ev[0].elapsed_time(ev[3]) / 1e3
     c_real = ev[1].elapsed_time(ev[2]) / 1e3  # what the GPU sleep really took
     s = link.stats()

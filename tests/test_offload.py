@@ -277,3 +277,30 @@ def test_hit_rate_never_exceeds_its_slot_cap():
     assert all(c == 1.0 for c in e_k[64])  # every expert fits: nothing caps the hit rate
     # One token needs top-6 experts: 6 slots can hold them all, so the cap is 1 there too.
     assert all(c == 1.0 for c in e_k[6])
+
+
+def test_offload_host_cost_is_charged_once_per_moe_layer_per_forward():
+    """offload_layer_overhead_s (fit on a GPU: scripts/calibrate_gpu.py) is charged by the
+    offload runtime on every MoE layer of every forward, and by nothing else."""
+    free = dict(A100, h2d_bandwidth_Bps=1e18, h2d_latency_s=0.0)
+    cost = 1e-3
+    res, loaded = make_engine("tiny_deepseek", "resident", None, hardware=dict(free, offload_layer_overhead_s=cost))
+    res0, _ = make_engine("tiny_deepseek", "resident", None, hardware=free)
+    lru, _ = make_engine("tiny_deepseek", "lru", loaded.spec.top_k, hardware=dict(free, offload_layer_overhead_s=cost))
+    moe_layers = len(lru.runtime.modules)
+    span = lambda g: g.commit_times_s[-1] - g.start_time_s  # noqa: E731
+    for r, r0, l in zip(decode_all(res, loaded.tokenizer, 8), decode_all(res0, loaded.tokenizer, 8),
+                        decode_all(lru, loaded.tokenizer, 8)):
+        assert span(r) == span(r0)  # resident runs HF's experts: no offload runtime
+        forwards = len(l.tokens)  # the prefill (first token) and one decode forward per later token
+        assert span(l) - span(r) == pytest.approx(forwards * moe_layers * cost, rel=1e-6)
+
+
+def test_draft_layer_cost_defaults_to_one_mlp_call():
+    sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(4, 3, 1))
+    base = HardwareProfile("h", 1e15, 4e12, 5e-6, 50e9, 1e-5, expert_overhead_s=2e-4)
+    hits = [1] * 6
+    stock = CostModel(base, sizes).draft_experts_s(hits)
+    measured = CostModel(dataclasses.replace(base, draft_overhead_s=1.3e-3), sizes).draft_experts_s(hits)
+    assert measured - stock == pytest.approx((1.3e-3 - 2e-4) * sizes.moe_multiplier, rel=1e-9)
+    assert CostModel(base, sizes).offload_layer_s() == 0.0

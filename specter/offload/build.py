@@ -69,7 +69,7 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
     if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
         raise UserError(f"hardware={hw.name} has no device profile (matrix_flops, "
                         "mem_bandwidth_Bps, h2d_bandwidth_Bps) for the "
-                        f"{hw.clock} clock; use a GPU profile: hardware=a100_pcie4_hf, a100_pcie4_ideal, h200_hf or h200_ideal.")
+                        f"{hw.clock} clock; use a GPU profile: hardware=a100_pcie4_hf, a100_pcie4_ideal, h200_hf, h200_ideal or h200_measured.")
     return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
                            mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
                            launch_overhead_s=hw.launch_overhead_s,
@@ -77,7 +77,9 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
                            host_matrix_flops=hw.host_matrix_flops,
                            host_mem_bandwidth_Bps=hw.host_mem_bandwidth_Bps,
                            layer_overhead_s=hw.layer_overhead_s,
-                           expert_overhead_s=hw.expert_overhead_s, engine=hw.engine)
+                           expert_overhead_s=hw.expert_overhead_s, engine=hw.engine,
+                           draft_overhead_s=hw.draft_overhead_s,
+                           offload_layer_overhead_s=hw.offload_layer_overhead_s)
 
 
 def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:

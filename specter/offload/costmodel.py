@@ -42,8 +42,10 @@ class HardwareProfile:
     host_mem_bandwidth_Bps: float = 0.0  # host memory bytes/s
     # Framework costs of an eager engine (0 for the ideal roofline; docs/calibration.md):
     layer_overhead_s: float = 0.0  # per decoder layer per forward (attention, norms, router glue)
-    expert_overhead_s: float = 0.0  # per MLP call: a routed/shared expert, a dense MLP, a fused draft layer
+    expert_overhead_s: float = 0.0  # per MLP call: a routed/shared expert, a dense MLP
     engine: str = "ideal"  # "ideal" | "hf"
+    draft_overhead_s: float | None = None  # per fused INT4 draft layer; None: expert_overhead_s
+    offload_layer_overhead_s: float = 0.0  # per offloaded MoE layer per forward (host side)
 
 
 @dataclass(frozen=True)
@@ -198,8 +200,18 @@ class CostModel:
         flops = sum(2.0 * n * p for n in tokens_per_expert)
         traffic = len(tokens_per_expert) * (p * bits / 8 + p / group * 2)
         seconds = max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
-            + 3 * self.hw.launch_overhead_s + self.hw.expert_overhead_s  # one framework call
+            + 3 * self.hw.launch_overhead_s + self.draft_call_overhead_s()
         return seconds * self.sizes.moe_multiplier
+
+    def draft_call_overhead_s(self) -> float:
+        """The framework cost of one fused draft layer call (one MLP call unless measured)."""
+        d = self.hw.draft_overhead_s
+        return self.hw.expert_overhead_s if d is None else d
+
+    def offload_layer_s(self, tokens: int = 1) -> float:
+        """The offload runtime's host cost for one MoE layer of one forward, whatever its
+        `tokens` (the routing read back, residency decisions, copies issued and waited on)."""
+        return self.hw.offload_layer_overhead_s * self.sizes.moe_multiplier
 
     def host_expert_s(self, tokens: int) -> float:
         """One routed expert computed on the host CPU from its full-precision host copy

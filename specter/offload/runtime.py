@@ -166,6 +166,7 @@ class OffloadRuntime:
         """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
         cache = self.cache
         self._charge("router_s", hidden.shape[0])  # the router that just ran
+        self._charge("offload_layer_s", hidden.shape[0])  # this method's own host work
         ids, n_tokens = torch.unique(top_k_index, return_counts=True)  # sorted expert ids
         needed = ids.tolist()  # host sync: residency is a host decision
         self.last_needed[l] = needed

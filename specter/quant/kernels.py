@@ -149,7 +149,7 @@ class TritonExperts:
         self.dn_scales = torch.stack([m.scales for m in down])
         self.gu_group, self.dn_group = gate_up[0].group, down[0].group
 
-    def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out):
+    def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out, ieee):
         E, N, _ = codes.shape
         K = x.shape[1]
         out = torch.zeros(n_out, N, dtype=torch.float32, device=x.device)  # fp32 intermediates
@@ -157,18 +157,19 @@ class TritonExperts:
         _kernel()[grid](x, codes, scales, out, src_rows, out_rows, block_expert, N, K,
                         x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
                         scales.stride(1), out.stride(0), GROUP=group, BLOCK_M=self.BLOCK_M,
-                        BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K)
+                        BLOCK_N=self.BLOCK_N, BLOCK_K=self.BLOCK_K, IEEE_DOT=ieee)
         return out
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         T, k = top_k_index.shape
         pairs, block_expert = align_blocks(top_k_index, self.BLOCK_M)
         token_rows = torch.where(pairs >= 0, pairs // k, pairs)
+        exact = hidden.dtype == torch.float32  # fp32 in, fp32 products (IEEE_DOT)
         h = self._gemm(hidden, self.gu_codes, self.gu_scales, self.gu_group, block_expert,
-                       token_rows, pairs, T * k)  # [T*k, 2I]
+                       token_rows, pairs, T * k, exact)  # [T*k, 2I]
         h = self.act(h)
         y = self._gemm(h, self.dn_codes, self.dn_scales, self.dn_group, block_expert,
-                       pairs, pairs, T * k)  # [T*k, H]
+                       pairs, pairs, T * k, exact)  # [T*k, H]
         # fp32 from the GEMMs through the activation and the weighted sum; one rounding at the end
         return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).float()).sum(dim=1).to(hidden.dtype)
 

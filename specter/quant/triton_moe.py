@@ -13,8 +13,13 @@ import triton.language as tl
 def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_ptr,
                   block_expert_ptr, N, K, stride_xm, stride_ce, stride_cn, stride_se,
                   stride_sn, stride_om, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[dst_row] = x[src_row] @ dequant(W[e]).T for one block of rows routed to e."""
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """out[dst_row] = x[src_row] @ dequant(W[e]).T for one block of rows routed to e.
+
+    IEEE_DOT: fp32 products on the CUDA cores (fp32 activations). Otherwise tl.dot's default,
+    TF32 tensor cores on Ampere and later: a 10-bit mantissa, finer than the bf16/fp16 result's
+    own rounding, but on an H200 it put an fp32 run 2.5e-3 (relative to the largest output)
+    off the fp32 reference, which an fp32 mode must not be."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -36,7 +41,10 @@ def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_pt
                     + offs_k[None, :] // GROUP, mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
         w = (q.to(tl.float32) - 8.0) * s  # [BLOCK_N, BLOCK_K]
-        acc += tl.dot(x, tl.trans(w))
+        if IEEE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
     tl.store(out_ptr + dst[:, None] * stride_om + offs_n[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
