@@ -10,8 +10,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baselines.lru import OffloadedGreedyEngine, build_offloaded
+from specter.decoding.engines import GreedyEngine, build_greedy
 from specter.models.introspect import experts_modules, is_experts_module
+from specter.offload.prefetch import LayerPrefetcher
+
+ENGINE = GreedyEngine
 
 
 def router_of(moe_block: nn.Module) -> nn.Module:
@@ -22,7 +25,7 @@ def router_of(moe_block: nn.Module) -> nn.Module:
     raise RuntimeError(f"{type(moe_block).__name__} has no router child")
 
 
-class NextLayerRouterPrefetch:
+class NextLayerRouterPrefetch(LayerPrefetcher):
     """After layer l's demand copies: run router(l+1) on layer l's expert input, load its
     top-k experts for layer l+1 (those not resident), behind the demand copies."""
 
@@ -37,11 +40,9 @@ class NextLayerRouterPrefetch:
             return
         out = self.routers[nxt](hidden)  # (logits, weights, top-k index) on every supported arch
         guess = out[2]  # [T, k]
-        runtime._charge("router_s", hidden.shape[0])
-        for e in torch.unique(guess).tolist():  # host sync: prefetch is a host decision
-            if not runtime.cache.resident(nxt, e) and runtime.cache.load(nxt, e) is not None:
-                runtime.stats.prefetches += int(runtime.record_demand)
+        runtime.charge("router_s", hidden.shape[0])
+        runtime.prefetch(nxt, torch.unique(guess).tolist())  # host sync: a host decision
 
 
-def build(ctx) -> OffloadedGreedyEngine:
-    return build_offloaded(ctx, "mo_sm", NextLayerRouterPrefetch(ctx.loaded.model))
+def build(ctx) -> GreedyEngine:
+    return build_greedy(ctx, "mo_sm", NextLayerRouterPrefetch(ctx.loaded.model))

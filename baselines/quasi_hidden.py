@@ -40,14 +40,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from baselines.lru import OffloadedGreedyEngine
 from baselines.mo_sm import router_of
-from specter.engine import Generation
+from specter.decoding.engines import GreedyEngine, build_greedy
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.models.zoo import default_cache_dir
-from specter.offload.build import offload_model, timing_for
+from specter.offload.prefetch import LayerPrefetcher
 from specter.quant.calibrate import QuantSpec, calibration_windows, source_checksum
+
+ENGINE = GreedyEngine
 
 UNROUTED = "mean of the layer's routed outputs"
 
@@ -148,7 +149,7 @@ def ensure_default_vectors(model: nn.Module, tokenizer, spec: QuantSpec, cache_d
     return dv, out, False
 
 
-class QuasiHiddenPrefetch:
+class QuasiHiddenPrefetch(LayerPrefetcher):
     """After layer l's demand copies: router(l+1) on q_l = LN_{l+1}(r_l + d_l); loads its
     top-k for layer l+1 (those not resident) and scores the guess when layer l+1 routes."""
 
@@ -170,12 +171,12 @@ class QuasiHiddenPrefetch:
         for l, norm in enumerate(self.norms):
             norm.register_forward_pre_hook(lambda m, args, l=l: self._capture(l, args[0]))
         self.pending: torch.Tensor | None = None  # the guess for the next MoE layer, [T, k]
-        self.reset_stats()
+        self.reset()
 
     def _capture(self, l: int, residual: torch.Tensor) -> None:
         self.residual[l] = residual
 
-    def reset_stats(self) -> None:
+    def reset(self) -> None:
         self.hits = self.guessed = self.chosen = 0
 
     def quasi_hidden(self, l: int, top_k_index: torch.Tensor,
@@ -199,10 +200,8 @@ class QuasiHiddenPrefetch:
             return
         q = self.quasi_hidden(moe_layer, top_k_index, top_k_weights)
         self.pending = self.routers[nxt](q)[2]  # (logits, weights, top-k index): [T, k]
-        runtime._charge("router_s", q.shape[0])
-        for e in torch.unique(self.pending).tolist():  # host sync: prefetch is a host decision
-            if not runtime.cache.resident(nxt, e) and runtime.cache.load(nxt, e) is not None:
-                runtime.stats.prefetches += int(runtime.record_demand)
+        runtime.charge("router_s", q.shape[0])
+        runtime.prefetch(nxt, torch.unique(self.pending).tolist())  # host sync: a host decision
 
     def as_record(self) -> dict:
         nan = float("nan")
@@ -216,23 +215,6 @@ def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> int:
     return int((guess[:, :, None] == chosen[:, None, :]).any(-1).sum())  # host sync: stats
 
 
-class QuasiHiddenEngine(OffloadedGreedyEngine):
-    """The offloaded greedy engine whose records add the prefetcher's guess quality."""
-
-    def __init__(self, prefetch: QuasiHiddenPrefetch, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.prefetch = prefetch
-
-    def reset(self) -> None:
-        super().reset()
-        self.prefetch.reset_stats()
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        gen = super().generate(prompt_ids, max_new_tokens)
-        gen.stats.update(self.prefetch.as_record())
-        return gen
-
-
 def default_vectors_for(ctx) -> tuple[DefaultVectors, Path]:
     """The default vectors of `ctx.loaded.model` (before its experts are offloaded), calibrated
     on `quant.calib_tokens` tokens of the workloads' text."""
@@ -244,14 +226,11 @@ def default_vectors_for(ctx) -> tuple[DefaultVectors, Path]:
     return dv, path
 
 
-def build_with(ctx, prefetch: QuasiHiddenPrefetch) -> QuasiHiddenEngine:
+def build_with(ctx, prefetch: QuasiHiddenPrefetch) -> GreedyEngine:
     """The engine around a given prefetcher (tests pass deliberately broken ones)."""
-    timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing, prefetch)
-    return QuasiHiddenEngine(prefetch, "quasi_hidden", ctx.loaded.model, ctx.device, timing,
-                             runtime, stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    return build_greedy(ctx, "quasi_hidden", prefetch)
 
 
-def build(ctx) -> QuasiHiddenEngine:
+def build(ctx) -> GreedyEngine:
     dv, path = default_vectors_for(ctx)  # 1. measured on the full model, before offloading
     return build_with(ctx, QuasiHiddenPrefetch(ctx.loaded.model, dv, path))

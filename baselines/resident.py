@@ -7,36 +7,10 @@ stay Hugging Face's own; under the virtual clock each step is charged by the cos
 
 from __future__ import annotations
 
-import torch
+from specter.decoding.engines import GreedyEngine, build_greedy
 
-from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
-from specter.offload.build import Timing
-
-
-class ResidentEngine:
-    name = "resident"
-
-    def __init__(self, model, device: torch.device, stop_on_eos: bool = True,
-                 timing: Timing | None = None):
-        self.model, self.device = model, device
-        self.timing = timing or Timing.wall(device)
-        self.stop = eos_ids(model) if stop_on_eos else set()
-        self.memory = DeviceMemory(model, device)
-        self.charger = self.timing.charger(model, charge_experts=True)
-
-    def reset(self) -> None:
-        """Nothing to reset but the clock's statistics: all experts are always resident."""
-        self.timing.link.reset_stats()
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        gen = greedy_decode(self.model, prompt_ids, max_new_tokens, self.device, self.timing.link,
-                            self.stop, self.memory, self.charger.begin_forward)
-        gen.stats.update(self.timing.link_record())
-        return gen
+ENGINE = GreedyEngine
 
 
-def build(ctx) -> ResidentEngine:
-    from specter.offload.build import timing_for
-
-    return ResidentEngine(ctx.loaded.model, ctx.device, stop_on_eos=ctx.cfg.workload.stop_on_eos,
-                          timing=timing_for(ctx))
+def build(ctx) -> GreedyEngine:
+    return build_greedy(ctx, "resident", offload=False)

@@ -10,11 +10,13 @@ starts once the plan's batch has landed, `system.wait_last_batch`): the comparis
 
 from __future__ import annotations
 
-from specter.system import SpecterEngine, build_planned
+from specter.decoding.engines import SpeculativeEngine
+from specter.system import build_planned
 
+ENGINE = SpeculativeEngine
 MODES = {"sp_e": "early", "sp_l": "late"}
 
 
-def build(ctx) -> SpecterEngine:
+def build(ctx) -> SpeculativeEngine:
     name = ctx.cfg.system.name
     return build_planned(ctx, name, MODES[name])

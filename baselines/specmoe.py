@@ -48,13 +48,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from baselines.lru_s import SpeculativeOffloadEngine
-from specter.engine import DeviceMemory, eos_ids
+from specter.decoding.engines import SpeculativeEngine, build_speculative
+from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
-from specter.offload.build import Timing, offload_model, timing_for
+from specter.offload.build import Timing
+from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
-from specter.quant.shared import SharedInstance
 
+ENGINE = SpeculativeEngine
 K_DEFAULT = 4
 
 
@@ -95,7 +96,7 @@ def ranked_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> li
 
 class HostDraftExperts:
     """The draft's routed experts of one MoE layer, computed on the host from the store's
-    full-precision copy with the truncated routing; a `SharedInstance` draft layer."""
+    full-precision copy with the truncated routing; a `SelfDraft` draft layer."""
 
     def __init__(self, owner: "HostDraft", layer: int, module: nn.Module):
         self.owner, self.layer, self.module = owner, layer, module
@@ -105,8 +106,10 @@ class HostDraftExperts:
                  top_k_weights: torch.Tensor) -> torch.Tensor:
         o = self.owner
         idx, w = truncate_routing(top_k_index, top_k_weights, o.draft_top_k, o.renormalize)
-        for listener in o.listeners:  # prefetch first (copies overlap the host work), charge
+        for listener in o.listeners:  # prefetch first (copies overlap the host work) ...
             listener(self.layer, top_k_index, top_k_weights, idx)
+        if o.charge is not None:  # ... then the clock's charge for the host work
+            o.charge(self.layer, top_k_index, top_k_weights, idx)
         host = o.host
         x, idx_h, w_h = hidden.to(host), idx.to(host), w.to(host)  # the activation goes over
         store, layout = o.runtime.cache.store, o.runtime.cache.layout
@@ -121,29 +124,60 @@ class HostDraftExperts:
 
 
 class HostDraft:
-    """Every MoE layer's host draft experts, plus what the engine records about them (the
-    stand-in for lru_s's `Draft`: no quantized copy, no device bytes)."""
+    """The draft part (decoding/drafts.py's interface): the target's own instance in draft
+    mode, every MoE layer's routed experts computed on the host (no quantized copy, no device
+    bytes)."""
 
-    def __init__(self, runtime: OffloadRuntime, draft_top_k: int, renormalize: bool):
-        self.runtime, self.draft_top_k, self.renormalize = runtime, draft_top_k, renormalize
+    separate = None
+    device_bytes = 0
+
+    def __init__(self, model, runtime: OffloadRuntime, timing: Timing, draft_top_k: int,
+                 renormalize: bool):
+        self.runtime, self.timing = runtime, timing
+        self.draft_top_k, self.renormalize = draft_top_k, renormalize
         self.host = torch.device("cpu")
         self.backend = "host"
         # Told of each draft layer call: (moe_layer, router top_k_index [T, k], its weights,
-        # kept index [T, draft_top_k]).
+        # kept index [T, draft_top_k]); `charge` after them.
         self.listeners: list = []
+        self.charge = self._charge_host_experts if timing.cost is not None \
+            and timing.clock == "virtual" else None
         self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
+        self.self_draft = SelfDraft(model, None, draft_layers=self.layers, draft_bytes=0)
+
+    def listen(self, fn) -> None:
+        self.self_draft.draft_listeners.append(fn)
+
+    def before_forward(self, tokens: int, context: int, phase: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
+        cost, link = self.timing.cost, self.timing.link
+        tokens = kept_index.shape[0]
+        link.compute(cost.router_s(tokens))
+        counts = torch.bincount(kept_index.flatten())
+        for n in counts[counts > 0].tolist():  # host sync: charging only
+            link.compute(cost.host_expert_s(n))
+        hw, sizes = cost.hw, cost.sizes
+        nbytes = tokens * self.runtime.cache.layout.hidden * sizes.elem_bytes
+        link.compute(2 * (hw.h2d_latency_s + nbytes / hw.h2d_bandwidth_Bps) * sizes.moe_multiplier)
 
     def as_record(self) -> dict:
         return {"draft.method": "host_topk",
                 "draft.bits": torch.finfo(self.runtime.cache.layout.dtype).bits,
                 "draft.top_k": self.draft_top_k,
                 "draft.renormalize": self.renormalize, "draft.backend": self.backend,
-                "draft.bytes": 0}
+                "draft.bytes": 0, "draft_top_k": self.draft_top_k, "shared_instance": True,
+                "draft_kv": "shared", "kv_copy_bytes": 0, "kv_copies": 0}
 
 
-class WindowPrefetch:
+class WindowPrefetch(WindowPrefetcher):
     """Loads and pins, per layer, every expert the draft's router picks that is new in the
-    window; pins stop at the layer's slot count."""
+    window; pins stop at the layer's slot count. Told by the host draft (it ranks by the
+    router's weights, which `on_draft_experts` does not carry)."""
 
     def __init__(self, runtime: OffloadRuntime):
         self.runtime = runtime
@@ -169,63 +203,18 @@ class WindowPrefetch:
                 self.prefetched += 1
             cache.pin(layer, [e])
 
-
-class SpecMoEEngine(SpeculativeOffloadEngine):
-    """lru_s's engine with the host draft in place of the INT4 copy, and window prefetch."""
-
-    def __init__(self, name: str, model, device: torch.device, timing: Timing,
-                 runtime: OffloadRuntime, k: int, draft_top_k: int,
-                 renormalize: bool, stop_on_eos: bool = True):
-        # Not SpeculativeOffloadEngine.__init__: it builds the INT4 draft layers.
-        self.name, self.model, self.device, self.k = name, model, device, k
-        self.timing, self.runtime = timing, runtime
-        self.draft = HostDraft(runtime, draft_top_k, renormalize)
-        self.shared = SharedInstance(model, None, device=device, draft_layers=self.draft.layers,
-                                     draft_bytes=0)
-        self.stop = eos_ids(model) if stop_on_eos else set()
-        slot_bytes = sum(lc.buf.numel() * lc.buf.element_size() for lc in runtime.cache.layers)
-        self.memory = DeviceMemory(model, device, extra_bytes=slot_bytes)
-        self.charger = timing.charger(model, charge_experts=False)
-        self.prefetch = WindowPrefetch(runtime)
-        self.draft.listeners.append(self.prefetch)
-        if timing.cost is not None and timing.clock == "virtual":
-            self.draft.listeners.append(self._charge_host_experts)
-        self.k_source = "spec.k"
-        # lru_s's attributes for a separate draft instance: this engine never has one.
-        self.separate, self.draft_instance, self._draft_charger = None, self.shared, None
-        self.temperature, self.generator = 0.0, None  # set by build / seed_request
-
-    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill")
-        self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
-
-    def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
-        cost, link = self.timing.cost, self.timing.link
-        tokens = kept_index.shape[0]
-        link.compute(cost.router_s(tokens))
-        counts = torch.bincount(kept_index.flatten())
-        for n in counts[counts > 0].tolist():  # host sync: charging only
-            link.compute(cost.host_expert_s(n))
-        hw, sizes = cost.hw, cost.sizes
-        nbytes = tokens * self.runtime.cache.layout.hidden * sizes.elem_bytes
-        link.compute(2 * (hw.h2d_latency_s + nbytes / hw.h2d_bandwidth_Bps) * sizes.moe_multiplier)
+    def end_window(self) -> None:
+        self.new_window()
 
     def reset(self) -> None:
-        super().reset()
-        self.prefetch.new_window()
-        self.prefetch.prefetched = 0
+        self.new_window()
+        self.prefetched = 0
 
-    def _on_window(self, stats) -> None:
-        self.prefetch.new_window()
-
-    def _decode_options(self) -> dict:
-        return {"on_window": self._on_window}
-
-    def _extra_stats(self) -> dict:
-        return {"prefetches": self.prefetch.prefetched, "draft_top_k": self.draft.draft_top_k}
+    def as_record(self) -> dict:
+        return {"prefetches": self.prefetched}
 
 
-def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpecMoEEngine:
+def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpeculativeEngine:
     """`draft_top_k`: argument, else `system.draft_top_k` if set, else
     `max(1, top_k // 2)`; `renormalize`: argument, else as the model's router does."""
     top_k = ctx.loaded.spec.top_k
@@ -234,15 +223,17 @@ def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) 
     if not 1 <= draft_top_k <= top_k:
         raise UserError(f"system.draft_top_k must be between 1 and the model's top-k ({top_k}); "
                         f"got {draft_top_k}.")
-    timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing)  # the host store is also the draft's expert weights
-    k = ctx.cfg.spec.k if isinstance(ctx.cfg.spec.k, int) else K_DEFAULT
-    engine = SpecMoEEngine("specmoe", ctx.loaded.model, ctx.device, timing, runtime, k,
-                           draft_top_k,
-                           router_normalizes(ctx.loaded.model.config) if renormalize is None
-                           else renormalize,
-                           stop_on_eos=ctx.cfg.workload.stop_on_eos)
-    engine.temperature = ctx.cfg.workload.temperature
-    if not isinstance(ctx.cfg.spec.k, int):
-        engine.k_source = f"SpecMoE reading's K={K_DEFAULT}"
-    return engine
+    renormalize = router_normalizes(ctx.loaded.model.config) if renormalize is None \
+        else renormalize
+
+    def make_window(runtime, timing, draft: HostDraft) -> WindowPrefetch:
+        prefetch = WindowPrefetch(runtime)
+        draft.listeners.append(prefetch)  # told with the router's weights, before the charge
+        return prefetch
+
+    return build_speculative(  # the host store is also the draft's expert weights
+        ctx, "specmoe",
+        lambda timing, runtime: HostDraft(ctx.loaded.model, runtime, timing, draft_top_k,
+                                          renormalize),
+        window=make_window, default_k=K_DEFAULT,
+        default_k_name=f"SpecMoE reading's K={K_DEFAULT}")

@@ -13,16 +13,17 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-
-from baselines.lru_s import SpeculativeOffloadEngine, load_separate_draft_model
-from specter.offload.build import offload_model, timing_for
+from specter.decoding.drafts import SeparateInt4Draft, load_separate_draft_model
+from specter.decoding.engines import SpeculativeEngine, build_speculative
+from specter.offload.prefetch import WindowPrefetcher
 from specter.quant.build import draft_for
 
+ENGINE = SpeculativeEngine
 K_DEFAULT = 3
 FRACTIONS = (0.2, 0.6)
 
 
-class RouteFrequencyPrefetch:
+class RouteFrequencyPrefetch(WindowPrefetcher):
     """Counts the draft's expert choices per layer within a window; at the given fractions
     of the window loads the top-M most frequent experts of every layer not yet resident."""
 
@@ -33,8 +34,7 @@ class RouteFrequencyPrefetch:
         self.prefetched = 0
         self.new_window()
 
-    def count(self, layer: int, top_k_index) -> None:
-        """A draft listener: the draft's top-k choices at one MoE layer."""
+    def on_draft_experts(self, layer: int, top_k_index) -> None:
         self.counts[layer].update(top_k_index.flatten().tolist())  # host sync: routing counts
 
     def new_window(self) -> None:
@@ -50,41 +50,24 @@ class RouteFrequencyPrefetch:
             self.new_window()
 
     def _prefetch(self) -> None:
-        cache = self.runtime.cache
         for l, counter in enumerate(self.counts):
-            for e, _ in counter.most_common(self.top_m):
-                if not cache.resident(l, e) and cache.load(l, e) is not None:
-                    self.prefetched += 1
-
-
-class SpecMoEOffEngine(SpeculativeOffloadEngine):
-    def __init__(self, *args, draft_model, top_m: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.attach_separate_draft(draft_model)
-        self.prefetch = RouteFrequencyPrefetch(len(self.runtime.modules), self.runtime, top_m)
-        self.draft_instance.draft_listeners.append(self.prefetch.count)
+            top = [e for e, _ in counter.most_common(self.top_m)]
+            self.prefetched += self.runtime.prefetch(l, top, count=False)
 
     def reset(self) -> None:
-        super().reset()
-        self.prefetch.new_window()
-        self.prefetch.prefetched = 0
+        self.new_window()
+        self.prefetched = 0
 
-    def _decode_options(self) -> dict:
-        return {**super()._decode_options(), "after_draft_step": self.prefetch.after_draft_step}
-
-    def _extra_stats(self) -> dict:
-        return {"prefetches": self.prefetch.prefetched, "top_m": self.prefetch.top_m}
+    def as_record(self) -> dict:
+        return {"prefetches": self.prefetched, "top_m": self.top_m}
 
 
-def build(ctx) -> SpecMoEOffEngine:
-    timing = timing_for(ctx)
+def build(ctx) -> SpeculativeEngine:
     draft = draft_for(ctx)
     second = load_separate_draft_model(ctx)
-    runtime = offload_model(ctx, timing)
-    k = ctx.cfg.spec.k if isinstance(ctx.cfg.spec.k, int) else K_DEFAULT
-    engine = SpecMoEOffEngine("specmoeoff", ctx.loaded.model, ctx.device, timing, runtime, draft,
-                              k, stop_on_eos=ctx.cfg.workload.stop_on_eos, draft_model=second,
-                              top_m=ctx.loaded.spec.top_k)
-    engine.temperature = ctx.cfg.workload.temperature
-    engine.k_source = "spec.k" if isinstance(ctx.cfg.spec.k, int) else f"SpecMoEOff's K={K_DEFAULT}"
-    return engine
+    return build_speculative(
+        ctx, "specmoeoff",
+        lambda timing, _: SeparateInt4Draft(ctx.loaded.model, second, draft, ctx.device, timing),
+        window=lambda runtime, timing, draft: RouteFrequencyPrefetch(
+            len(runtime.modules), runtime, ctx.loaded.spec.top_k),
+        default_k=K_DEFAULT, default_k_name=f"SpecMoEOff's K={K_DEFAULT}")

@@ -74,6 +74,7 @@ class _ClockStreamer:
 
 
 class TransformersOffloadEngine:
+    samples = False  # greedy only
     name = "transformers"
 
     def __init__(self, model: nn.Module, device: torch.device, timing: Timing, slots: int,
@@ -169,6 +170,9 @@ class TransformersOffloadEngine:
     _scratch_dst = torch.zeros(1)
 
     # -- engine protocol ---------------------------------------------------------------
+    def seed_request(self, seed: int) -> None:
+        """Greedy decoding draws nothing."""
+
     def reset(self) -> None:
         """Nothing resident changes between requests; statistics cleared."""
         self.link.synchronize()
@@ -230,3 +234,6 @@ def build(ctx) -> TransformersOffloadEngine:
                                      stop_on_eos=ctx.cfg.workload.stop_on_eos,
                                      whole_layers=ctx.budget.whole_layers,
                                      whole_layers_of=ctx.budget.whole_layers_of)
+
+
+ENGINE = TransformersOffloadEngine

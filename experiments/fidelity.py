@@ -17,11 +17,11 @@ from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
 from specter.models.introspect import router_topk
 from specter.offload.build import Timing
 from specter.quant.build import draft_for
-from specter.quant.shared import SharedInstance
+from specter.decoding.self_draft import SelfDraft
 
 
 @torch.no_grad()
-def routing_fidelity(shared: SharedInstance, ids: torch.Tensor, start: int,
+def routing_fidelity(shared: SelfDraft, ids: torch.Tensor, start: int,
                      with_matches: bool = False) -> dict:
     """Top-k agreement of draft and target over positions `start`.. of `ids` [1, S];
     `with_matches` adds `draft_token_matches`, per position whether the draft's greedy token
@@ -51,15 +51,19 @@ def routing_fidelity(shared: SharedInstance, ids: torch.Tensor, start: int,
 
 
 class FidelityEngine:
+    samples = False  # greedy only
     name = "fidelity"
 
-    def __init__(self, model, device: torch.device, shared: SharedInstance, draft_record: dict,
+    def __init__(self, model, device: torch.device, shared: SelfDraft, draft_record: dict,
                  stop_on_eos: bool = True):
         self.model, self.device, self.shared = model, device, shared
         self.draft_record = draft_record
         self.timing = Timing.wall(device)  # the target's decode is not what is measured here
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device, extra_bytes=shared.draft_bytes)
+
+    def seed_request(self, seed: int) -> None:
+        """Greedy decoding draws nothing."""
 
     def reset(self) -> None:
         self.timing.link.reset_stats()
@@ -76,12 +80,15 @@ class FidelityEngine:
 
 
 def build(ctx) -> FidelityEngine:
-    from specter.quant.shared import account_model
+    from specter.decoding.self_draft import account_model
 
     draft = draft_for(ctx)
-    shared = SharedInstance(ctx.loaded.model, draft.experts, draft.backend, ctx.device)
+    shared = SelfDraft(ctx.loaded.model, draft.experts, draft.backend, ctx.device)
     w = ctx.cfg.workload
     memory = account_model(f"own:{ctx.cfg.model.name}", ctx.loaded.spec, ctx.budget.slots,
                            w.prompt_tokens + w.max_new_tokens, shared.draft_bytes)
     return FidelityEngine(ctx.loaded.model, ctx.device, shared,
                           {**draft.as_record(), **memory.as_record()}, stop_on_eos=w.stop_on_eos)
+
+
+ENGINE = FidelityEngine

@@ -125,12 +125,12 @@ def draft_side(model, tokenizer, prompts: list[list[int]], outputs: list[torch.T
     from specter.models.zoo import default_cache_dir
     from specter.quant.build import resolve_backend, spec_of
     from specter.quant.calibrate import ensure_quantized
-    from specter.quant.shared import SharedInstance
+    from specter.decoding.self_draft import SelfDraft
 
     spec = spec_of(QuantConfig())
     experts, path, _ = ensure_quantized(model, tokenizer, spec, default_cache_dir(), device)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
-    shared = SharedInstance(model, experts, resolve_backend("auto", spec.bits, device, groups),
+    shared = SelfDraft(model, experts, resolve_backend("auto", spec.bits, device, groups),
                             device)
     fid, match, per_k = [], [], {k: [] for k in ACCEPT_KS}
     for ids, out in zip(prompts, outputs):

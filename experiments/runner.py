@@ -23,7 +23,7 @@ import torch
 
 from experiments import records
 from experiments.provenance import provenance
-from experiments.systems import SPECULATIVE, BuildContext, build_engine, check_system, footprint
+from experiments.systems import BuildContext, build_engine, check_system, footprint, recipe
 from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
@@ -109,7 +109,7 @@ def measured_config(cfg: RunConfig) -> dict[str, Any]:
     does not speculate has no `spec` (so a sweep over spec.k runs it once, and its rows do
     not claim a K)."""
     d = cfg.to_dict()
-    if cfg.system.name not in SPECULATIVE:
+    if not recipe(cfg.system.name).ENGINE.samples:  # not speculative
         d.pop("spec")
     return d
 

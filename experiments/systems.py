@@ -1,7 +1,8 @@
 """The registry of systems the runner can execute: a name -> a function building its engine.
 
-A new system is one module exposing `build(ctx) -> Engine` and one line here. Imports are
-lazy so a system's optional dependencies load only when it is selected.
+A new system is one module exposing `build(ctx) -> Engine` and `ENGINE` (the engine class
+it builds: `specter.decoding.engines`' GreedyEngine or SpeculativeEngine for every decoding
+system) and one line here. Recipes import their optional dependencies inside `build`.
 """
 
 from __future__ import annotations
@@ -53,11 +54,16 @@ KNOBS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Systems that decode with speculative sampling when workload.temperature > 0 (their engine
-# has `seed_request`); the others decode greedily only.
-SAMPLING = ("lru_s", "specmoeoff", "specmoe", "specter", "sp_e", "sp_l")
-# Systems that read `spec.*` (the draft depth); for the others it is not part of the case.
-SPECULATIVE = SAMPLING
+def recipe(name: str):
+    """The module of system `name` (its `build(ctx)` and `ENGINE`, the engine class it builds)."""
+    return importlib.import_module(SYSTEMS[name])
+
+
+def sampling_systems() -> tuple[str, ...]:
+    """Systems whose engine decodes by speculative sampling when workload.temperature > 0
+    (`Engine.samples`, read off each recipe's ENGINE); the others decode greedily only. They
+    are also the systems that read `spec.*` (the draft depth)."""
+    return tuple(n for n in SYSTEMS if recipe(n).ENGINE.samples)
 
 
 def footprint(system: SystemConfig) -> Footprint:
@@ -74,9 +80,9 @@ def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     name = system.name
     if name not in SYSTEMS:
         raise UserError(f"unknown system '{name}'; choose one of: {', '.join(sorted(SYSTEMS))}.")
-    if temperature > 0 and name not in SAMPLING:
+    if temperature > 0 and not recipe(name).ENGINE.samples:
         raise UserError(f"workload.temperature > 0 needs a speculating system "
-                        f"({', '.join(SAMPLING)}); system={name} decodes greedily only.")
+                        f"({', '.join(sampling_systems())}); system={name} decodes greedily only.")
     defaults = SystemConfig(name=name)
     for f in fields(SystemConfig):
         if f.name == "name" or f.name in KNOBS.get(name, ()):
@@ -89,4 +95,4 @@ def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
 
 def build_engine(ctx: BuildContext) -> Engine:
     check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
-    return importlib.import_module(SYSTEMS[ctx.cfg.system.name]).build(ctx)
+    return recipe(ctx.cfg.system.name).build(ctx)

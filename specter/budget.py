@@ -134,7 +134,7 @@ def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv
     """`gb` GiB of device memory -> resident slots per MoE layer (or whole layers, for
     accelerate's device map), from the FP16 bytes of `spec` (the real model a project-made
     one stands for, or the model itself: `sizes_of` says which)."""
-    from specter.quant.shared import int4_expert_bytes
+    from specter.decoding.self_draft import int4_expert_bytes
 
     per_expert = spec.expert_bytes
     params = per_expert // 2  # FP16

@@ -4,8 +4,8 @@ Owns: `Engine` (reset before a request, outside timing; generate a request), `Ge
 (committed tokens with their commit times and the system's own statistics), and the greedy
 prefill / decode-one-token loop over a Hugging Face model and `DynamicCache`, timed by any
 `Clock` (a link's compute-stream clock: virtual, emulated or real).
-Does not own: where experts live (offloading runtime), speculation (spec/), metrics
-arithmetic (metrics.py).
+Does not own: where experts live (offloading runtime), the engines and speculation
+(decoding/), metrics arithmetic (metrics.py).
 
 Systems differ in policy, not in model code: each one drives the same transformers model.
 """
@@ -30,9 +30,13 @@ class Generation:
 
 class Engine(Protocol):
     name: str
+    samples: bool  # decodes by speculative sampling when workload.temperature > 0
 
     def reset(self) -> None:
         """Return to the fixed initial state before a request (outside timing)."""
+
+    def seed_request(self, seed: int) -> None:
+        """The random state of the next request (sampling engines; others ignore it)."""
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         ...
@@ -85,7 +89,8 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: tor
                   clock: Clock, stop: set[int], memory: "DeviceMemory",
                   before_forward=None) -> Generation:
     """Prefill, then one token at a time; each token's commit time read from `clock`.
-    `before_forward(tokens, context, prefill)` is told about each forward before it runs."""
+    `before_forward(tokens, context, phase)` is told about each forward before it runs
+    (phase: "prefill" | "decode"; the speculative loop's are "prefill" | "draft" | "verify")."""
     memory.start()
     cache = new_cache(model)
     ids = torch.tensor([prompt_ids], device=device)  # [1, P]
@@ -94,7 +99,7 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: tor
     times: list[float] = []
     # 1. Prefill the prompt; its last logits give the first token.
     if before_forward:
-        before_forward(len(prompt_ids), len(prompt_ids), True)
+        before_forward(len(prompt_ids), len(prompt_ids), "prefill")
     logits = forward_logits(model, ids, cache)  # [1, V]
     while True:
         # 2. Commit the greedy token.
@@ -105,7 +110,7 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: tor
             break
         # 3. Decode one step.
         if before_forward:
-            before_forward(1, len(prompt_ids) + len(tokens), False)
+            before_forward(1, len(prompt_ids) + len(tokens), "decode")
         logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
     memory.observe_cache(cache)
     peak, source = memory.peak()

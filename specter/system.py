@@ -19,103 +19,56 @@ plan is `sp_e` / `sp_l` (baselines/single_plan.py).
 
 from __future__ import annotations
 
-from baselines.lru_s import SpeculativeOffloadEngine, build_speculative
+from specter.decoding.drafts import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
+from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.pio.elb import ExpertLookaheadBuffer
 from specter.pio.orchestrator import Orchestrator
-from specter.spec.decode import CopiedKVDraft
+from specter.quant.build import draft_for
+
+ENGINE = SpeculativeEngine
 
 
-class SpecterEngine(SpeculativeOffloadEngine):
-    """A speculative engine whose draft routing drives an `Orchestrator` (or none)."""
+def orchestrator_for(ctx, plan_mode: str):
+    """The window prefetcher: the PIO planner ("pio") or one single plan ("early", "late").
+    system.top_m unset: M = the slots (the artifact's: a plan may fill every slot). The
+    planner's bandwidth prior: `system.bandwidth_prior_Bps` (the artifact's, blended into the
+    running average), else the link profile's; real-time links (CUDA) carry no profile, so the
+    hardware's nominal PCIe bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until measured."""
+    sc, hw = ctx.cfg.system, ctx.cfg.hardware
+    real_time = hw.clock not in ("virtual", "emulated")
 
-    def __init__(self, *args, plan_mode: str | None, top_m: int, cold_start: float,
-                 noise: float, seed: int, reorder: bool = True, draft_model=None,
-                 bandwidth_prior: float | None = None, kv_copy: bool = False,
-                 overlap: bool = True, cold_start_round: str = "floor",
-                 final_plan: bool = False, wait_last_batch: bool = True,
-                 bandwidth_prior_Bps: float | None = None, step_prior_s: float | None = None,
-                 **kwargs):
-        """`bandwidth_prior`: the planner's H2D bandwidth until copies are measured when
-        `bandwidth_prior_Bps` is None (default the link profile's; real-time links have none,
-        so the runner passes the hardware's). `bandwidth_prior_Bps` / `step_prior_s`: the
-        artifact's priors, blended into the running averages; None: ours (the profile's
-        bandwidth, no step time, each replaced by the first measurement)."""
-        super().__init__(*args, **kwargs)
-        if draft_model is not None:
-            self.attach_separate_draft(draft_model, kv_copy=kv_copy)
-        self.runtime.serial = not reorder
-        self.runtime.overlap = overlap
-        self.orch: Orchestrator | None = None
-        if plan_mode is not None:
-            cache, link = self.runtime.cache, self.timing.link
-            elb = ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts, self.device)
-            cost = self.timing.cost
-            self.orch = Orchestrator(
-                self.runtime, link, elb, slots=cache.slots, top_m=top_m,
-                bandwidth_Bps=bandwidth_prior_Bps or bandwidth_prior or link.profile.bandwidth_Bps,
-                step_s=step_prior_s or 0.0,
-                blend_priors=(bandwidth_prior_Bps is not None, step_prior_s is not None),
-                latency_s=link.profile.latency_s,
-                mode=plan_mode, cold_start=cold_start, noise=noise, seed=seed,
-                sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0,
-                cold_start_round=cold_start_round, final_plan=final_plan,
-                wait_last_batch=wait_last_batch)
-            self.draft_instance.draft_listeners.append(self.orch.on_draft_experts)
-        self.plan_mode = plan_mode
-        self.priors = (bandwidth_prior_Bps, step_prior_s)
-
-    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
-        super()._before_forward(tokens, context, phase)
-        if self.orch is not None:
-            self.orch.on_forward(phase)
-
-    def reset(self) -> None:
-        super().reset()
-        if self.orch is not None:
-            self.orch.reset()
-
-    def _decode_options(self) -> dict:
-        opts = super()._decode_options()
-        if self.orch is not None:
-            opts["after_draft_step"] = self.orch.after_draft_step
-            opts["on_window"] = lambda _stats: self.orch.end_window()
-        return opts
-
-    def _extra_stats(self) -> dict:
-        """The run's rules beside its statistics: every row says which variant ran."""
-        copied = isinstance(self.separate, CopiedKVDraft)
-        rec = {"plan_mode": self.plan_mode or "none", "shared_instance": self.separate is None,
-               "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
-               "draft_kv": "shared" if self.separate is None else "copied" if copied else "own",
-               "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
-        if self.orch is not None:
-            o = self.orch
-            rec.update(o.stats.as_record())
-            rec.update({"top_m": o.top_m, "wait_last_batch": o.wait_last_batch})
-            if o.mode == "pio":  # the phases' rules (a single plan has no boundaries to size)
-                rec.update({"cold_start_round": o.cold_start_round, "final_plan": o.final_plan,
-                            "bandwidth_prior_Bps": self.priors[0],
-                            "step_prior_s": self.priors[1],
-                            "bandwidth_ema_Bps": o.bandwidth.value,
-                            "draft_step_ema_s": o.step_s.value})
-        return rec
+    def make(runtime, timing, draft) -> Orchestrator:
+        cache, link, cost = runtime.cache, timing.link, timing.cost
+        fallback = (hw.h2d_bandwidth_Bps or 25e9) if real_time else link.profile.bandwidth_Bps
+        return Orchestrator(
+            runtime, link, ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts,
+                                                 ctx.device),
+            slots=cache.slots, top_m=sc.top_m or ctx.budget.slots,
+            bandwidth_Bps=sc.bandwidth_prior_Bps or fallback, step_s=sc.step_prior_s or 0.0,
+            blend_priors=(sc.bandwidth_prior_Bps is not None, sc.step_prior_s is not None),
+            priors=(sc.bandwidth_prior_Bps, sc.step_prior_s), latency_s=link.profile.latency_s,
+            mode=plan_mode, cold_start=sc.cold_start, noise=sc.prefetch_noise, seed=ctx.cfg.seed,
+            sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0,
+            cold_start_round=sc.cold_start_round, final_plan=sc.final_plan,
+            wait_last_batch=sc.wait_last_batch)
+    return make
 
 
-def build_planned(ctx, name: str, plan_mode: str | None) -> SpecterEngine:
-    """system.top_m unset: M = the slots (the artifact's: a plan may fill every slot)."""
+def build_planned(ctx, name: str, plan_mode: str | None) -> SpeculativeEngine:
+    """Specter's parts: the INT4 self-draft (or, shared=false, a second instance), the
+    orchestrator in `plan_mode` (None: on-demand loads only), expert-grouped verification."""
     sc = ctx.cfg.system
-    return build_speculative(
-        ctx, name, engine_cls=SpecterEngine, separate=not sc.shared, plan_mode=plan_mode,
-        top_m=sc.top_m or ctx.budget.slots, cold_start=sc.cold_start,
-        noise=sc.prefetch_noise, seed=ctx.cfg.seed, reorder=sc.reorder,
-        kv_copy=sc.kv_copy, overlap=sc.overlap, cold_start_round=sc.cold_start_round,
-        final_plan=sc.final_plan, wait_last_batch=sc.wait_last_batch,
-        bandwidth_prior_Bps=sc.bandwidth_prior_Bps, step_prior_s=sc.step_prior_s,
-        # Real-time links (CUDA) carry no profile: start from the hardware's nominal PCIe
-        # bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until copies are measured.
-        bandwidth_prior=None if ctx.cfg.hardware.clock in ("virtual", "emulated")
-        else (ctx.cfg.hardware.h2d_bandwidth_Bps or 25e9))
+    draft = draft_for(ctx)  # from the full-precision experts, before they move out
+    if sc.shared:
+        make_draft = lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing)  # noqa: E731
+    else:
+        second = load_separate_draft_model(ctx)
+        make_draft = lambda timing, _: SeparateInt4Draft(  # noqa: E731
+            ctx.loaded.model, second, draft, ctx.device, timing, kv_copy=sc.kv_copy)
+    return build_speculative(ctx, name, make_draft,
+                             window=orchestrator_for(ctx, plan_mode) if plan_mode else None,
+                             reorder=sc.reorder, overlap=sc.overlap)
 
 
-def build(ctx) -> SpecterEngine:
+def build(ctx) -> SpeculativeEngine:
     return build_planned(ctx, "specter", "pio" if ctx.cfg.system.orchestrator else None)

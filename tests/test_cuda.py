@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baselines.resident import ResidentEngine
+from specter.decoding.engines import resident_engine
 from conftest import PROMPTS, TINY
 from specter.config import ModelConfig
 from specter.models.loading import load_model
@@ -16,7 +16,7 @@ from specter.models.loading import load_model
 def test_resident_equals_generate_on_cuda(name):
     dev = torch.device("cuda")
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
-    engine = ResidentEngine(lm.model, dev)
+    engine = resident_engine(lm.model, dev)
     for text in PROMPTS:
         ids = lm.tokenizer(text)["input_ids"][:16]
         ours = engine.generate(ids, 24)
@@ -35,7 +35,7 @@ def test_transformers_offload_on_cuda_equals_resident_and_times_real_copies(name
     ref_lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
     engine = TransformersOffloadEngine(lm.model, dev, Timing.wall(dev), slots=lm.spec.top_k)
-    resident = ResidentEngine(ref_lm.model, dev)
+    resident = resident_engine(ref_lm.model, dev)
     for text in PROMPTS:
         ids = lm.tokenizer(text)["input_ids"][:16]
         engine.reset()

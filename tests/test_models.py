@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from baselines.resident import ResidentEngine
+from specter.decoding.engines import resident_engine
 from conftest import PROMPTS, TINY
 from specter.models import zoo
 
@@ -38,7 +38,7 @@ def test_tiny_checkpoint_is_an_ordinary_hf_folder(name, tiny_models):
 @pytest.mark.parametrize("name", TINY)
 def test_resident_equals_hf_generate(name, tiny_models):
     lm = tiny_models(name)
-    engine = ResidentEngine(lm.model, torch.device("cpu"))
+    engine = resident_engine(lm.model, torch.device("cpu"))
     seen: set[int] = set()
     for text in PROMPTS:
         ids = lm.tokenizer(text)["input_ids"][:16]
@@ -52,11 +52,11 @@ def test_resident_equals_hf_generate(name, tiny_models):
 def test_resident_stops_at_eos_like_generate(tiny_models):
     lm = tiny_models("tiny_qwen")
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:16]
-    free = ResidentEngine(lm.model, torch.device("cpu"), stop_on_eos=False).generate(ids, 12).tokens
+    free = resident_engine(lm.model, torch.device("cpu"), stop_on_eos=False).generate(ids, 12).tokens
     # Make the 5th generated token the EOS: both decoders must stop right after it.
     lm.model.generation_config.eos_token_id = free[4]
     try:
-        ours = ResidentEngine(lm.model, torch.device("cpu")).generate(ids, 12).tokens
+        ours = resident_engine(lm.model, torch.device("cpu")).generate(ids, 12).tokens
         ref = lm.model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)
     finally:
         lm.model.generation_config.eos_token_id = lm.tokenizer.eos_token_id

@@ -202,7 +202,7 @@ def test_gptq_experts_see_only_their_routed_tokens_and_fall_back_to_rtn():
 
 @pytest.mark.parametrize("name", ["tiny_qwen", "tiny_deepseek", "tiny_phi"])
 def test_shared_instance_shares_everything_but_the_routed_experts(name):
-    from specter.quant.shared import SharedInstance
+    from specter.decoding.self_draft import SelfDraft
 
     lm = _tiny(name)
     ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:16]])
@@ -211,7 +211,7 @@ def test_shared_instance_shares_everything_but_the_routed_experts(name):
     qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
                                     None, torch.device("cpu"))
     tensors_before = {n: p.data_ptr() for n, p in lm.model.named_parameters()}
-    sw = SharedInstance(lm.model, qe, backend="reference")
+    sw = SelfDraft(lm.model, qe, backend="reference")
     with torch.no_grad():
         target = lm.model(input_ids=ids).logits
         with sw.draft():
@@ -234,7 +234,7 @@ def test_shared_instance_shares_everything_but_the_routed_experts(name):
 
 def test_memory_account_of_the_shared_instance():
     from specter.models.introspect import moe_spec
-    from specter.quant.shared import account_model
+    from specter.decoding.self_draft import account_model
 
     lm = _tiny("tiny_qwen")
     acct = account_model("own:tiny_qwen", lm.spec, slots=15, context=512)

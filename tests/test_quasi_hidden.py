@@ -122,7 +122,7 @@ def guess_precision(name: str, make_prefetch) -> tuple[float, float]:
     for text in PROMPTS:
         engine.reset()
         engine.generate(loaded.tokenizer(text)["input_ids"][:16], 20)
-        hits, guessed = hits + engine.prefetch.hits, guessed + engine.prefetch.guessed
+        hits, guessed = hits + engine.prefetcher.hits, guessed + engine.prefetcher.guessed
     return hits / guessed, loaded.spec.top_k / loaded.spec.num_experts
 
 

@@ -51,10 +51,10 @@ def test_cli_smoke_writes_records_then_resumes(tmp_path):
 
 
 def test_interrupted_sweep_resumes_each_row_once(tmp_path, monkeypatch):
-    from baselines import resident
+    from specter.decoding import engines
 
     cfg = smoke_cfg(tmp_path)
-    real = resident.ResidentEngine.generate
+    real = engines.GreedyEngine.generate
     calls = {"n": 0}
 
     def crash_on_third(self, *a, **k):
@@ -63,11 +63,11 @@ def test_interrupted_sweep_resumes_each_row_once(tmp_path, monkeypatch):
             raise KeyboardInterrupt  # the machine goes away mid-sweep
         return real(self, *a, **k)
 
-    monkeypatch.setattr(resident.ResidentEngine, "generate", crash_on_third)
+    monkeypatch.setattr(engines.GreedyEngine, "generate", crash_on_third)
     with pytest.raises(KeyboardInterrupt):
         runner.run(cfg, log=lambda *_: None)
     assert len(records.load(tmp_path)) == 2
-    monkeypatch.setattr(resident.ResidentEngine, "generate", real)
+    monkeypatch.setattr(engines.GreedyEngine, "generate", real)
     summary = runner.run(cfg, log=lambda *_: None)
     assert (summary.written, summary.skipped) == (2, 2)
     df = records.load(tmp_path)

@@ -11,8 +11,8 @@ from specter.engine import DeviceMemory, eos_ids
 from specter.models.loading import load_model
 from specter.offload.build import Timing
 from specter.quant import calibrate
-from specter.quant.shared import SharedInstance
-from specter.spec.decode import speculative_greedy
+from specter.decoding.self_draft import SelfDraft
+from specter.decoding.loop import speculative_greedy
 
 CPU = torch.device("cpu")
 
@@ -21,7 +21,7 @@ def _setup(name, bits=4):
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
     qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=bits, group=32),
                                     None, CPU)
-    return lm, SharedInstance(lm.model, qe, backend="reference")
+    return lm, SelfDraft(lm.model, qe, backend="reference")
 
 
 def _hf(model, ids, n, eos):
@@ -93,7 +93,7 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
                                         None, CPU)
         timing = timing_for(ctx)
         runtime = offload_model(ctx, timing)
-        sw = SharedInstance(lm.model, qe, backend="reference")
+        sw = SelfDraft(lm.model, qe, backend="reference")
         for k in (2, 5):
             runtime.reset()
             gen = speculative_greedy(lm.model, sw, ids, 20, k, CPU, timing.link, stop,
@@ -170,7 +170,7 @@ def _accept_every_proposal(p, q, proposals, g):
 
 
 def test_speculative_sampling_rule_reproduces_the_target_distribution():
-    from specter.spec.decode import accept_sampled
+    from specter.decoding.loop import accept_sampled
 
     p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05]] * 4)
     q = torch.tensor([[0.1, 0.1, 0.5, 0.1, 0.1, 0.1]] * 3)
@@ -186,7 +186,7 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
     the first speculated tokens (the 2nd and 3rd outputs; the 1st comes from the prefill) over
     many seeds follow softmax(target logits / T) given their prefixes, however the draft
     proposes; the same check rejects a rule that keeps the draft's proposals."""
-    import specter.spec.decode as decode
+    import specter.decoding.loop as decode
     from specter.models.introspect import experts_modules
     from specter.quant.formats import rtn_quantize
 
@@ -199,7 +199,7 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
         calibrate.QuantSpec(method="rtn"),
         [[noisy(m.gate_up_proj[e].detach()) for e in range(m.gate_up_proj.shape[0])] for m in mods],
         [[noisy(m.down_proj[e].detach()) for e in range(m.down_proj.shape[0])] for m in mods])
-    sw = SharedInstance(lm.model, qe, backend="reference")
+    sw = SelfDraft(lm.model, qe, backend="reference")
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
     target_after: dict[tuple, torch.Tensor] = {}  # output prefix -> target's next-token probs
 

@@ -185,13 +185,13 @@ def test_prefetch_pins_stay_within_slots_and_are_released_between_windows():
     engine.draft.listeners.append(
         lambda l, *_: peak.__setitem__(0, max(peak[0], len(cache.layers[l].pinned))))
     ends = []
-    original = engine._on_window
+    original = engine.window.end_window
 
-    def on_window(stats):
-        original(stats)
+    def end_window():
+        original()
         ends.append(sum(len(lc.pinned) for lc in cache.layers))
 
-    engine._on_window = on_window
+    engine.window.end_window = end_window
     gens = decode(engine, loaded.tokenizer, n=32)
     assert all(g.stats["prefetches"] > 0 for g in gens)
     assert 0 < peak[0] <= slots

@@ -21,7 +21,8 @@ from specter.offload.costmodel import (ChargedSizes, CostModel, HardwareProfile,
                                        layer_counts, real_charged_sizes)
 from specter.offload.link import Link, LinkProfile, make_link
 from specter.offload.policy import POLICIES
-from specter.offload.runtime import Charger, OffloadRuntime, Prefetcher
+from specter.offload.prefetch import LayerPrefetcher
+from specter.offload.runtime import Charger, OffloadRuntime
 from specter.offload.store import HostExpertStore
 
 NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing
@@ -141,7 +142,7 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
     return wall_s / virtual_s
 
 
-def offload_model(ctx, timing: Timing, prefetcher: Prefetcher | None = None,
+def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None,
                   policy: str = "lru") -> OffloadRuntime:
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
     the device, through `timing`'s link."""

@@ -7,8 +7,8 @@ first while misses stream in, results summed in expert order exactly as HF's eag
 does, so outputs are bitwise those of the resident model), the per-request demand
 statistics, and `Charger`: forward hooks that charge each compute step to the clock with the
 cost model (a no-op charge on real clocks).
-Does not own: what to prefetch (a `Prefetcher` passed in), what to evict (policy.py), how
-bytes move and time passes (link.py), the decode loop (engine.py and the systems).
+Does not own: what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what to
+evict (policy.py), how bytes move and time passes (link.py), the decode loops (decoding/).
 
 T = tokens in this forward, k = top-k, H = hidden, E = routed experts.
 """
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,6 +25,7 @@ from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import CostModel
 from specter.offload.link import Link
+from specter.offload.prefetch import LayerPrefetcher
 
 IMPL_NAME = "specter_offload"
 
@@ -41,15 +41,6 @@ def register_experts_implementation() -> None:
 
     if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
         ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _specter_experts_forward)
-
-
-class Prefetcher(Protocol):
-    """Policy hook called after a layer's demand loads are issued (e.g. MO-SM's next-layer
-    guess), with the layer's expert input and routing. It may call `runtime.cache.load(...)`
-    and record its own stats."""
-
-    def after_demand(self, runtime: "OffloadRuntime", moe_layer: int, hidden: torch.Tensor,
-                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None: ...
 
 
 @dataclass
@@ -133,7 +124,7 @@ class OffloadRuntime:
     `experts_forward`."""
 
     def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
-                 prefetcher: Prefetcher | None = None):
+                 prefetcher: LayerPrefetcher | None = None):
         self.model, self.cache, self.link, self.cost = model, cache, link, cost
         self.prefetcher = prefetcher
         self.stats = DemandStats()
@@ -165,8 +156,8 @@ class OffloadRuntime:
                         top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
         cache = self.cache
-        self._charge("router_s", hidden.shape[0])  # the router that just ran
-        self._charge("offload_layer_s", hidden.shape[0])  # this method's own host work
+        self.charge("router_s", hidden.shape[0])  # the router that just ran
+        self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
         ids, n_tokens = torch.unique(top_k_index, return_counts=True)  # sorted expert ids
         needed = ids.tolist()  # host sync: residency is a host decision
         self.last_needed[l] = needed
@@ -203,9 +194,9 @@ class OffloadRuntime:
             token_idx, out = self._expert(module, l, e, hidden, top_k_index, top_k_weights)
             if self.serial:
                 for _ in range(token_idx.numel()):
-                    self._charge("expert_s", 1)
+                    self.charge("expert_s", 1)
             else:
-                self._charge("expert_s", token_idx.numel())
+                self.charge("expert_s", token_idx.numel())
             cache.touch(l, e)
             cache.unprotect(l, e)
             outs[e] = (token_idx, out)
@@ -226,11 +217,25 @@ class OffloadRuntime:
                 return experts[i:]
         return []
 
-    def _charge(self, step: str, n: int) -> None:
-        """Advance the clock by a cost-model step (`step` names a CostModel method); real
-        clocks have no cost model here: the step took its time."""
+    def charge(self, step: str, tokens: int) -> None:
+        """Advance the clock by a cost-model step over `tokens` tokens (`step` names a
+        CostModel method, e.g. "router_s"); real clocks have no cost model here: the step took
+        its time."""
         if self.cost is not None:
-            self.link.compute(getattr(self.cost, step)(n))
+            self.link.compute(getattr(self.cost, step)(tokens))
+
+    def prefetch(self, layer: int, experts, count: bool = True) -> int:
+        """Load `experts` of MoE layer `layer` that are not resident, in order, while a slot
+        can be freed (never evicting an expert the current forward needs); returns how many
+        copies were issued. `count`: add them to this request's `prefetches` statistic when
+        the target's demand is being recorded (not during prefill or drafting)."""
+        issued = 0
+        for e in experts:
+            if not self.cache.resident(layer, e) and self.cache.load(layer, e) is not None:
+                issued += 1
+        if count and self.record_demand:
+            self.stats.prefetches += issued
+        return issued
 
     def _expert(self, module, l, e, hidden, top_k_index, top_k_weights):
         gate_up, down = self.cache.weights(l, e)  # [2I, H], [H, I] views of the device slot

@@ -28,6 +28,7 @@ import random
 from dataclasses import dataclass
 
 from specter.offload.link import Link, Transfer
+from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
 from specter.pio import planner
 from specter.pio.elb import ExpertLookaheadBuffer
@@ -59,16 +60,21 @@ class PrefetchStats:
                 "last_batch_wait_ms": self.last_batch_wait_s * 1e3}
 
 
-class Orchestrator:
+class Orchestrator(WindowPrefetcher):
+    """Specter's window prefetcher (mode "pio"), or one single plan per window ("early",
+    "late": SP-E / SP-L)."""
+
     def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer, *,
                  slots: int, top_m: int, bandwidth_Bps: float, latency_s: float,
                  mode: str = "pio", cold_start: float = 0.2, noise: float = 0.0, seed: int = 0,
                  sync_s: float = 0.0, cold_start_round: str = "floor", final_plan: bool = False,
                  wait_last_batch: bool = True, step_s: float = 0.0,
-                 blend_priors: tuple[bool, bool] = (False, False)):
+                 blend_priors: tuple[bool, bool] = (False, False),
+                 priors: tuple[float | None, float | None] = (None, None)):
         """`bandwidth_Bps` / `step_s`: the running averages' priors; `blend_priors` (for the
         bandwidth, for the step time): the prior is the average's starting value (the
-        artifact's EMA) rather than replaced by the first sample."""
+        artifact's EMA) rather than replaced by the first sample. `priors`: the configured
+        (bandwidth, step) priors as the records name them (None: the profile's / none)."""
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
         if cold_start_round not in planner.ROUNDINGS:
@@ -87,7 +93,19 @@ class Orchestrator:
         self.expert_bytes = self.cache.transfer_bytes
         self.bandwidth = planner.RunningMean(bandwidth_Bps, blend=blend_priors[0])
         self.step_s = planner.RunningMean(step_s, blend=blend_priors[1] and step_s > 0)
+        self.priors = priors
         self.reset()
+
+    def as_record(self) -> dict:
+        """The plan's statistics and the rules that ran (every row says which variant)."""
+        rec = {"plan_mode": self.mode, **self.stats.as_record(), "top_m": self.top_m,
+               "wait_last_batch": self.wait_last_batch}
+        if self.mode == "pio":  # the phases' rules (a single plan has no boundaries to size)
+            rec.update({"cold_start_round": self.cold_start_round, "final_plan": self.final_plan,
+                        "bandwidth_prior_Bps": self.priors[0], "step_prior_s": self.priors[1],
+                        "bandwidth_ema_Bps": self.bandwidth.value,
+                        "draft_step_ema_s": self.step_s.value})
+        return rec
 
     # --- lifecycle ---------------------------------------------------------------------
     def reset(self) -> None:

@@ -1,4 +1,5 @@
-"""One model instance, two precisions: the INT4 self-draft and the full-precision target.
+"""The self-draft: one model instance, two precisions (its INT4 draft and its full-precision
+target), and the memory account of sharing the instance against two separate models.
 
 Owns: the experts implementation that switches a model between `target` mode (routed experts
 as the target runs them: Hugging Face's own code, or the offloading runtime when one is
@@ -7,10 +8,10 @@ the device), the switch itself, and the memory accounting of the shared instance
 two separate models.
 Everything but the routed experts (embeddings, attention, norms, routers, shared experts, lm
 head) is the same tensors in both modes: there is one model object and no copy.
-Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (spec/).
+Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (decoding/loop.py).
 
-Use: `sw = SharedInstance(model, quantized, backend)`; `with sw.draft(): model(...)`.
-Attach an `OffloadRuntime` before the `SharedInstance` so target mode goes through it.
+Use: `sw = SelfDraft(model, quantized, backend)`; `with sw.draft(): model(...)`.
+Attach an `OffloadRuntime` before the `SelfDraft` so target mode goes through it.
 """
 
 from __future__ import annotations
@@ -25,24 +26,24 @@ from specter.models.introspect import experts_modules
 from specter.quant.calibrate import QuantizedExperts
 from specter.quant.kernels import make_experts
 
-IMPL_NAME = "specter_shared"
+IMPL_NAME = "specter_self_draft"
 
 
-def _shared_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    shared: SharedInstance = self._specter_shared
-    if shared.mode == "draft":
-        layer = self._specter_shared_layer
-        for listener in shared.draft_listeners:
+def _self_draft_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    sd: SelfDraft = self._specter_self_draft
+    if sd.mode == "draft":
+        layer = self._specter_self_draft_layer
+        for listener in sd.draft_listeners:
             listener(layer, top_k_index)
-        return shared.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
-    return shared.target_forward(self, hidden_states, top_k_index, top_k_weights)
+        return sd.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
+    return sd.target_forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _register() -> None:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _shared_experts_forward)
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _self_draft_experts_forward)
 
 
 def _target_function(model: nn.Module, module: nn.Module):
@@ -54,8 +55,9 @@ def _target_function(model: nn.Module, module: nn.Module):
     return ALL_EXPERTS_FUNCTIONS.get_interface(name, eager) if name != "eager" else eager
 
 
-class SharedInstance:
-    """Switches one model between its target experts and their INT4 draft copy."""
+class SelfDraft:
+    """Switches one model between its target experts and their draft (the INT4 copy, or any
+    other per-layer draft experts): `with self_draft.draft(): model(...)` drafts."""
 
     def __init__(self, model: nn.Module, quantized: QuantizedExperts | None,
                  backend: str = "reference", device: torch.device | None = None,
@@ -77,8 +79,8 @@ class SharedInstance:
                                               m._apply_gate, dtype) for l, m in enumerate(mods)]
             self.draft_bytes = on_device.packed_bytes()
         for l, m in enumerate(mods):
-            m._specter_shared = self
-            m._specter_shared_layer = l
+            m._specter_self_draft = self
+            m._specter_self_draft_layer = l
         model.config._experts_implementation = IMPL_NAME
         self.mode = "target"
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual

@@ -1,6 +1,6 @@
 """Self-speculative greedy decoding over one model instance and one KV cache.
 
-Owns: the draft / verify / accept loop. The INT4 draft (`SharedInstance.draft()`) proposes K
+Owns: the draft / verify / accept loop. The INT4 draft (`SelfDraft.draft()`) proposes K
 tokens one forward at a time, appending temporary entries to the cache; they are cropped;
 the target verifies the pending token and the K proposals in one forward of K+1 positions;
 the longest prefix of proposals equal to the target's own greedy choices is accepted, plus

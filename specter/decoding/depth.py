@@ -1,6 +1,11 @@
-"""The depth profiler: the draft depth K with the lowest mean TPOT, measured, stored, reused.
+"""The draft depth K: the one rule every speculative system follows, and the depth profiler.
 
-Owns: `spec.k=auto`. For a (model, budget, hardware, system, draft) it runs the system's
+The rule (`settle_k`): `spec.k=N` -> N; `spec.k=auto` -> the profiled K (below); unset -> the
+system's own K if its recipe has one (SpecMoEOff and SpecMoE: 3, as their papers run them),
+else the model's paper K (`model.paper_k`), else DEFAULT_K. Every record says which one
+applied (`k_source`).
+
+The profiler owns `spec.k=auto`. For a (model, budget, hardware, system, draft) it runs the system's
 engine at every K of `spec.profile_ks` over `spec.profile_prompts` prompts (the workload's five
 datasets, round-robin, after the evaluated items) x `spec.profile_runs` runs, picks the K
 with the lowest mean TPOT (ties: the smaller K), and stores the sweep as JSON under
@@ -20,6 +25,28 @@ from pathlib import Path
 from specter.metrics import timing
 
 DEFAULT_KS = (2, 4, 6, 8, 12, 16, 20, 24, 32)
+DEFAULT_K = 4  # spec.k unset, no system K, no paper K
+
+
+def settle_k(ctx, engine, default_k: int | None = None, default_k_name: str = "") -> None:
+    """Set `engine.k` and `engine.k_source` by the rule above (auto: profiled on `engine`
+    itself, after it is built)."""
+    k = ctx.cfg.spec.k
+    if isinstance(k, int):
+        engine.k, engine.k_source = k, "spec.k"
+        return
+    if default_k is not None:
+        engine.k, engine.k_source = default_k, default_k_name or f"the system's K={default_k}"
+    elif ctx.cfg.model.paper_k:
+        engine.k, engine.k_source = ctx.cfg.model.paper_k, "model.paper_k"
+    else:
+        engine.k, engine.k_source = DEFAULT_K, f"default {DEFAULT_K}"
+    if k == "auto":
+        from specter.models.zoo import default_cache_dir
+
+        cache = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
+        engine.k, path, reused = auto_depth(ctx, engine, cache)
+        engine.k_source = f"auto ({'reused' if reused else 'profiled'}: {path})"
 
 
 def profile_key(ctx) -> dict:

@@ -1,0 +1,143 @@
+"""The drafts a speculative engine can use, each one part with the same small interface.
+
+- `SelfInt4Draft`: the target's own instance drafts with the INT4 copy of its routed experts
+  (Specter's SIC, LRU-S, SP-E/SP-L): one model, one KV cache, the draft mode switched in.
+- `SeparateInt4Draft`: a second instance of the same checkpoint whose routed experts are the
+  INT4 copy only, with its own KV cache (SpecMoEOff) or a per-window copy of the target's
+  (Specter's no-sharing ablation, the artifact's "SIC off").
+- A draft that computes its experts elsewhere supplies the same interface (SpecMoE's host
+  draft, baselines/specmoe.py).
+
+Each part: `self_draft` (the target's `SelfDraft` whose draft mode the loop switches in; None
+when the draft is a second model), `separate` (that second model's `SeparateDraft`, else
+None), `listen(fn)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call: the
+clock's charge, a window prefetcher), `device_bytes` (device memory beyond the target's own
+parameters and expert slots), `before_forward(tokens, context, phase)`, `reset()` and
+`as_record()`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from specter.decoding.loop import CopiedKVDraft, SeparateDraft
+from specter.decoding.self_draft import SelfDraft
+from specter.engine import cache_bytes
+from specter.models.introspect import experts_modules
+from specter.models.loading import load_model
+from specter.offload.build import Timing
+from specter.quant.build import Draft
+
+
+def _charges_virtually(timing: Timing) -> bool:
+    return timing.cost is not None and timing.clock == "virtual"
+
+
+def draft_experts_charge(timing: Timing, draft: Draft):
+    """A draft listener charging the router and the fused INT4 experts of one draft layer to
+    the virtual clock (one kernel over every routed expert the layer's tokens chose)."""
+    cost, link, spec = timing.cost, timing.link, draft.experts.spec
+
+    def charge(layer: int, top_k_index: torch.Tensor) -> None:
+        link.compute(cost.router_s(top_k_index.shape[0]))
+        counts = torch.bincount(top_k_index.flatten())
+        per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
+    return charge
+
+
+class SelfInt4Draft:
+    """The target's own instance in draft mode: its routed experts from their INT4 copy."""
+
+    separate = None
+
+    def __init__(self, model, draft: Draft, device: torch.device, timing: Timing):
+        self.draft = draft
+        self.self_draft = SelfDraft(model, draft.experts, draft.backend, device)
+        self.device_bytes = self.self_draft.draft_bytes
+        if _charges_virtually(timing):
+            self.listen(draft_experts_charge(timing, draft))
+
+    def listen(self, fn) -> None:
+        self.self_draft.draft_listeners.append(fn)
+
+    def before_forward(self, tokens: int, context: int, phase: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def as_record(self) -> dict:
+        return {**self.draft.as_record(), "shared_instance": True, "draft_kv": "shared",
+                "kv_copy_bytes": 0, "kv_copies": 0}
+
+
+def load_separate_draft_model(ctx):
+    """The same checkpoint loaded a second time as a stand-alone draft: its routed experts
+    will be the INT4 copy only (its full-precision expert tensors are dropped)."""
+    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
+    second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
+                        progress=False).model
+    for _, m in experts_modules(second):
+        m.gate_up_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m.down_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
+        m._specter_moe_layer = -1  # still an experts module for introspection
+    return second
+
+
+class SeparateInt4Draft:
+    """A second instance drafting with the INT4 copy: its own non-expert weights, and its own
+    KV cache (`kv_copy=False`, SpecMoEOff's layout, catching up on the tokens it has not seen)
+    or the target's committed KV copied to it at every window's start (`kv_copy=True`,
+    charged as a device copy)."""
+
+    self_draft = None
+
+    def __init__(self, target_model, draft_model, draft: Draft, device: torch.device,
+                 timing: Timing, kv_copy: bool = False):
+        self.draft, self.timing, self.target_model = draft, timing, target_model
+        self.separate = CopiedKVDraft(draft_model, self._charge_kv_copy) if kv_copy \
+            else SeparateDraft(draft_model)
+        self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device)
+        self.instance.mode = "draft"  # this instance is only ever the draft
+        self.charger = timing.charger(draft_model, charge_experts=False)
+        if _charges_virtually(timing):
+            self.listen(draft_experts_charge(timing, draft))
+        # the INT4 copy (counted once) and the second instance's non-expert weights
+        self.device_bytes = self.instance.draft_bytes + sum(
+            p.numel() * p.element_size() for p in draft_model.parameters())
+        self.kv_copy_bytes = self.kv_copies = 0
+
+    def listen(self, fn) -> None:
+        self.instance.draft_listeners.append(fn)
+
+    def before_forward(self, tokens: int, context: int, phase: str) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill")
+
+    def _charge_kv_copy(self, tokens: int, cache) -> None:
+        """One per-window copy of the committed KV (`tokens` positions), device to device: on
+        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
+        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
+        real clocks measure the copy itself."""
+        cost = self.timing.cost
+        if _charges_virtually(self.timing):
+            s = cost.sizes
+            layers = len(self.target_model.model.layers) * s.attn_multiplier
+            nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes * layers))
+            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
+                                     + 2 * layers * cost.hw.launch_overhead_s)
+        else:
+            nbytes = cache_bytes(cache)
+        self.kv_copy_bytes += nbytes
+        self.kv_copies += 1
+
+    def reset(self) -> None:
+        self.kv_copy_bytes = self.kv_copies = 0
+
+    def as_record(self) -> dict:
+        copied = isinstance(self.separate, CopiedKVDraft)
+        return {**self.draft.as_record(), "shared_instance": False,
+                "draft_kv": "copied" if copied else "own",
+                "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}

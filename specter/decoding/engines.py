@@ -1,0 +1,163 @@
+"""The two engines every decoding system is made of.
+
+An engine is a decoding loop x a draft x a prefetcher x an eviction policy:
+
+- `GreedyEngine`: autoregressive greedy decoding, all experts resident (`runtime=None`) or
+  offloaded through an `OffloadRuntime` (its eviction policy and any per-layer
+  `LayerPrefetcher` are the runtime's).
+- `SpeculativeEngine`: draft -> verify -> accept (`decoding/loop.py`) over offloaded experts,
+  with a draft part (`decoding/drafts.py`, or a system's own) and an optional
+  `WindowPrefetcher` told of the draft's routing and steps.
+
+Systems are recipes choosing the parts and their knobs (`specter/system.py`, `baselines/`);
+no system subclasses an engine. Each engine owns what every system shares: the stop set, the
+device-memory account, the compute charger, the per-request reset and the record columns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specter.decoding.depth import settle_k
+from specter.decoding.loop import speculative_greedy
+from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
+from specter.offload.build import Timing, offload_model, timing_for
+from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
+from specter.offload.runtime import OffloadRuntime
+
+
+class GreedyEngine:
+    """Autoregressive greedy decoding; `runtime=None`: every expert resident (HF's own)."""
+
+    samples = False  # greedy only: workload.temperature must be 0
+
+    def __init__(self, name: str, model, device: torch.device, timing: Timing,
+                 runtime: OffloadRuntime | None = None, stop_on_eos: bool = True):
+        self.name, self.model, self.device = name, model, device
+        self.timing, self.runtime = timing, runtime
+        self.stop = eos_ids(model) if stop_on_eos else set()
+        slots = runtime.cache.device_bytes() if runtime is not None else 0
+        self.memory = DeviceMemory(model, device, extra_bytes=slots)
+        self.charger = timing.charger(model, charge_experts=runtime is None)
+        self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
+
+    def reset(self) -> None:
+        """The fixed initial resident set and statistics, before each request (outside timing)."""
+        if self.runtime is None:
+            self.timing.link.reset_stats()
+            return
+        self.timing.link.synchronize()
+        self.runtime.reset()
+        if self.prefetcher is not None:
+            self.prefetcher.reset()
+
+    def seed_request(self, seed: int) -> None:
+        """Greedy decoding draws nothing."""
+
+    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill")
+        if self.runtime is not None:
+            self.runtime.record_demand = phase != "prefill"  # the hit rate excludes prefill
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        gen = greedy_decode(self.model, prompt_ids, max_new_tokens, self.device, self.timing.link,
+                            self.stop, self.memory, self._before_forward)
+        if self.runtime is not None:
+            gen.stats.update(self.runtime.stats.as_record())
+        gen.stats.update(self.timing.link_record())
+        if self.prefetcher is not None:
+            gen.stats.update(self.prefetcher.as_record())
+        return gen
+
+
+class SpeculativeEngine:
+    """Speculative decoding over offloaded target experts: `draft` proposes, the target
+    verifies through `runtime`, `window` (optional) prefetches for the coming verification."""
+
+    samples = True  # workload.temperature > 0: speculative sampling (seed_request per request)
+
+    def __init__(self, name: str, model, device: torch.device, timing: Timing,
+                 runtime: OffloadRuntime, draft, k: int, k_source: str = "spec.k",
+                 window: WindowPrefetcher | None = None, stop_on_eos: bool = True,
+                 temperature: float = 0.0):
+        self.name, self.model, self.device = name, model, device
+        self.timing, self.runtime, self.draft = timing, runtime, draft
+        self.k, self.k_source = k, k_source
+        self.window = window or WindowPrefetcher()
+        self.stop = eos_ids(model) if stop_on_eos else set()
+        self.memory = DeviceMemory(model, device,
+                                   extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
+        self.charger = timing.charger(model, charge_experts=False)
+        draft.listen(self.window.on_draft_experts)
+        self.temperature = temperature  # > 0: speculative sampling with `self.generator`
+        self.generator: torch.Generator | None = None
+
+    def reset(self) -> None:
+        self.timing.link.synchronize()
+        self.runtime.reset()
+        self.draft.reset()
+        self.window.reset()
+
+    def seed_request(self, seed: int) -> None:
+        """The sampling generator of the next request (workload.temperature > 0)."""
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill")
+        self.draft.before_forward(tokens, context, phase)
+        self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
+        self.window.on_forward(phase)
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        sampling = {"temperature": self.temperature, "generator": self.generator} \
+            if self.temperature > 0 else {}
+        gen = speculative_greedy(self.model, self.draft.self_draft, prompt_ids, max_new_tokens,
+                                 self.k, self.device, self.timing.link, self.stop, self.memory,
+                                 self._before_forward, separate=self.draft.separate,
+                                 after_draft_step=self.window.after_draft_step,
+                                 on_window=lambda _stats: self.window.end_window(), **sampling)
+        gen.stats.update(self.runtime.stats.as_record())
+        gen.stats.update(self.timing.link_record())
+        gen.stats.update(self.draft.as_record())
+        gen.stats["k_source"] = self.k_source
+        gen.stats["staged_loads"] = self.runtime.cache.staged_loads  # prefetches into staging
+        gen.stats.update({"reorder": not self.runtime.serial, "overlap": self.runtime.overlap})
+        gen.stats.update(self.window.as_record())
+        return gen
+
+
+def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
+                 offload: bool = True) -> GreedyEngine:
+    """A greedy engine for `ctx`: experts offloaded (with `prefetcher`), or all resident."""
+    timing = timing_for(ctx)
+    runtime = offload_model(ctx, timing, prefetcher) if offload else None
+    return GreedyEngine(name, ctx.loaded.model, ctx.device, timing, runtime,
+                        stop_on_eos=ctx.cfg.workload.stop_on_eos)
+
+
+def build_speculative(ctx, name: str, make_draft, window=None, default_k: int | None = None,
+                      default_k_name: str = "", reorder: bool = True, overlap: bool = True
+                      ) -> SpeculativeEngine:
+    """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
+    once the target's experts are offloaded (quantize before, from the full-precision
+    experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
+    window prefetcher, or None. `reorder=False` verifies token by token, `overlap=False` loads
+    verification's misses serially (the runtime's ablations). K: the one rule of
+    `decoding/depth.py settle_k` (`default_k`: the system's own K when spec.k is unset)."""
+    timing = timing_for(ctx)
+    runtime = offload_model(ctx, timing)
+    runtime.serial, runtime.overlap = not reorder, overlap
+    draft = make_draft(timing, runtime)
+    engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
+                               k=1, window=window(runtime, timing, draft) if window else None,
+                               stop_on_eos=ctx.cfg.workload.stop_on_eos,
+                               temperature=ctx.cfg.workload.temperature)
+    settle_k(ctx, engine, default_k, default_k_name)
+    return engine
+
+
+def resident_engine(model, device: torch.device, stop_on_eos: bool = True,
+                    timing: Timing | None = None) -> GreedyEngine:
+    """Every expert on the device, plain greedy decoding (real time unless `timing`)."""
+    return GreedyEngine("resident", model, device, timing or Timing.wall(device),
+                        stop_on_eos=stop_on_eos)
