@@ -28,27 +28,36 @@ def check_group_choices(argv: list[str]) -> None:
                 raise UserError(f"unknown {key} '{choice}'; choose one of: {', '.join(options)}.")
 
 
-def system_knob_overrides(argv: list[str]) -> list[str]:
-    """`system.<knob>=v` for any system: the knobs (specter.config.SystemConfig) live only in
-    the yaml of the systems that have them, so the override is forced (`++`) past Hydra's
-    struct check and the runner's own check refuses a knob the system lacks, in one sentence;
-    an unknown setting is one sentence here."""
-    from dataclasses import fields
+def chosen_systems(argv: list[str]) -> list[str]:
+    """The systems a command line runs: `system=a,b`, else its experiment overlay's, else the
+    default (conf/config.yaml)."""
+    import re
 
-    from specter.config import SystemConfig
-    from specter.errors import UserError
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key == "system":
+            return value.split(",")
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and key == "experiment" and (CONF / "experiment" / f"{value}.yaml").exists():
+            m = re.search(r"override /system: *(\w+)", (CONF / "experiment" / f"{value}.yaml").read_text())
+            if m:
+                return [m.group(1)]
+    m = re.search(r"- system: *(\w+)", (CONF / "config.yaml").read_text())
+    return [m.group(1)] if m else []
 
-    knobs = [f.name for f in fields(SystemConfig) if f.name != "name"]
-    out = []
+
+def check_system_settings(argv: list[str]) -> None:
+    """`system.<knob>=v` that the chosen system does not have: one sentence (each system's
+    knobs are its own typed config, experiments/systems.py `config_class`), before Hydra's
+    struct check answers in several lines."""
+    from experiments.systems import check_setting
+
     for arg in argv:
         key, eq, _ = arg.lstrip("+~").partition("=")
         if eq and key.startswith("system.") and not arg.startswith("~"):
-            if key[len("system."):] not in knobs:
-                raise UserError(f"unknown setting '{key}'; system settings are: "
-                                f"{', '.join('system.' + k for k in knobs)}.")
-            arg = "++" + arg.lstrip("+")
-        out.append(arg)
-    return out
+            for name in chosen_systems(argv):
+                check_setting(name, key[len("system."):])
 
 
 def main() -> None:
@@ -71,7 +80,7 @@ def main() -> None:
 
     try:
         check_group_choices(sys.argv[1:])
-        sys.argv[1:] = system_knob_overrides(sys.argv[1:])
+        check_system_settings(sys.argv[1:])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(UserError.exit_code)

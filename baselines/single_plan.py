@@ -10,13 +10,32 @@ starts once the plan's batch has landed, `system.wait_last_batch`): the comparis
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from specter.config import SystemConfig
 from specter.decoding.engines import SpeculativeEngine
-from specter.system import build_planned
+from specter.system import SpecterConfig, build_planned
 
 ENGINE = SpeculativeEngine
 MODES = {"sp_e": "early", "sp_l": "late"}
 
 
+@dataclass
+class Config(SystemConfig):
+    """The knobs sp_e / sp_l share with specter; every other rule is specter's default."""
+
+    top_m: int | None = None  # experts per layer in the plan; None: the slots
+    prefetch_noise: float = 0.0
+    wait_last_batch: bool = True
+
+    def validate(self) -> None:
+        self.as_specter().validate()
+
+    def as_specter(self) -> SpecterConfig:
+        return SpecterConfig(name=self.name, top_m=self.top_m, prefetch_noise=self.prefetch_noise,
+                             wait_last_batch=self.wait_last_batch)
+
+
 def build(ctx) -> SpeculativeEngine:
-    name = ctx.cfg.system.name
-    return build_planned(ctx, name, MODES[name])
+    sc = ctx.cfg.system
+    return build_planned(ctx, sc.name, MODES[sc.name], sc.as_specter())

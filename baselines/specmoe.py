@@ -45,9 +45,12 @@ Attention, shared experts and the lm head are charged by the engine's Charger in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
+from specter.config import SystemConfig
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
@@ -57,6 +60,15 @@ from specter.offload.runtime import OffloadRuntime
 
 ENGINE = SpeculativeEngine
 K_DEFAULT = 4
+
+
+@dataclass
+class Config(SystemConfig):
+    draft_top_k: int | None = None  # experts per draft token; None: max(1, top_k // 2)
+
+    def validate(self) -> None:
+        if self.draft_top_k is not None and self.draft_top_k < 1:
+            raise UserError(f"system.draft_top_k must be at least 1 (got {self.draft_top_k}).")
 
 
 def default_draft_top_k(top_k: int) -> int:

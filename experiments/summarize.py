@@ -16,7 +16,7 @@ from dataclasses import fields
 import pandas as pd
 
 from experiments import records
-from specter.config import SystemConfig
+from experiments.systems import config_class
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",
@@ -28,8 +28,9 @@ METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate"
 
 def variant(row: pd.Series) -> str:
     """What sets a run apart from its system's defaults: system knobs and a fixed spec.k."""
-    defaults = SystemConfig(name="-")
-    parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(SystemConfig)
+    cls = config_class(str(row.get("system")))
+    defaults = cls(name="-")
+    parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(cls)
              if f.name != "name" and f"cfg.system.{f.name}" in row
              and not _same(row[f"cfg.system.{f.name}"], getattr(defaults, f.name))]
     staging = row.get("budget_staging")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from specter.budget import Footprint, ResolvedBudget
-from specter.config import RunConfig, SystemConfig
+from specter.config import RunConfig, SystemConfig, register_system_configs
 from specter.engine import Engine
 from specter.errors import UserError
 from specter.models.loading import LoadedModel
@@ -30,6 +30,7 @@ SYSTEMS: dict[str, str] = {
     "sp_e": "baselines.single_plan",
     "sp_l": "baselines.single_plan",
     "specmoe": "baselines.specmoe",
+    "last_window": "baselines.last_window",
     "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
 }
 
@@ -42,21 +43,21 @@ class BuildContext:
     device: torch.device
 
 
-# The `system.*` knobs (specter/config.py SystemConfig) each system honours; any other
-# system refuses a non-default value rather than silently ignoring it.
-KNOBS: dict[str, tuple[str, ...]] = {
-    "specter": ("orchestrator", "shared", "reorder", "top_m", "cold_start", "prefetch_noise",
-                "cold_start_round", "final_plan", "wait_last_batch", "overlap", "kv_copy",
-                "bandwidth_prior_Bps", "step_prior_s"),
-    "sp_e": ("top_m", "prefetch_noise", "wait_last_batch"),
-    "sp_l": ("top_m", "prefetch_noise", "wait_last_batch"),
-    "specmoe": ("draft_top_k",),
-}
-
-
 def recipe(name: str):
     """The module of system `name` (its `build(ctx)` and `ENGINE`, the engine class it builds)."""
     return importlib.import_module(SYSTEMS[name])
+
+
+def config_class(name: str) -> type[SystemConfig]:
+    """System `name`'s settings: its recipe's `Config` (a SystemConfig subclass with its
+    knobs), else the bare SystemConfig (no knobs)."""
+    if name not in SYSTEMS:
+        return SystemConfig
+    return getattr(recipe(name), "Config", SystemConfig)
+
+
+def settings_of(name: str) -> list[str]:
+    return [f.name for f in fields(config_class(name)) if f.name != "name"]
 
 
 def sampling_systems() -> tuple[str, ...]:
@@ -72,7 +73,8 @@ def footprint(system: SystemConfig) -> Footprint:
     a second instance for SpecMoEOff and Specter without sharing, whole layers for accelerate."""
     name = system.name
     second = name == "specmoeoff" or (name == "specter" and not system.shared)
-    return Footprint(int4_draft=name in ("lru_s", "specmoeoff", "specter", "sp_e", "sp_l"),
+    return Footprint(int4_draft=name in ("lru_s", "specmoeoff", "specter", "sp_e", "sp_l",
+                                         "last_window"),
                      second_instance=second, whole_layers=name == "transformers")
 
 
@@ -83,16 +85,25 @@ def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     if temperature > 0 and not recipe(name).ENGINE.samples:
         raise UserError(f"workload.temperature > 0 needs a speculating system "
                         f"({', '.join(sampling_systems())}); system={name} decodes greedily only.")
-    defaults = SystemConfig(name=name)
-    for f in fields(SystemConfig):
-        if f.name == "name" or f.name in KNOBS.get(name, ()):
-            continue
-        if getattr(system, f.name) != getattr(defaults, f.name):
-            raise UserError(f"system.{f.name} applies to "
-                            f"{', '.join(s for s, k in KNOBS.items() if f.name in k)} "
-                            f"only, not to system={name}.")
+
+
+def check_setting(name: str, knob: str) -> None:
+    """`system.<knob>` given for system `name`: one sentence if it has no such setting."""
+    if name not in SYSTEMS or knob in settings_of(name):
+        return
+    owners = [s for s in SYSTEMS if knob in settings_of(s)]
+    if owners:
+        raise UserError(f"system.{knob} applies to {', '.join(owners)} only, not to system={name}.")
+    own = settings_of(name)
+    raise UserError(f"unknown setting 'system.{knob}'; system={name} has "
+                    + (f"the settings {', '.join('system.' + k for k in own)}." if own
+                       else "no settings."))
 
 
 def build_engine(ctx: BuildContext) -> Engine:
     check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
     return recipe(ctx.cfg.system.name).build(ctx)
+
+
+# RunConfig.from_dict builds each system's own config and refuses a knob it lacks in one sentence
+register_system_configs(config_class, check_setting)

@@ -120,9 +120,9 @@ def _mean(df: pd.DataFrame, column: str) -> float:
 def _knob(df: pd.DataFrame, name: str, value):
     """Rows whose `system.<name>` is `value`; a record without it (a system that lacks the
     knob, or an older record) holds the default."""
-    from specter.config import SystemConfig
+    from specter.system import SpecterConfig
 
-    is_default = value == getattr(SystemConfig(name="-"), name)
+    is_default = value == getattr(SpecterConfig(name="-"), name)
     col = f"cfg.system.{name}"
     if col not in df:
         return pd.Series(is_default, index=df.index)
@@ -148,9 +148,9 @@ def _value(text: str):
 
 
 def _variant(df: pd.DataFrame, overrides: tuple[str, ...]) -> pd.DataFrame:
-    from specter.config import SystemConfig
+    from specter.system import SpecterConfig  # the variants are Specter's ablations
 
-    want = {f.name: getattr(SystemConfig(name="-"), f.name) for f in fields(SystemConfig)
+    want = {f.name: getattr(SpecterConfig(name="-"), f.name) for f in fields(SpecterConfig)
             if f.name != "name"}
     for o in overrides:
         key, _, value = o.partition("=")

@@ -47,26 +47,32 @@ class BudgetConfig:
 
 @dataclass
 class SystemConfig:
-    """The decoding system. The fields after `name` are knobs of `specter` (and its
-    single-plan cousins sp_e / sp_l) and of `specmoe` (draft_top_k); a system refuses a knob
-    it does not have (experiments/systems.py KNOBS)."""
+    """The decoding system: its `name`, and its own knobs. A system with knobs declares them
+    as a subclass (`Config` in its recipe module, e.g. specter/system.py `SpecterConfig`),
+    which `RunConfig.from_dict` builds for that system, so a knob the system does not have
+    is refused by construction; conf/system/<name>.yaml lists the same knobs."""
 
     name: str
-    orchestrator: bool = True  # the predictive I/O orchestrator (False: on-demand loads only)
-    shared: bool = True  # one instance for draft and target (False: copied weights and KV)
-    reorder: bool = True  # verification grouped by expert (False: one GEMV per token, serially)
-    top_m: int | None = None  # experts per layer per prefetch batch; None: the slots (artifact)
-    cold_start: float = 0.2  # first plan after this fraction of the window's draft steps
-    prefetch_noise: float = 0.0  # experiment=oracle: share of planned expert IDs made wrong
-    # Where the authors' artifact and our first reading differ (defaults: the artifact's).
-    cold_start_round: str = "floor"  # first boundary max(1, int(f*K)); "ceil": ceil(f*K)
-    final_plan: bool = False  # True: one last plan after the last draft step (ours before)
-    wait_last_batch: bool = True  # verify once the last batch landed (False: per-expert waits)
-    overlap: bool = True  # False: serial demand loading, no copy/compute overlap (ablation "none")
-    kv_copy: bool = True  # shared=false: target's KV copied to the draft per window (False: own KV)
-    bandwidth_prior_Bps: float | None = 12e9  # planner's bandwidth prior; None: the link profile's
-    step_prior_s: float | None = 1e-3  # planner's draft-step prior; None: none (first measurement)
-    draft_top_k: int | None = None  # specmoe: experts per draft token; None: max(1, top-k // 2)
+
+    def validate(self) -> None:
+        """Range checks of the knobs (none here)."""
+
+
+# name -> the system's config class; set by the system registry (experiments/systems.py
+# `config_class`), which knows the recipes. Unset or unknown: the bare SystemConfig.
+_system_config_of = None
+_check_setting = None
+
+
+def register_system_configs(resolver, check_setting=None) -> None:
+    """`resolver(name) -> type[SystemConfig]`: the config class of each system;
+    `check_setting(name, knob)`: raises the one-sentence error for a knob `name` lacks."""
+    global _system_config_of, _check_setting
+    _system_config_of, _check_setting = resolver, check_setting
+
+
+def system_config_class(name: str) -> type:
+    return _system_config_of(name) if _system_config_of is not None else SystemConfig
 
 
 @dataclass
@@ -190,22 +196,7 @@ class RunConfig:
             raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
         if not (w.temperature >= 0 and w.temperature < float("inf")):
             raise UserError(f"workload.temperature must be >= 0 (got {w.temperature}).")
-        sysc = self.system
-        if not 0.0 <= sysc.prefetch_noise <= 1.0:
-            raise UserError(f"system.prefetch_noise must be in [0, 1] (got {sysc.prefetch_noise}).")
-        if not 0.0 < sysc.cold_start <= 1.0:
-            raise UserError(f"system.cold_start must be in (0, 1] (got {sysc.cold_start}).")
-        if sysc.draft_top_k is not None and sysc.draft_top_k < 1:
-            raise UserError(f"system.draft_top_k must be at least 1 (got {sysc.draft_top_k}).")
-        if sysc.top_m is not None and sysc.top_m < 1:
-            raise UserError(f"system.top_m must be at least 1 (got {sysc.top_m}).")
-        if sysc.cold_start_round not in ("floor", "ceil"):
-            raise UserError(f"system.cold_start_round must be floor or ceil "
-                            f"(got '{sysc.cold_start_round}').")
-        for key in ("bandwidth_prior_Bps", "step_prior_s"):
-            value = getattr(sysc, key)
-            if value is not None and not (0 < value < float("inf")):
-                raise UserError(f"system.{key} must be a positive number or null (got {value}).")
+        self.system.validate()
         b = self.budget
         if b.slots is not None and b.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")
@@ -229,6 +220,9 @@ def _build(cls, d: Any, prefix: str):
         raise UserError(f"config '{prefix.rstrip('.')}' must be a mapping, got {d!r}.")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
+    if unknown and issubclass(cls, SystemConfig) and _check_setting is not None:
+        for key in unknown:
+            _check_setting(str(d.get("name")), key)
     if unknown:
         raise UserError(f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
                         f"valid keys here: {', '.join(prefix + k for k in known)}.")
@@ -237,6 +231,8 @@ def _build(cls, d: Any, prefix: str):
         if name not in d:
             continue
         sub = _NESTED.get((cls.__name__, name))
+        if sub is SystemConfig and isinstance(d[name], dict):
+            sub = system_config_class(str(d[name].get("name")))
         kwargs[name] = _build(sub, d[name], f"{prefix}{name}.") if sub else _check(f, d[name], prefix)
     try:
         return cls(**kwargs)

@@ -19,22 +19,64 @@ plan is `sp_e` / `sp_l` (baselines/single_plan.py).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from specter.config import SystemConfig
 from specter.decoding.drafts import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.pio.elb import ExpertLookaheadBuffer
 from specter.pio.orchestrator import Orchestrator
+from specter.errors import UserError
 from specter.quant.build import draft_for
 
 ENGINE = SpeculativeEngine
 
 
-def orchestrator_for(ctx, plan_mode: str):
+@dataclass
+class SpecterConfig(SystemConfig):
+    """Specter's knobs (conf/system/specter.yaml says what each one switches)."""
+
+    orchestrator: bool = True  # the predictive I/O orchestrator (False: on-demand loads only)
+    shared: bool = True  # one instance for draft and target (False: a second instance)
+    reorder: bool = True  # verification grouped by expert (False: one GEMV per token, serially)
+    top_m: int | None = None  # experts per layer per prefetch batch; None: the slots (artifact)
+    cold_start: float = 0.2  # first plan after this fraction of the window's draft steps
+    prefetch_noise: float = 0.0  # experiment=oracle: share of planned expert IDs made wrong
+    # Where the authors' artifact and our first reading differ (defaults: the artifact's).
+    cold_start_round: str = "floor"  # first boundary max(1, int(f*K)); "ceil": ceil(f*K)
+    final_plan: bool = False  # True: one last plan after the last draft step (ours before)
+    wait_last_batch: bool = True  # verify once the last batch landed (False: per-expert waits)
+    overlap: bool = True  # False: serial demand loading, no copy/compute overlap (ablation "none")
+    kv_copy: bool = True  # shared=false: target's KV copied to the draft per window (False: own KV)
+    bandwidth_prior_Bps: float | None = 12e9  # planner's bandwidth prior; None: the link profile's
+    step_prior_s: float | None = 1e-3  # planner's draft-step prior; None: none (first measurement)
+
+    def validate(self) -> None:
+        if not 0.0 <= self.prefetch_noise <= 1.0:
+            raise UserError(f"system.prefetch_noise must be in [0, 1] (got {self.prefetch_noise}).")
+        if not 0.0 < self.cold_start <= 1.0:
+            raise UserError(f"system.cold_start must be in (0, 1] (got {self.cold_start}).")
+        if self.top_m is not None and self.top_m < 1:
+            raise UserError(f"system.top_m must be at least 1 (got {self.top_m}).")
+        if self.cold_start_round not in ("floor", "ceil"):
+            raise UserError(f"system.cold_start_round must be floor or ceil "
+                            f"(got '{self.cold_start_round}').")
+        for key in ("bandwidth_prior_Bps", "step_prior_s"):
+            value = getattr(self, key)
+            if value is not None and not (0 < value < float("inf")):
+                raise UserError(f"system.{key} must be a positive number or null (got {value}).")
+
+
+Config = SpecterConfig
+
+
+def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
     """The window prefetcher: the PIO planner ("pio") or one single plan ("early", "late").
     system.top_m unset: M = the slots (the artifact's: a plan may fill every slot). The
     planner's bandwidth prior: `system.bandwidth_prior_Bps` (the artifact's, blended into the
     running average), else the link profile's; real-time links (CUDA) carry no profile, so the
     hardware's nominal PCIe bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until measured."""
-    sc, hw = ctx.cfg.system, ctx.cfg.hardware
+    hw = ctx.cfg.hardware
     real_time = hw.clock not in ("virtual", "emulated")
 
     def make(runtime, timing, draft) -> Orchestrator:
@@ -54,10 +96,10 @@ def orchestrator_for(ctx, plan_mode: str):
     return make
 
 
-def build_planned(ctx, name: str, plan_mode: str | None) -> SpeculativeEngine:
-    """Specter's parts: the INT4 self-draft (or, shared=false, a second instance), the
-    orchestrator in `plan_mode` (None: on-demand loads only), expert-grouped verification."""
-    sc = ctx.cfg.system
+def build_planned(ctx, name: str, plan_mode: str | None, sc: SpecterConfig) -> SpeculativeEngine:
+    """Specter's parts under settings `sc`: the INT4 self-draft (or, shared=false, a second
+    instance), the orchestrator in `plan_mode` (None: on-demand loads only), expert-grouped
+    verification."""
     draft = draft_for(ctx)  # from the full-precision experts, before they move out
     if sc.shared:
         make_draft = lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing)  # noqa: E731
@@ -66,9 +108,10 @@ def build_planned(ctx, name: str, plan_mode: str | None) -> SpeculativeEngine:
         make_draft = lambda timing, _: SeparateInt4Draft(  # noqa: E731
             ctx.loaded.model, second, draft, ctx.device, timing, kv_copy=sc.kv_copy)
     return build_speculative(ctx, name, make_draft,
-                             window=orchestrator_for(ctx, plan_mode) if plan_mode else None,
+                             window=orchestrator_for(ctx, sc, plan_mode) if plan_mode else None,
                              reorder=sc.reorder, overlap=sc.overlap)
 
 
 def build(ctx) -> SpeculativeEngine:
-    return build_planned(ctx, "specter", "pio" if ctx.cfg.system.orchestrator else None)
+    sc = ctx.cfg.system
+    return build_planned(ctx, "specter", "pio" if sc.orchestrator else None, sc)

@@ -272,19 +272,28 @@ def test_wait_last_batch_serial_loading_and_kv_copy_are_charged():
 
 
 def test_knobs_are_refused_by_systems_that_do_not_have_them():
-    from experiments.systems import check_system
-    from specter.config import SystemConfig
+    import yaml
 
-    check_system(SystemConfig(name="specter", shared=False, top_m=3))
-    check_system(SystemConfig(name="sp_l", top_m=3, wait_last_batch=False))
-    with pytest.raises(UserError, match="system.overlap applies to specter only"):
-        check_system(SystemConfig(name="sp_e", overlap=False))
-    with pytest.raises(UserError, match="system.kv_copy applies to specter only"):
-        check_system(SystemConfig(name="specmoeoff", kv_copy=False))
-    with pytest.raises(UserError, match="system.shared applies to specter only"):
-        check_system(SystemConfig(name="lru_s", shared=False))
-    with pytest.raises(UserError, match="prefetch_noise"):
-        check_system(SystemConfig(name="lru", prefetch_noise=0.5))
+    from conftest import REPO
+    from experiments.systems import config_class
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    def cfg(system: dict):
+        return RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": system, "dataset": {"name": "gsm8k"},
+            "hardware": A100, "workload": {}})
+
+    assert cfg({"name": "specter", "shared": False, "top_m": 3}).system.top_m == 3
+    assert isinstance(cfg({"name": "sp_l", "top_m": 3}).system, config_class("sp_l"))
+    for name, knob, text in (("sp_e", "overlap", "system.overlap applies to specter only"),
+                             ("specmoeoff", "kv_copy", "system.kv_copy applies to specter only"),
+                             ("lru_s", "shared", "system.shared applies to specter only"),
+                             ("lru", "prefetch_noise", "prefetch_noise applies to specter, sp_e"),
+                             ("lru", "sharing", "unknown setting 'system.sharing'")):
+        with pytest.raises(UserError, match=text):
+            cfg({"name": name, knob: True})
 
 
 # -- the orchestrator's schedule on a synthetic clock ---------------------------------------

@@ -130,6 +130,7 @@ class OffloadRuntime:
         self.stats = DemandStats()
         self.record_demand = True  # False during prefill (hit rate excludes it)
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
+        self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
         self.serial = False  # True: one GEMV per (token, expert), no grouping (an ablation)
         # False: serial demand loading (an ablation): each miss is copied only when its turn
         # comes and waited for before anything else computes; no copy overlaps compute.
@@ -149,6 +150,7 @@ class OffloadRuntime:
     def reset(self) -> None:
         self.cache.reset()
         self.stats = DemandStats()
+        self.last_needed, self.last_counts = {}, {}
         self.link.reset_stats()
 
     @torch.no_grad()
@@ -161,6 +163,7 @@ class OffloadRuntime:
         ids, n_tokens = torch.unique(top_k_index, return_counts=True)  # sorted expert ids
         needed = ids.tolist()  # host sync: residency is a host decision
         self.last_needed[l] = needed
+        self.last_counts[l] = dict(zip(needed, n_tokens.tolist()))
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -171,7 +174,7 @@ class OffloadRuntime:
             self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
             self.stats.distinct[l].update(needed)
             self.stats.forward_distinct.append(len(needed))
-            tokens_of = dict(zip(needed, n_tokens.tolist()))
+            tokens_of = self.last_counts[l]
             self.stats.pair_requests += top_k_index.numel()
             self.stats.pair_hits += sum(tokens_of[e] for e in hits)
         cache.protect(l, needed)  # needed and not yet computed: never evicted

@@ -1,0 +1,59 @@
+"""`system=last_window`: speculative decoding with the INT4 self-draft, and one prefetch per
+window: the top-M experts per layer of the last verified window, by tokens routed to them,
+loaded as soon as that window is verified so the copies run under the next window's draft.
+
+A baseline users ask for (routing is temporally local, so the last window's hot experts are a
+cheap guess at the next window's), and the demonstration of how a policy is added: this
+file's policy class and recipe, one line in experiments/systems.py, conf/system/last_window.yaml.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specter.config import SystemConfig
+from specter.decoding.drafts import SelfInt4Draft
+from specter.decoding.engines import SpeculativeEngine, build_speculative
+from specter.errors import UserError
+from specter.offload.prefetch import WindowPrefetcher
+from specter.quant.build import draft_for
+
+ENGINE = SpeculativeEngine
+
+
+@dataclass
+class Config(SystemConfig):
+    top_m: int | None = None  # experts per layer to prefetch; None: the model's top-k
+
+    def validate(self) -> None:
+        if self.top_m is not None and self.top_m < 1:
+            raise UserError(f"system.top_m must be at least 1 (got {self.top_m}).")
+
+
+class LastWindowPrefetch(WindowPrefetcher):
+    """After each verification: per MoE layer, the `top_m` experts verification routed the
+    most tokens to (ties: lower id) that are not resident are loaded."""
+
+    def __init__(self, runtime, top_m: int):
+        self.runtime, self.top_m = runtime, top_m
+        self.prefetched = 0
+
+    def end_window(self) -> None:
+        for layer, counts in self.runtime.last_counts.items():
+            ranked = sorted(counts, key=lambda e: (-counts[e], e))[:self.top_m]
+            self.prefetched += self.runtime.prefetch(layer, ranked, count=False)
+
+    def reset(self) -> None:
+        self.prefetched = 0
+
+    def as_record(self) -> dict:
+        return {"prefetches": self.prefetched, "top_m": self.top_m}
+
+
+def build(ctx) -> SpeculativeEngine:
+    draft = draft_for(ctx)
+    top_m = ctx.cfg.system.top_m or ctx.loaded.spec.top_k
+    return build_speculative(
+        ctx, "last_window",
+        lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing),
+        window=lambda runtime, timing, _: LastWindowPrefetch(runtime, top_m))
