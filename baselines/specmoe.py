@@ -15,12 +15,10 @@ are ours:
   So the kept weights are rescaled to the original top-k sum only where the router itself
   normalizes its top-k (Mixtral; `norm_topk_prob=True`); elsewhere (DeepSeek-V2, Qwen1.5-MoE,
   OLMoE: raw softmax probabilities; Phi-3.5-MoE: sparsemixer multipliers near 1 each) the
-  dropped experts' weight is simply dropped. Measured greedy acceptance, K=4, 12 prompts
-  x 40 tokens, rescaled vs raw: tiny_mixtral d=1 0.63 vs 0.47; small_deepseek d=1 0.62 vs
-  0.77, d=3 0.83 both; small_qwen d=2 0.65 vs 0.78; tiny_phi d=1 0.81 vs 0.89; against the
-  rule only tiny_deepseek d=1 0.99 vs 0.97. Rescaling a small kept share of a
-  non-normalized router amplifies one expert several-fold. With `draft_top_k == top_k` the
-  draft is exactly the target computed elsewhere.
+  dropped experts' weight is simply dropped: rescaling a small kept share of a non-normalized
+  router amplifies one expert several-fold, and the acceptance measured both ways agrees with
+  the rule on every model but one (docs/measurements/specmoe-draft-renormalization.md). With
+  `draft_top_k == top_k` the draft is exactly the target computed elsewhere.
 - Draft depth K: `spec.k` if an integer, else 4 (`K_DEFAULT`; model.paper_k is Specter's
   depth, not SpecMoE's): a small gamma, since every draft token is serial host work
   (draft_top_k full-precision expert reads per MoE layer at host memory bandwidth) that a

@@ -23,7 +23,7 @@ import torch
 
 from experiments import records
 from experiments.provenance import provenance
-from experiments.systems import BuildContext, build_engine, check_system, footprint, recipe
+from experiments.registry import BuildContext, build_engine, check_system, footprint, recipe
 from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError

@@ -16,7 +16,7 @@ from dataclasses import fields
 import pandas as pd
 
 from experiments import records
-from experiments.systems import config_class
+from experiments.registry import config_class
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",

@@ -58,7 +58,7 @@ class SystemConfig:
         """Range checks of the knobs (none here)."""
 
 
-# name -> the system's config class; set by the system registry (experiments/systems.py
+# name -> the system's config class; set by the system registry (experiments/registry.py
 # `config_class`), which knows the recipes. Unset or unknown: the bare SystemConfig.
 _system_config_of = None
 _check_setting = None
@@ -144,6 +144,13 @@ class QuantConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """How offloaded experts' device slots are managed (every offloading system)."""
+
+    policy: str = "lru"  # eviction: a name in specter/offload/policy.py POLICIES (lru | lfu)
+
+
+@dataclass
 class SpecConfig:
     """Self-speculative decoding (systems that speculate)."""
 
@@ -165,6 +172,7 @@ class RunConfig:
     workload: WorkloadConfig
     quant: QuantConfig = field(default_factory=QuantConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     experiment: str = "default"
     out_dir: str = "results/default"
     seed: int = 0  # run randomness (sampling); does not change a project-made model
@@ -197,6 +205,11 @@ class RunConfig:
         if not (w.temperature >= 0 and w.temperature < float("inf")):
             raise UserError(f"workload.temperature must be >= 0 (got {w.temperature}).")
         self.system.validate()
+        from specter.offload.policy import POLICIES
+
+        if self.offload.policy not in POLICIES:
+            raise UserError(f"unknown offload.policy '{self.offload.policy}'; choose one of: "
+                            f"{', '.join(sorted(POLICIES))}.")
         b = self.budget
         if b.slots is not None and b.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")
@@ -265,4 +278,5 @@ def hardware_from_dict(d: dict[str, Any]) -> HardwareConfig:
 _NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetConfig,
            ("RunConfig", "system"): SystemConfig, ("RunConfig", "dataset"): DatasetConfig,
            ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig,
-           ("RunConfig", "quant"): QuantConfig, ("RunConfig", "spec"): SpecConfig}
+           ("RunConfig", "quant"): QuantConfig, ("RunConfig", "spec"): SpecConfig,
+           ("RunConfig", "offload"): OffloadConfig}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, TINY
-from experiments.systems import BuildContext, build_engine
+from experiments.registry import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models import zoo
@@ -23,7 +23,7 @@ A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge
 
 
 def make_engine(name: str, system: str | dict, slots: int | None, hardware=None, budget="high",
-                spec: dict | None = None, staging: int = 0):
+                spec: dict | None = None, staging: int = 0, offload: dict | None = None):
     """`system`: a name, or a dict with `name` and knobs; `spec`: e.g. {"k": 4}; `staging`:
     staging buffers (budget.staging)."""
     cfg = RunConfig.from_dict({
@@ -31,7 +31,7 @@ def make_engine(name: str, system: str | dict, slots: int | None, hardware=None,
                   "stands_for": zoo.STANDS_FOR[zoo.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
         "system": system if isinstance(system, dict) else {"name": system},
         "dataset": {"name": "gsm8k"}, "hardware": hardware or A100, "workload": {},
-        "spec": spec or {}, "progress": False})
+        "spec": spec or {}, "offload": offload or {}, "progress": False})
     loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates it
     budget_r = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
     budget_r = dataclasses.replace(budget_r, staging=staging)
@@ -243,7 +243,7 @@ def test_transformers_sizes_its_device_map_from_the_budgets_gib():
     the same share of the tiny model's layers stays resident, the link is charged the real
     model's 7 offloaded layers per token, and the record says what accelerate moved."""
     from specter.budget import resolve
-    from experiments.systems import footprint
+    from experiments.registry import footprint
 
     cfg = RunConfig.from_dict({
         "model": {"name": "tiny_deepseek", "source": "project", "stands_for": "deepseek",
@@ -304,3 +304,23 @@ def test_draft_layer_cost_defaults_to_one_mlp_call():
     measured = CostModel(dataclasses.replace(base, draft_overhead_s=1.3e-3), sizes).draft_experts_s(hits)
     assert measured - stock == pytest.approx((1.3e-3 - 2e-4) * sizes.moe_multiplier, rel=1e-9)
     assert CostModel(base, sizes).offload_layer_s() == 0.0
+
+
+def test_eviction_policy_is_chosen_by_name_and_lfu_keeps_the_busiest():
+    from specter.errors import UserError
+    from specter.offload.policy import LFU
+
+    lfu = LFU()
+    lfu.reset([0, 1, 2])  # first = first to evict among equals
+    for e in (1, 1, 0):
+        lfu.touch(e)
+    assert lfu.victim({0, 1, 2}) == 2 and lfu.victim({0, 1}) == 0
+    lfu.forget(2)
+    assert lfu.victim({2, 1}) == 2  # a forgotten expert counts no uses
+    resident, loaded = make_engine("tiny_qwen", "resident", None)
+    ref = [g.tokens for g in decode_all(resident, loaded.tokenizer)]
+    engine, _ = make_engine("tiny_qwen", "lru", loaded.spec.top_k, offload={"policy": "lfu"})
+    assert all(isinstance(lc.policy, LFU) for lc in engine.runtime.cache.layers)
+    assert [g.tokens for g in decode_all(engine, loaded.tokenizer)] == ref
+    with pytest.raises(UserError, match="unknown offload.policy 'fifo'; choose one of: lfu, lru"):
+        make_engine("tiny_qwen", "lru", 4, offload={"policy": "fifo"})

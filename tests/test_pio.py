@@ -275,7 +275,7 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
     import yaml
 
     from conftest import REPO
-    from experiments.systems import config_class
+    from experiments.registry import config_class
     from specter.config import RunConfig
     from test_offload import A100
 

@@ -69,7 +69,7 @@ def test_k_beyond_the_tokens_left_and_eos_inside_a_window():
 
 def test_speculative_decoding_over_offloaded_experts_is_lossless():
     """Target experts through the offload runtime at top-k slots, draft from INT4."""
-    from experiments.systems import BuildContext
+    from experiments.registry import BuildContext
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.offload.build import offload_model, timing_for

@@ -142,17 +142,17 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
     return wall_s / virtual_s
 
 
-def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None,
-                  policy: str = "lru") -> OffloadRuntime:
+def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
+                  ) -> OffloadRuntime:
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
-    the device, through `timing`'s link."""
+    the device, through `timing`'s link, evicting by `offload.policy`."""
     if timing.clock in ("wall",):
         raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
                         "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
     model, device = ctx.loaded.model, ctx.device
     store = HostExpertStore(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
-    cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[policy],
+    cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
                         transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
     cost = timing.cost
     return OffloadRuntime(model, cache, timing.link, cost, prefetcher)

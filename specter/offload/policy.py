@@ -48,4 +48,34 @@ class LRU:
         self._order.pop(expert, None)
 
 
-POLICIES = {"lru": LRU}
+class LFU:
+    """Least frequently used first (uses since the request started); ties: least recent."""
+
+    def __init__(self) -> None:
+        self._uses: dict[int, int] = {}
+        self._last: dict[int, int] = {}
+        self._tick = 0
+
+    def reset(self, order: Iterable[int]) -> None:
+        self._uses, self._last, self._tick = {}, {}, 0
+        for e in order:
+            self._uses[e], self._last[e] = 0, self._tick
+            self._tick += 1
+
+    def touch(self, expert: int) -> None:
+        self._uses[expert] = self._uses.get(expert, 0) + 1
+        self._last[expert] = self._tick
+        self._tick += 1
+
+    def victim(self, candidates: set[int]) -> int:
+        if not candidates:
+            raise RuntimeError("no evictable expert among the candidates")
+        return min(candidates, key=lambda e: (self._uses.get(e, 0), self._last.get(e, -1)))
+
+    def forget(self, expert: int) -> None:
+        self._uses.pop(expert, None)
+        self._last.pop(expert, None)
+
+
+# offload.policy=NAME (conf/config.yaml): the eviction policy of every offloading system.
+POLICIES = {"lru": LRU, "lfu": LFU}
