@@ -49,6 +49,7 @@ import torch
 from torch import nn
 
 from specter.config import SystemConfig
+from specter.decoding.drafts import DraftPart, charges_virtually
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
@@ -133,13 +134,9 @@ class HostDraftExperts:
         return final.to(hidden.device)  # ... and comes back
 
 
-class HostDraft:
-    """The draft part (decoding/drafts.py's interface): the target's own instance in draft
-    mode, every MoE layer's routed experts computed on the host (no quantized copy, no device
-    bytes)."""
-
-    separate = None
-    device_bytes = 0
+class HostDraft(DraftPart):
+    """The draft part: the target's own instance in draft mode, every MoE layer's routed
+    experts computed on the host (no quantized copy, no device bytes)."""
 
     def __init__(self, model, runtime: OffloadRuntime, timing: Timing, draft_top_k: int,
                  renormalize: bool):
@@ -150,19 +147,9 @@ class HostDraft:
         # Told of each draft layer call: (moe_layer, router top_k_index [T, k], its weights,
         # kept index [T, draft_top_k]); `charge` after them.
         self.listeners: list = []
-        self.charge = self._charge_host_experts if timing.cost is not None \
-            and timing.clock == "virtual" else None
+        self.charge = self._charge_host_experts if charges_virtually(timing) else None
         self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
         self.self_draft = SelfDraft(model, None, draft_layers=self.layers, draft_bytes=0)
-
-    def listen(self, fn) -> None:
-        self.self_draft.draft_listeners.append(fn)
-
-    def before_forward(self, tokens: int, context: int, phase: str) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
     def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
         cost, link = self.timing.cost, self.timing.link

@@ -31,8 +31,30 @@ from specter.offload.build import Timing
 from specter.quant.build import Draft
 
 
-def _charges_virtually(timing: Timing) -> bool:
+def charges_virtually(timing: Timing) -> bool:
+    """Whether compute steps are charged by the cost model (the virtual clock)."""
     return timing.cost is not None and timing.clock == "virtual"
+
+
+class DraftPart:
+    """The interface above, with its no-op defaults: a draft subclasses it and sets
+    `self_draft` or `separate`."""
+
+    self_draft: SelfDraft | None = None
+    separate: SeparateDraft | None = None
+    device_bytes = 0
+
+    def listen(self, fn) -> None:
+        self.self_draft.draft_listeners.append(fn)
+
+    def before_forward(self, tokens: int, context: int, phase: str) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def as_record(self) -> dict:
+        return {}
 
 
 def draft_experts_charge(timing: Timing, draft: Draft):
@@ -48,26 +70,15 @@ def draft_experts_charge(timing: Timing, draft: Draft):
     return charge
 
 
-class SelfInt4Draft:
+class SelfInt4Draft(DraftPart):
     """The target's own instance in draft mode: its routed experts from their INT4 copy."""
-
-    separate = None
 
     def __init__(self, model, draft: Draft, device: torch.device, timing: Timing):
         self.draft = draft
         self.self_draft = SelfDraft(model, draft.experts, draft.backend, device)
         self.device_bytes = self.self_draft.draft_bytes
-        if _charges_virtually(timing):
+        if charges_virtually(timing):
             self.listen(draft_experts_charge(timing, draft))
-
-    def listen(self, fn) -> None:
-        self.self_draft.draft_listeners.append(fn)
-
-    def before_forward(self, tokens: int, context: int, phase: str) -> None:
-        pass
-
-    def reset(self) -> None:
-        pass
 
     def as_record(self) -> dict:
         return {**self.draft.as_record(), "shared_instance": True, "draft_kv": "shared",
@@ -87,13 +98,11 @@ def load_separate_draft_model(ctx):
     return second
 
 
-class SeparateInt4Draft:
+class SeparateInt4Draft(DraftPart):
     """A second instance drafting with the INT4 copy: its own non-expert weights, and its own
     KV cache (`kv_copy=False`, SpecMoEOff's layout, catching up on the tokens it has not seen)
     or the target's committed KV copied to it at every window's start (`kv_copy=True`,
     charged as a device copy)."""
-
-    self_draft = None
 
     def __init__(self, target_model, draft_model, draft: Draft, device: torch.device,
                  timing: Timing, kv_copy: bool = False):
@@ -103,7 +112,7 @@ class SeparateInt4Draft:
         self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device)
         self.instance.mode = "draft"  # this instance is only ever the draft
         self.charger = timing.charger(draft_model, charge_experts=False)
-        if _charges_virtually(timing):
+        if charges_virtually(timing):
             self.listen(draft_experts_charge(timing, draft))
         # the INT4 copy (counted once) and the second instance's non-expert weights
         self.device_bytes = self.instance.draft_bytes + sum(
@@ -122,7 +131,7 @@ class SeparateInt4Draft:
         and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
         real clocks measure the copy itself."""
         cost = self.timing.cost
-        if _charges_virtually(self.timing):
+        if charges_virtually(self.timing):
             s = cost.sizes
             layers = len(self.target_model.model.layers) * s.attn_multiplier
             nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes * layers))
