@@ -38,265 +38,35 @@ number of timed calls (under --quick fewer than asked when one call takes over 2
 Rows go through experiments.records.CaseStore, one case per (shape, backend, dtype, tokens,
 device or modelled hardware, settings); a rerun skips written cases.
 Bad input is one sentence on stderr and exit status 2.
+
+This file holds the cases, their records and the CLI; the layer's data and the target's
+expert paths are experiments/kernel_layer.py, the timing loop experiments/kernel_timing.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import platform
 import sys
 import time
-import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from torch import nn
 
+from experiments.kernel_layer import (GROUP, REAL_SHAPES, TINY, ExpertShape,  # noqa: F401 (tests)
+                                      _PooledReference, _act, _with, compact, draw_routing,
+                                      random_layer, rel_err, shape_of, target_grouped,
+                                      target_serial, tolerance)
+from experiments.kernel_timing import Settings, _percentile, device_name, measure, once
 from experiments.records import CaseStore
 from experiments.runner import resolve_device
 from specter.errors import UserError
-from specter.quant.formats import QuantizedMatrix, effective_group
 
 EXPERIMENT = "kernel"
-GROUP = 128  # conf/quant: the draft's INT4 group size
 HARDWARE = "a100_pcie4_ideal"  # the modelled machine
 CONF = Path(__file__).resolve().parents[1] / "conf"
 QUICK_CASE_BUDGET_S = 2.0  # --quick: timed calls per case stop at about this many seconds
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    name: str
-    hidden: int
-    inter: int  # one routed expert's intermediate width
-    n_experts: int  # routed experts per MoE layer
-    top_k: int
-    source: str  # the real model's hub id, or "synthetic"
-
-
-def _real_shape(name: str) -> ExpertShape:
-    from specter.models.real_configs import REAL_CONFIGS
-
-    c = REAL_CONFIGS[name]
-    experts = c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts")
-    return ExpertShape(name, c["hidden_size"], c.get("moe_intermediate_size") or c["intermediate_size"],
-                 experts, c["num_experts_per_tok"], c["_name_or_path"])
-
-
-REAL_SHAPES = ("deepseek", "qwen", "phi")
-# A synthetic layer for tests (seconds, not minutes); its modelled rows charge its own size.
-TINY = ExpertShape("tiny", hidden=64, inter=32, n_experts=8, top_k=2, source="synthetic")
-
-
-def shape_of(name: str) -> ExpertShape:
-    if name == TINY.name:
-        return TINY
-    if name not in REAL_SHAPES:
-        raise UserError(f"unknown shape '{name}'; choose from: "
-                        f"{', '.join(REAL_SHAPES + ('tiny',))}.")
-    return _real_shape(name)
-
-
-# ------------------------------------------------------------------------------- the layer
-def _act(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a fused gate_up output (gate first), as all three real models use."""
-    gate, up = x.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
-
-
-def _generator(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(":".join(map(str, key)).encode()))
-
-
-def _bf16_exact(t: torch.Tensor) -> torch.Tensor:
-    """Round to bf16 and back: values every dtype here holds exactly (bf16, fp16, fp32), so all
-    backends see the same numbers whatever their dtype."""
-    return t.to(torch.bfloat16).float()
-
-
-@dataclass
-class Routing:
-    hidden: torch.Tensor  # [T, H] fp32 (bf16-exact)
-    index: torch.Tensor  # [T, k] real expert ids
-    weights: torch.Tensor  # [T, k] fp32 (bf16-exact)
-
-    def counts(self) -> list[int]:
-        """Tokens routed to each distinct expert, in expert-id order."""
-        return torch.unique(self.index, return_counts=True)[1].tolist()
-
-
-def draw_routing(shape: ExpertShape, tokens: int, seed: int) -> Routing:
-    g = _generator(seed, shape.name, tokens)
-    hidden = _bf16_exact(torch.randn(tokens, shape.hidden, generator=g))
-    index = torch.stack([torch.randperm(shape.n_experts, generator=g)[:shape.top_k]
-                         for _ in range(tokens)])
-    weights = _bf16_exact(torch.softmax(torch.randn(tokens, shape.top_k, generator=g), dim=-1))
-    return Routing(hidden, index, weights)
-
-
-def random_int4(out: int, inp: int, g: torch.Generator) -> QuantizedMatrix:
-    """A random INT4 matrix in the project's layout: uniform codes, positive group scales sized
-    so that W x keeps the scale of x (bf16-exact, fp32)."""
-    group = effective_group(inp, GROUP)
-    codes = torch.randint(0, 256, (out, inp // 2), generator=g, dtype=torch.uint8)
-    scales = (0.75 + 0.5 * torch.rand(out, inp // group, generator=g)) / (4.6 * math.sqrt(inp))
-    return QuantizedMatrix(codes, _bf16_exact(scales), 4, group, (out, inp))
-
-
-def random_layer(shape: ExpertShape, n: int, seed: int):
-    """`n` random experts: (gate_up [2I, H], down [H, I]) QuantizedMatrix lists."""
-    g = _generator(seed, shape.name, "weights")
-    gate_up = [random_int4(2 * shape.inter, shape.hidden, g) for _ in range(n)]
-    down = [random_int4(shape.hidden, shape.inter, g) for _ in range(n)]
-    return gate_up, down
-
-
-def compact(index: torch.Tensor, experts: list[int]) -> torch.Tensor:
-    """Real expert ids -> ranks in `experts` (sorted), so only routed experts need weights;
-    the order of experts, and so every backend's summation order, is unchanged."""
-    lut = torch.full((max(experts) + 1,), -1, dtype=torch.int64)
-    lut[torch.tensor(experts)] = torch.arange(len(experts))
-    return lut[index]
-
-
-def _with(qm: QuantizedMatrix, dtype: torch.dtype, device: torch.device) -> QuantizedMatrix:
-    return QuantizedMatrix(qm.codes.to(device), qm.scales.to(device=device, dtype=dtype), qm.bits,
-                           qm.group, qm.shape)
-
-
-# ------------------------------------------------------------------------- target experts
-def target_grouped(hidden, index, weights, expert_weights, act=_act) -> torch.Tensor:
-    """One GEMM per expert over all its tokens (SEE's verification reordering), summed in
-    expert-id order: `OffloadRuntime.experts_forward` with `serial=False`."""
-    final = torch.zeros_like(hidden)
-    for e in torch.unique(index).tolist():
-        pos, tok = torch.where(index.T == e)
-        gate_up, down = expert_weights(e)
-        y = nn.functional.linear(act(nn.functional.linear(hidden[tok], gate_up)), down)
-        final.index_add_(0, tok, y * weights[tok, pos, None])
-    return final
-
-
-def target_serial(hidden, index, weights, expert_weights, act=_act) -> torch.Tensor:
-    """One GEMV per (token, expert): the runtime's `serial` ablation, same summation order."""
-    final = torch.zeros_like(hidden)
-    for e in torch.unique(index).tolist():
-        pos, tok = torch.where(index.T == e)
-        gate_up, down = expert_weights(e)
-        x = hidden[tok]
-        y = torch.cat([nn.functional.linear(act(nn.functional.linear(x[i:i + 1], gate_up)), down)
-                       for i in range(len(x))])
-        final.index_add_(0, tok, y * weights[tok, pos, None])
-    return final
-
-
-class _PooledReference:
-    """`ReferenceExperts`' routing and summation over already dequantized fp32 weights, expert
-    e taking pool entry e % len(pool) (as the target paths do)."""
-
-    def __init__(self, pool, gate_up, down):
-        from specter.quant import kernels
-
-        self.pool = pool
-        self.ref = kernels.ReferenceExperts(gate_up, down, _act)
-        self.ref.expert = self.expert
-
-    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate_up, down = self.pool[e % len(self.pool)]
-        h = _act(nn.functional.linear(x, gate_up.to(x.dtype)))
-        return nn.functional.linear(h, down.to(x.dtype))
-
-    def __call__(self, hidden, index, weights):
-        return self.ref(hidden, index, weights)
-
-
-# ----------------------------------------------------------------------------------- timing
-def time_ms(fn, device: torch.device, warmup: int, repeats: int) -> list[float]:
-    """Milliseconds of `repeats` calls after `warmup` calls (CUDA: events, synchronized)."""
-    for _ in range(warmup):
-        fn()
-    out = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            out.append(start.elapsed_time(end))
-        return out
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1e3)
-    return out
-
-
-def once(fn, device: torch.device):
-    """(fn(), its wall seconds), synchronized on CUDA: the correctness check's call, which
-    is also the first warm-up call of the timing that follows."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
-
-
-def measure(fn, device: torch.device, check_s: float, s: "Settings") -> list[float]:
-    """Timed calls of `fn` (ms) after the check's call (`check_s` seconds) and `warmup - 1`
-    further warm-up calls. Under --quick a case stops at the timed calls that fit
-    `case_budget_s` (at least one), judged by the last untimed call: one more is made when
-    the check alone says the case is slow, since it may have paid a one-time cost (a JIT)."""
-    warm, per_call = max(0, s.warmup - 1), check_s
-    for i in range(warm):
-        _, per_call = once(fn, device)
-    repeats = s.repeats
-    if s.case_budget_s is not None:
-        if warm == 0 and per_call * repeats > s.case_budget_s:
-            _, per_call = once(fn, device)
-        repeats = max(1, min(repeats, int(s.case_budget_s / max(per_call, 1e-9))))
-    return time_ms(fn, device, 0, repeats)
-
-
-def _percentile(values: list[float], q: float) -> float:
-    s = sorted(values)
-    if not s:
-        return float("nan")
-    pos = (len(s) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """max |out - ref| / max |ref|, in fp32."""
-    out, ref = out.float().cpu(), ref.float().cpu()
-    return float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
-
-
-def tolerance(dtype: torch.dtype, device: torch.device, fused: bool = False) -> float:
-    """Agreement required before a time is reported: fp32 rounding for fp32 (the fused kernel's
-    tl.dot may use TF32 on CUDA), bf16/fp16 rounding of activations and intermediates."""
-    if dtype == torch.float32:
-        return 5e-3 if (fused and device.type == "cuda") else 1e-3
-    return 3e-2
-
-
-# --------------------------------------------------------------------------------- devices
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
 
 
 def modelled_cost(shape: ExpertShape):
@@ -323,21 +93,6 @@ def modelled_cost(shape: ExpertShape):
         sizes = real_charged_sizes(REAL_CONFIGS[shape.name], None, elem_bytes=2)
         assert sizes.expert_params == 3 * shape.hidden * shape.inter, sizes
     return CostModel(profile, sizes)
-
-
-# ----------------------------------------------------------------------------------- cases
-@dataclass
-class Settings:
-    device: torch.device
-    device_name: str
-    hardware: str  # "cpu" | "cuda"
-    seed: int
-    repeats: int
-    warmup: int
-    max_weight_gb: float
-    target_dtype: torch.dtype
-    quick: bool
-    case_budget_s: float | None = None  # --quick: fewer timed calls for a slow case
 
 
 def draft_variants(s: Settings) -> list[tuple[str, torch.dtype]]:

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from specter.decoding.engines import resident_engine
 from conftest import PROMPTS, TINY
-from specter.models import zoo
+from specter.models import archs, zoo
 
 EXPECTED = {  # name -> (routed experts, top-k, shared experts)
     "tiny_deepseek": (64, 6, True), "tiny_qwen": (60, 4, True), "tiny_phi": (16, 2, False),
@@ -115,4 +115,4 @@ def test_unknown_project_model_is_a_user_error():
     from specter.errors import UserError
 
     with pytest.raises(UserError, match="unknown project-made model 'tiny_gpt'"):
-        zoo.parse_name("tiny_gpt")
+        archs.parse_name("tiny_gpt")

@@ -12,7 +12,7 @@ from conftest import PROMPTS, TINY
 from experiments.registry import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
-from specter.models import zoo
+from specter.models import archs
 from specter.models.loading import load_model
 from specter.models.real_configs import REAL_CONFIGS
 from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
@@ -28,7 +28,7 @@ def make_engine(name: str, system: str | dict, slots: int | None, hardware=None,
     staging buffers (budget.staging)."""
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project",
-                  "stands_for": zoo.STANDS_FOR[zoo.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
+                  "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]}, "budget": {"name": budget, "slots": slots},
         "system": system if isinstance(system, dict) else {"name": system},
         "dataset": {"name": "gsm8k"}, "hardware": hardware or A100, "workload": {},
         "spec": spec or {}, "offload": offload or {}, "progress": False})

@@ -206,10 +206,7 @@ class OffloadRuntime:
             if waiting:
                 waiting = self._issue(l, waiting)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
-        final = torch.zeros_like(hidden)
-        for e in needed:
-            token_idx, out = outs[e]
-            final.index_add_(0, token_idx, out.to(final.dtype))
+        final = sum_in_expert_order(hidden, outs, needed)
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         return final
 
@@ -242,16 +239,35 @@ class OffloadRuntime:
 
     def _expert(self, module, l, e, hidden, top_k_index, top_k_weights):
         gate_up, down = self.cache.weights(l, e)  # [2I, H], [H, I] views of the device slot
-        # (k-slot, token) pairs in HF's order: grouped by k-slot, tokens ascending.
-        pos, token_idx = torch.where(top_k_index.T == e)
-        x = hidden[token_idx]  # [n, H]
-        if self.serial:  # token by token: n GEMVs instead of one GEMM
-            y = torch.cat([self._mlp(module, x[i:i + 1], gate_up, down) for i in range(len(x))]) \
-                if len(x) else x
-        else:
-            y = self._mlp(module, x, gate_up, down)  # [n, H]
-        return token_idx, y * top_k_weights[token_idx, pos, None]
+        return expert_output(hidden, top_k_index, top_k_weights, e, gate_up, down,
+                             module._apply_gate, self.serial)
 
-    @staticmethod
-    def _mlp(module, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(module._apply_gate(nn.functional.linear(x, gate_up)), down)
+
+def expert_output(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  e: int, gate_up: torch.Tensor, down: torch.Tensor, act,
+                  serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed expert `e` over the tokens routed to it, weighted: (token_idx [n], out [n, H]),
+    in HF's (k-slot, token) order. One GEMM per projection over its n tokens, or (`serial`,
+    the token-by-token ablation) one GEMV per token. `act` is the gate (SwiGLU on the fused
+    gate_up output)."""
+    pos, token_idx = torch.where(top_k_index.T == e)
+    x = hidden[token_idx]  # [n, H]
+
+    def mlp(v):
+        return nn.functional.linear(act(nn.functional.linear(v, gate_up)), down)
+
+    if serial:
+        y = torch.cat([mlp(x[i:i + 1]) for i in range(len(x))]) if len(x) else x
+    else:
+        y = mlp(x)  # [n, H]
+    return token_idx, y * top_k_weights[token_idx, pos, None]
+
+
+def sum_in_expert_order(hidden: torch.Tensor, outs: dict, experts: list[int]) -> torch.Tensor:
+    """The layer's output: each expert's (token_idx, out) added in `experts` order (expert-id
+    order, as HF's eager loop sums, so outputs are bitwise those of the resident model)."""
+    final = torch.zeros_like(hidden)
+    for e in experts:
+        token_idx, out = outs[e]
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
