@@ -1,8 +1,8 @@
-"""Every config composes and converts to a typed RunConfig; metrics arithmetic."""
+"""Every config composes and converts to a typed RunConfig; each system's settings are its own
+(a knob it lacks is one sentence)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import pytest
@@ -10,8 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from specter.config import RunConfig
-from specter.engine import Generation
-from specter.metrics import distinct_n, timing
+from specter.errors import UserError
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 CHOICES = [(g, p.stem) for g in ("model", "budget", "system", "dataset", "hardware", "experiment")
@@ -29,17 +28,59 @@ def test_every_config_composes(group, choice):
         assert getattr(run_cfg, group).name == choice
 
 
-def test_tpot_from_commit_times():
-    gen = Generation(tokens=[5, 6, 7, 8], commit_times_s=[1.0, 1.1, 1.2, 1.4], start_time_s=0.5,
-                     peak_mem_bytes=1, peak_mem_source="device_tensors")
-    t = timing(gen)
-    assert t["tpot_ms"] == pytest.approx(400 / 3)
-    assert t["ttft_ms"] == pytest.approx(500)
-    assert t["tokens_per_s"] == pytest.approx(4 / 0.9)
-    one = timing(Generation([5], [1.0], 0.5, 1, "x"))
-    assert math.isnan(one["tpot_ms"])
+def test_knobs_are_refused_by_systems_that_do_not_have_them():
+    import yaml
+
+    from conftest import REPO
+    from experiments.registry import config_class
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    def cfg(system: dict):
+        return RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": system, "dataset": {"name": "gsm8k"},
+            "hardware": A100, "workload": {}})
+
+    assert cfg({"name": "specter", "shared": False, "top_m": 3}).system.top_m == 3
+    assert isinstance(cfg({"name": "sp_l", "top_m": 3}).system, config_class("sp_l"))
+    for name, knob, text in (("sp_e", "overlap", "system.overlap applies to specter only"),
+                             ("specmoeoff", "kv_copy", "system.kv_copy applies to specter only"),
+                             ("lru_s", "shared", "system.shared applies to specter only"),
+                             ("lru", "prefetch_noise", "prefetch_noise applies to specter, sp_e"),
+                             ("lru", "sharing", "unknown setting 'system.sharing'")):
+        with pytest.raises(UserError, match=text):
+            cfg({"name": name, knob: True})
 
 
-def test_distinct_n():
-    assert distinct_n([1, 2, 1, 2, 1, 2], 2) == pytest.approx(2 / 5)
-    assert distinct_n([1, 2, 3, 4, 5], 4) == 1.0
+@pytest.mark.parametrize("knob,value,text", [
+    ("cold_start_round", "round", "system.cold_start_round must be floor or ceil"),
+    ("bandwidth_prior_Bps", -1.0, "system.bandwidth_prior_Bps must be a positive number"),
+    ("step_prior_s", 0.0, "system.step_prior_s must be a positive number"),
+    ("final_plan", "yes", "system.final_plan must be bool"),
+])
+def test_bad_planner_switches_are_one_sentence(knob, value, text):
+    import yaml
+
+    from conftest import REPO
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    with pytest.raises(UserError, match=text) as err:
+        RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": {"name": "specter", knob: value},
+            "dataset": {"name": "gsm8k"}, "hardware": A100, "workload": {}})
+    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
+
+
+def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_path):
+    from conftest import run_cli
+
+    wrong_system = run_cli("system=lru", "system.shared=false", f"out_dir={tmp_path}")
+    unknown = run_cli("system=specter", "system.sharing=false", f"out_dir={tmp_path}")
+    for res, text in ((wrong_system, "system.shared applies to specter only"),
+                      (unknown, "unknown setting 'system.sharing'")):
+        assert res.returncode == 2 and text in res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+    assert not tmp_path.joinpath("records").exists()

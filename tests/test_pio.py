@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from conftest import TINY
-from specter.errors import UserError
 from specter.pio import planner
 from specter.pio.elb import ExpertLookaheadBuffer
 from test_offload import A100, decode_all, make_engine
@@ -271,31 +270,6 @@ def test_wait_last_batch_serial_loading_and_kv_copy_are_charged():
     assert draft_s(copied) - draft_s(shared) == pytest.approx(copy_s, rel=1e-6)
 
 
-def test_knobs_are_refused_by_systems_that_do_not_have_them():
-    import yaml
-
-    from conftest import REPO
-    from experiments.registry import config_class
-    from specter.config import RunConfig
-    from test_offload import A100
-
-    def cfg(system: dict):
-        return RunConfig.from_dict({
-            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
-            "budget": {"name": "low"}, "system": system, "dataset": {"name": "gsm8k"},
-            "hardware": A100, "workload": {}})
-
-    assert cfg({"name": "specter", "shared": False, "top_m": 3}).system.top_m == 3
-    assert isinstance(cfg({"name": "sp_l", "top_m": 3}).system, config_class("sp_l"))
-    for name, knob, text in (("sp_e", "overlap", "system.overlap applies to specter only"),
-                             ("specmoeoff", "kv_copy", "system.kv_copy applies to specter only"),
-                             ("lru_s", "shared", "system.shared applies to specter only"),
-                             ("lru", "prefetch_noise", "prefetch_noise applies to specter, sp_e"),
-                             ("lru", "sharing", "unknown setting 'system.sharing'")):
-        with pytest.raises(UserError, match=text):
-            cfg({"name": name, knob: True})
-
-
 # -- the orchestrator's schedule on a synthetic clock ---------------------------------------
 
 
@@ -460,65 +434,3 @@ def test_orchestrator_late_plan_waits_for_the_whole_window():
 
 
 # -- workload.temperature through the runner -------------------------------------------------
-
-
-def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_systems(tmp_path):
-    import yaml
-
-    from conftest import REPO
-    from experiments import records, runner
-    from specter.config import RunConfig
-
-    def cfg(system, temperature, seed, out):
-        return RunConfig.from_dict({
-            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
-            "budget": {"name": "low"}, "system": {"name": system}, "dataset": {"name": "gsm8k"},
-            "hardware": A100, "spec": {"k": 4}, "seed": seed, "out_dir": str(tmp_path / out),
-            "workload": {"items": 2, "max_new_tokens": 16, "repeats": 2,
-                         "temperature": temperature}, "progress": False})
-
-    quiet = lambda *_: None  # noqa: E731
-    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
-        runner.run(cfg("specter", 1.5, seed, out), log=quiet)
-    runner.run(cfg("specter", 0.0, 0, "greedy"), log=quiet)
-    toks = {o: [list(t) for t in records.load(tmp_path / o).sort_values(["request_id", "repeat"])
-                ["output_tokens"]] for o in ("a", "b", "c", "greedy")}
-    assert toks["a"] == toks["b"]  # the same seed: the same samples
-    assert toks["a"] != toks["c"] and toks["a"] != toks["greedy"]
-    assert toks["a"][0] != toks["a"][1]  # repeats draw differently
-    with pytest.raises(UserError, match="decodes greedily only"):
-        runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
-    assert not (tmp_path / "bad").exists()
-
-
-@pytest.mark.parametrize("knob,value,text", [
-    ("cold_start_round", "round", "system.cold_start_round must be floor or ceil"),
-    ("bandwidth_prior_Bps", -1.0, "system.bandwidth_prior_Bps must be a positive number"),
-    ("step_prior_s", 0.0, "system.step_prior_s must be a positive number"),
-    ("final_plan", "yes", "system.final_plan must be bool"),
-])
-def test_bad_planner_switches_are_one_sentence(knob, value, text):
-    import yaml
-
-    from conftest import REPO
-    from specter.config import RunConfig
-    from test_offload import A100
-
-    with pytest.raises(UserError, match=text) as err:
-        RunConfig.from_dict({
-            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
-            "budget": {"name": "low"}, "system": {"name": "specter", knob: value},
-            "dataset": {"name": "gsm8k"}, "hardware": A100, "workload": {}})
-    assert str(err.value).count(". ") == 0 and str(err.value).endswith(".")
-
-
-def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_path):
-    from conftest import run_cli
-
-    wrong_system = run_cli("system=lru", "system.shared=false", f"out_dir={tmp_path}")
-    unknown = run_cli("system=specter", "system.sharing=false", f"out_dir={tmp_path}")
-    for res, text in ((wrong_system, "system.shared applies to specter only"),
-                      (unknown, "unknown setting 'system.sharing'")):
-        assert res.returncode == 2 and text in res.stderr
-        assert len(res.stderr.strip().splitlines()) == 1
-    assert not tmp_path.joinpath("records").exists()

@@ -1,18 +1,16 @@
-"""INT4 self-draft: packing, GPTQ against RTN, kernels against the reference, the shared
-instance, and reuse of saved quantizations."""
+"""INT4 quantization: packing, GPTQ against RTN, kernels against the reference, and reuse of
+saved quantizations (the self-draft that runs them: test_decoding.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import PROMPTS
 from specter.config import ModelConfig
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.quant import calibrate, kernels
-from specter.quant.formats import (QuantizedMatrix, effective_group, pack_codes, rtn_quantize,
-                                   unpack_codes)
+from specter.quant.formats import effective_group, pack_codes, rtn_quantize, unpack_codes
 from specter.quant.gptq import Hessian, gptq_quantize, reconstruction_error
 
 
@@ -198,49 +196,6 @@ def test_gptq_experts_see_only_their_routed_tokens_and_fall_back_to_rtn():
     e = next(i for i, fb in enumerate(fallback[0]) if fb)
     rtn = rtn_quantize(m.gate_up_proj[e].detach(), 4, 32)
     assert torch.equal(qe.gate_up[0][e].codes, rtn.codes)
-
-
-@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_deepseek", "tiny_phi"])
-def test_shared_instance_shares_everything_but_the_routed_experts(name):
-    from specter.decoding.self_draft import SelfDraft
-
-    lm = _tiny(name)
-    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:16]])
-    with torch.no_grad():
-        target_before = lm.model(input_ids=ids).logits
-    qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
-                                    None, torch.device("cpu"))
-    tensors_before = {n: p.data_ptr() for n, p in lm.model.named_parameters()}
-    sw = SelfDraft(lm.model, qe, backend="reference")
-    with torch.no_grad():
-        target = lm.model(input_ids=ids).logits
-        with sw.draft():
-            draft = lm.model(input_ids=ids).logits
-        target_again = lm.model(input_ids=ids).logits
-    # One instance: not a parameter was copied or replaced by attaching the draft.
-    assert {n: p.data_ptr() for n, p in lm.model.named_parameters()} == tensors_before
-    assert torch.equal(target, target_before) and torch.equal(target_again, target_before)
-    assert not torch.equal(draft, target)  # the routed experts really are the INT4 copy
-    # The draft is the target with its routed experts replaced by their dequantized INT4 copy.
-    ref = _tiny(name)
-    with torch.no_grad():
-        for l, (_, m) in enumerate(experts_modules(ref.model)):
-            m.gate_up_proj.copy_(torch.stack([q.dequantize() for q in qe.gate_up[l]]))
-            m.down_proj.copy_(torch.stack([q.dequantize() for q in qe.down[l]]))
-        expect = ref.model(input_ids=ids).logits
-    assert torch.allclose(draft, expect, atol=1e-4, rtol=1e-4)
-    assert sw.draft_bytes == qe.packed_bytes() > 0
-
-
-def test_memory_account_of_the_shared_instance():
-    from specter.models.introspect import moe_spec
-    from specter.decoding.self_draft import account_model
-
-    lm = _tiny("tiny_qwen")
-    acct = account_model("own:tiny_qwen", lm.spec, slots=15, context=512)
-    assert acct.separate_bytes - acct.shared_bytes == acct.non_expert_bytes + acct.kv_bytes
-    assert 0 < acct.saving < 1
-    assert moe_spec(lm.model).non_expert_bytes == acct.non_expert_bytes
 
 
 @pytest.mark.skipif(not __import__("specter.quant.gptq_import", fromlist=["x"]).gptqmodel_available(),

@@ -1,4 +1,6 @@
-"""Self-speculative greedy decoding is the target's greedy decoding, token for token."""
+"""Speculative decoding (specter/decoding/): the self-draft shares everything but the routed
+experts, greedy speculation is the target's greedy decoding token for token, sampling
+repeats per seed, the K rule and the depth profiler."""
 
 from __future__ import annotations
 
@@ -8,13 +10,21 @@ import torch
 from conftest import PROMPTS, TINY
 from specter.config import ModelConfig
 from specter.engine import DeviceMemory, eos_ids
+from specter.errors import UserError
+from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.offload.build import Timing
 from specter.quant import calibrate
-from specter.decoding.self_draft import SelfDraft
 from specter.decoding.loop import speculative_greedy
+from specter.decoding.self_draft import SelfDraft
+from test_offload import A100
 
 CPU = torch.device("cpu")
+
+
+def _tiny(name="tiny_qwen"):
+    return load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU,
+                      progress=False)
 
 
 def _setup(name, bits=4):
@@ -311,3 +321,75 @@ def test_specmoeoff_is_lossless_and_prefetches(tmp_path, model):
     assert list(smo["output_tokens"].map(list)) == list(ref["output_tokens"].map(list))
     assert (smo["k"] == 3).all() and (smo["prefetches"] > 0).all()
     assert smo["k_source"].str.contains("K=3").all()
+
+
+def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_systems(tmp_path):
+    import yaml
+
+    from conftest import REPO
+    from experiments import records, runner
+    from specter.config import RunConfig
+
+    def cfg(system, temperature, seed, out):
+        return RunConfig.from_dict({
+            "model": yaml.safe_load((REPO / "conf/model/tiny_qwen.yaml").read_text()),
+            "budget": {"name": "low"}, "system": {"name": system}, "dataset": {"name": "gsm8k"},
+            "hardware": A100, "spec": {"k": 4}, "seed": seed, "out_dir": str(tmp_path / out),
+            "workload": {"items": 2, "max_new_tokens": 16, "repeats": 2,
+                         "temperature": temperature}, "progress": False})
+
+    quiet = lambda *_: None  # noqa: E731
+    for out, seed in (("a", 0), ("b", 0), ("c", 1)):
+        runner.run(cfg("specter", 1.5, seed, out), log=quiet)
+    runner.run(cfg("specter", 0.0, 0, "greedy"), log=quiet)
+    toks = {o: [list(t) for t in records.load(tmp_path / o).sort_values(["request_id", "repeat"])
+                ["output_tokens"]] for o in ("a", "b", "c", "greedy")}
+    assert toks["a"] == toks["b"]  # the same seed: the same samples
+    assert toks["a"] != toks["c"] and toks["a"] != toks["greedy"]
+    assert toks["a"][0] != toks["a"][1]  # repeats draw differently
+    with pytest.raises(UserError, match="decodes greedily only"):
+        runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
+    assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.parametrize("name", ["tiny_qwen", "tiny_deepseek", "tiny_phi"])
+def test_shared_instance_shares_everything_but_the_routed_experts(name):
+    from specter.decoding.self_draft import SelfDraft
+
+    lm = _tiny(name)
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:16]])
+    with torch.no_grad():
+        target_before = lm.model(input_ids=ids).logits
+    qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
+                                    None, torch.device("cpu"))
+    tensors_before = {n: p.data_ptr() for n, p in lm.model.named_parameters()}
+    sw = SelfDraft(lm.model, qe, backend="reference")
+    with torch.no_grad():
+        target = lm.model(input_ids=ids).logits
+        with sw.draft():
+            draft = lm.model(input_ids=ids).logits
+        target_again = lm.model(input_ids=ids).logits
+    # One instance: not a parameter was copied or replaced by attaching the draft.
+    assert {n: p.data_ptr() for n, p in lm.model.named_parameters()} == tensors_before
+    assert torch.equal(target, target_before) and torch.equal(target_again, target_before)
+    assert not torch.equal(draft, target)  # the routed experts really are the INT4 copy
+    # The draft is the target with its routed experts replaced by their dequantized INT4 copy.
+    ref = _tiny(name)
+    with torch.no_grad():
+        for l, (_, m) in enumerate(experts_modules(ref.model)):
+            m.gate_up_proj.copy_(torch.stack([q.dequantize() for q in qe.gate_up[l]]))
+            m.down_proj.copy_(torch.stack([q.dequantize() for q in qe.down[l]]))
+        expect = ref.model(input_ids=ids).logits
+    assert torch.allclose(draft, expect, atol=1e-4, rtol=1e-4)
+    assert sw.draft_bytes == qe.packed_bytes() > 0
+
+
+def test_memory_account_of_the_shared_instance():
+    from specter.models.introspect import moe_spec
+    from specter.decoding.self_draft import account_model
+
+    lm = _tiny("tiny_qwen")
+    acct = account_model("own:tiny_qwen", lm.spec, slots=15, context=512)
+    assert acct.separate_bytes - acct.shared_bytes == acct.non_expert_bytes + acct.kv_bytes
+    assert 0 < acct.saving < 1
+    assert moe_spec(lm.model).non_expert_bytes == acct.non_expert_bytes
