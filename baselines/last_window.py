@@ -13,12 +13,14 @@ from dataclasses import dataclass
 
 from specter.config import SystemConfig
 from specter.decoding.drafts import SelfInt4Draft
+from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.errors import UserError
 from specter.offload.prefetch import WindowPrefetcher
 from specter.quant.build import draft_for
 
 ENGINE = SpeculativeEngine
+FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
 
 
 @dataclass

@@ -10,10 +10,12 @@ hooks in both modes. Output: the target's greedy tokens (specter/decoding/loop.p
 from __future__ import annotations
 
 from specter.decoding.drafts import SelfInt4Draft
+from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.quant.build import draft_for
 
 ENGINE = SpeculativeEngine
+FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
 
 
 def build(ctx) -> SpeculativeEngine:

@@ -13,10 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specter.config import SystemConfig
+from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine
 from specter.system import SpecterConfig, build_planned
 
 ENGINE = SpeculativeEngine
+FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
 MODES = {"sp_e": "early", "sp_l": "late"}
 
 

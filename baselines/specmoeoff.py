@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 from collections import Counter
 
+from specter.budget import Footprint
 from specter.decoding.drafts import SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.offload.prefetch import WindowPrefetcher
 from specter.quant.build import draft_for
 
 ENGINE = SpeculativeEngine
+FOOTPRINT = Footprint(int4_draft=True, second_instance=True)  # the INT4 copy, a second instance
 K_DEFAULT = 3
 FRACTIONS = (0.2, 0.6)
 

@@ -36,6 +36,7 @@ import math
 import torch
 from torch import nn
 
+from specter.budget import Footprint
 from specter.engine import DeviceMemory, Generation, eos_ids
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
@@ -237,3 +238,4 @@ def build(ctx) -> TransformersOffloadEngine:
 
 
 ENGINE = TransformersOffloadEngine
+FOOTPRINT = Footprint(whole_layers=True)  # accelerate's device map: whole experts modules

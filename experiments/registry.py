@@ -69,13 +69,13 @@ def sampling_systems() -> tuple[str, ...]:
 
 def footprint(system: SystemConfig) -> Footprint:
     """What `system` keeps on the device besides resident expert slots (budget.gb resolves
-    the slots from what is left): the INT4 draft for the systems that draft on the device,
-    a second instance for SpecMoEOff and Specter without sharing, whole layers for accelerate."""
-    name = system.name
-    second = name == "specmoeoff" or (name == "specter" and not system.shared)
-    return Footprint(int4_draft=name in ("lru_s", "specmoeoff", "specter", "sp_e", "sp_l",
-                                         "last_window"),
-                     second_instance=second, whole_layers=name == "transformers")
+    the slots from what is left): its recipe's `footprint(config)` or `FOOTPRINT`, else
+    nothing (the INT4 draft for the systems that draft on the device, a second instance for
+    SpecMoEOff and Specter without sharing, whole layers for accelerate)."""
+    module = recipe(system.name)
+    if hasattr(module, "footprint"):
+        return module.footprint(system)
+    return getattr(module, "FOOTPRINT", Footprint())
 
 
 def check_system(system: SystemConfig, temperature: float = 0.0) -> None:

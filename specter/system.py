@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specter.budget import Footprint
 from specter.config import SystemConfig
 from specter.decoding.drafts import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
@@ -68,6 +69,11 @@ class SpecterConfig(SystemConfig):
 
 
 Config = SpecterConfig
+
+
+def footprint(system: SpecterConfig) -> Footprint:
+    """The INT4 copy on the device, and a second instance when the draft does not share."""
+    return Footprint(int4_draft=True, second_instance=not system.shared)
 
 
 def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
