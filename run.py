@@ -84,7 +84,14 @@ def main() -> None:
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(UserError.exit_code)
-    _run()
+    try:
+        _run()
+    except KeyboardInterrupt:  # rows are published whole (experiments/records.py): none partial
+        from experiments.runner import ROWS_WRITTEN
+
+        print(f"\ninterrupted: {ROWS_WRITTEN[0]} row(s) written by this command are kept; "
+              "rerun the same command to resume.", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

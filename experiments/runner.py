@@ -127,6 +127,9 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+ROWS_WRITTEN = [0]  # rows this process wrote, over every run (a Ctrl-C reports it)
+
+
 def run(cfg: RunConfig, log=print) -> RunSummary:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
@@ -203,6 +206,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         try:
             store.write(row)
             written += 1
+            ROWS_WRITTEN[0] += 1
         except FileExistsError:  # a concurrent worker on this case recorded this row first
             continue
         if not math.isnan(t["tpot_ms"]):

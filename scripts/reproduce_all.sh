@@ -22,12 +22,27 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 
 PROFILE="" OUT="" FIGS="" ONLY="" EXTRA=()
+STEPS="main cache ablation latency oracle depth working_set fidelity routing memory kernel validate figures"
+need_value() {  # an option that takes a value got none
+  [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || {
+    echo "reproduce_all.sh: $1 needs a value (see the header of this script)." >&2; exit 2; }
+}
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --quick|--small|--full) PROFILE="${1#--}"; shift ;;
-    --out) OUT="$2"; shift 2 ;;
-    --figures) FIGS="$2"; shift 2 ;;
-    --only) ONLY=",$2,"; shift 2 ;;
+    --quick|--small|--full)
+      if [[ -n "$PROFILE" && "$PROFILE" != "${1#--}" ]]; then
+        echo "reproduce_all.sh: choose one profile, not both --$PROFILE and $1." >&2; exit 2
+      fi
+      PROFILE="${1#--}"; shift ;;
+    --out) need_value "$@"; OUT="$2"; shift 2 ;;
+    --figures) need_value "$@"; FIGS="$2"; shift 2 ;;
+    --only)
+      need_value "$@"
+      for s in ${2//,/ }; do
+        [[ " $STEPS " == *" $s "* ]] || {
+          echo "reproduce_all.sh: unknown step '$s' for --only; choose from: ${STEPS// /, }." >&2; exit 2; }
+      done
+      ONLY=",$2,"; shift 2 ;;
     --) shift; EXTRA=("$@"); break ;;
     *) echo "reproduce_all.sh: unknown argument '$1'; use --quick, --small or --full (see the header of this script)." >&2; exit 2 ;;
   esac

@@ -1,0 +1,104 @@
+"""Faults and bad input: each one is one sentence (or one warning line), loses nothing, and
+heals on the rerun. Table-driven where the check happens before any model loads."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from experiments import records, runner, summarize
+from test_runner import smoke_cfg
+
+
+def _rows(tmp_path):
+    return sorted((tmp_path / "records").glob("*/*.parquet"))
+
+
+# -- corrupt records ----------------------------------------------------------------------
+CORRUPTIONS = {
+    "truncated": lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 2]),
+    "empty": lambda p: p.write_bytes(b""),
+    "not parquet": lambda p: p.write_text("hello"),
+    "foreign parquet": lambda p: pq.write_table(pa.table({"x": [1]}), p),  # no key columns
+}
+
+
+@pytest.mark.parametrize("how", list(CORRUPTIONS))
+def test_a_corrupt_row_is_quarantined_and_recomputed(tmp_path, capsys, how):
+    cfg = smoke_cfg(tmp_path)  # 2 items x 2 repeats, resident, tiny
+    quiet = lambda *_: None  # noqa: E731
+    assert runner.run(cfg, log=quiet).written == 4
+    victim = _rows(tmp_path)[1]
+    good = pq.read_table(victim).to_pandas()
+    CORRUPTIONS[how](victim)
+    capsys.readouterr()
+    # load and summarize skip it with one warning line and still show the rest
+    df = records.load(tmp_path)
+    err = capsys.readouterr().err
+    assert len(df) == 3 and err.count("\n") == 1 and str(victim) in err
+    assert summarize.main([str(tmp_path), "--short"]) == 0
+    # the rerun moves it aside, says so once, and computes exactly that row again
+    again = runner.run(cfg, log=quiet)
+    assert (again.written, again.skipped) == (1, 3)
+    assert victim.exists() and len(list((victim.parent / "quarantine").iterdir())) == 1
+    df = records.load(tmp_path)
+    assert len(df) == 4 and not df.duplicated(["request_id", "repeat"]).any()
+    row = df[(df.request_id == good.request_id[0]) & (df.repeat == good.repeat[0])]
+    assert list(row.output_tokens.iloc[0]) == list(good.output_tokens[0])  # the same tokens
+
+
+def test_plots_render_what_is_valid_beside_a_corrupt_row(tmp_path, capsys):
+    from experiments.plots import cli
+
+    cfg = smoke_cfg(tmp_path / "res")
+    runner.run(cfg, log=lambda *_: None)
+    CORRUPTIONS["truncated"](_rows(tmp_path / "res")[0])
+    assert cli.main([str(tmp_path / "res"), "--out", str(tmp_path / "fig")]) == 0
+    assert "skipped 1 unreadable" in capsys.readouterr().err
+
+
+def test_a_killed_writers_temp_files_are_removed_when_the_case_runs_again(tmp_path):
+    cfg = smoke_cfg(tmp_path, workload={"items": 1, "repeats": 1})
+    runner.run(cfg, log=lambda *_: None)
+    case_dir = _rows(tmp_path)[0].parent
+    dead = case_dir / f".tmp-{os.uname().nodename}-999999999-abc.parquet"  # no such process
+    old = case_dir / ".tmp-othermachine-1-abc.parquet"
+    live = case_dir / f".tmp-{os.uname().nodename}-{os.getpid()}-abc.parquet"  # this process
+    for p in (dead, old, live):
+        p.write_bytes(b"partial")
+    os.utime(old, (time.time() - 2 * records.STALE_TMP_S,) * 2)
+    runner.run(cfg, log=lambda *_: None)
+    assert not dead.exists() and not old.exists() and live.exists()
+    assert len(records.load(tmp_path)) == 1
+
+
+# -- Ctrl-C -------------------------------------------------------------------------------
+def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import REPO, run_cli
+
+    args = ["model=tiny_deepseek", "system=resident", "hardware=cpu", "dataset=gsm8k",
+            "workload.items=3", "workload.repeats=20", "workload.max_new_tokens=32",
+            f"out_dir={tmp_path}", "progress=false"]
+    proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not _rows(tmp_path) and time.time() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    lines = [line for line in err.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("interrupted: ") and "resume" in lines[0]
+    kept = len(records.load(tmp_path))
+    assert kept >= 1 and not list(tmp_path.glob("records/*/.tmp-*"))  # whole rows only
+    again = run_cli(*args)
+    assert again.returncode == 0 and f"resuming: {kept} of 60 rows" in again.stdout
+    assert len(records.load(tmp_path)) == 60
