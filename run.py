@@ -1,7 +1,8 @@
 """Command-line entry: `python run.py model=... budget=... system=... dataset=...` (Hydra).
 
-A thin edge: checks config-group names (one clear sentence for a typo), converts Hydra's
-config once into a typed `RunConfig`, calls `experiments.runner.run`, and turns a `UserError`
+A thin edge: checks config-group names and every `key=value` against the typed config (one
+clear sentence for a typo or an unknown key), converts Hydra's config once into a typed
+`RunConfig`, calls `experiments.runner.run`, and turns a `UserError`
 into one line on stderr and exit status 2. Multirun (`-m`) sweeps call the same function.
 """
 
@@ -60,6 +61,64 @@ def check_system_settings(argv: list[str]) -> None:
                 check_setting(name, key[len("system."):])
 
 
+def typed_overrides(argv: list[str]) -> list[str]:
+    """Every `key=value` checked against the typed run configuration (specter.config) before
+    Hydra sees it: unreadable syntax or an unknown key is one sentence naming the key and the
+    nearest valid one; a valid key that the selected yaml does not list (e.g.
+    `workload.temperature` under workload=artifact) is passed as `++key=value`, so every key
+    of the typed config works in the plain `key=value` form."""
+    import difflib
+    from dataclasses import fields
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    from specter.config import _NESTED, RunConfig
+    from specter.errors import UserError
+
+    parser = OverridesParser.create()
+    top = {f.name: f for f in fields(RunConfig)}
+    scalars = [n for n in top if ("RunConfig", n) not in _NESTED]
+    out = []
+    for arg in argv:
+        if arg.startswith("-") or "=" not in arg.lstrip("~"):
+            out.append(arg)
+            continue
+        try:
+            o = parser.parse_overrides([arg])[0]
+        except HydraException:
+            key, _, value = arg.partition("=")
+            raise UserError(f"cannot read the setting '{arg}': quote a value with special "
+                            f"characters, e.g. {key.lstrip('+~')}='{value}'.") from None
+        key = o.key_or_group
+        if key.startswith("hydra") or key in GROUPS or o.is_delete():
+            out.append(arg)
+            continue
+        group, _, name = key.partition(".")
+        if not name:
+            if key not in scalars:
+                near = difflib.get_close_matches(key, scalars + list(GROUPS), n=1, cutoff=0.5)
+                raise UserError(f"unknown setting '{key}'" + (f"; did you mean '{near[0]}'?"
+                                if near else f"; top-level settings are: {', '.join(scalars)}."))
+            out.append(arg)
+            continue
+        cls = _NESTED.get(("RunConfig", group))
+        if cls is None:
+            raise UserError(f"unknown setting '{key}': '{group}' is not a config section "
+                            f"(sections: {', '.join(n for n in top if ('RunConfig', n) in _NESTED)}).")
+        if group == "system":  # its own typed config: check_system_settings said it
+            out.append(arg)
+            continue
+        names = [f.name for f in fields(cls)]
+        if name.split(".")[0] not in names:
+            near = difflib.get_close_matches(name, names, n=1, cutoff=0.5)
+            raise UserError(f"unknown setting '{key}'" + (f"; did you mean '{group}.{near[0]}'?"
+                            if near else f"; {group} settings are: "
+                            f"{', '.join(group + '.' + n for n in names)}."))
+        out.append(arg if arg.startswith("+") else "++" + arg)
+    return out
+
+
 def main() -> None:
     import hydra
     from omegaconf import OmegaConf
@@ -81,6 +140,7 @@ def main() -> None:
     try:
         check_group_choices(sys.argv[1:])
         check_system_settings(sys.argv[1:])
+        sys.argv[1:] = typed_overrides(sys.argv[1:])
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(UserError.exit_code)

@@ -9,6 +9,7 @@ model's expert count (budget slots) happens in `budget.py`.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -188,6 +189,12 @@ class RunConfig:
         return cfg
 
     def validate(self) -> None:
+        if not str(self.out_dir).strip():
+            raise UserError("out_dir is empty; name a folder for the records (e.g. out_dir=results/x).")
+        for key in ("out_dir", "cache_dir", "data_dir"):  # `~` means the home folder
+            value = getattr(self, key)
+            if isinstance(value, str) and value.startswith("~"):
+                setattr(self, key, os.path.expanduser(value))
         w = self.workload
         for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):

@@ -102,3 +102,42 @@ def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
     again = run_cli(*args)
     assert again.returncode == 0 and f"resuming: {kept} of 60 rows" in again.stdout
     assert len(records.load(tmp_path)) == 60
+
+
+# -- bad settings on the command line: one sentence, exit 2, nothing written ---------------
+BAD_SETTINGS = [
+    (("workload.itemz=3",), "unknown setting 'workload.itemz'; did you mean 'workload.items'?"),
+    (("outdir=x",), "unknown setting 'outdir'; did you mean 'out_dir'?"),
+    (("foo.bar=1",), "'foo' is not a config section"),
+    (("hardware.h2d_bandwith_Bps=1",), "did you mean 'hardware.h2d_bandwidth_Bps'?"),
+    (("out_dir=~/x",), "cannot read the setting 'out_dir=~/x': quote a value"),
+    (("out_dir=",), "out_dir is empty"),
+    (("model=tiny_gpt",), "unknown model 'tiny_gpt'"),
+    (("system=lru", "system.top_m=3"), "system.top_m applies to"),
+    (("system=lru", "system.sharing=1"), "unknown setting 'system.sharing'"),
+    (("spec.k=0",), "spec.k (the draft depth K) must be at least 1"),
+    (("workload.items=abc",), "workload.items must be int"),
+    (("offload.policy=fifo",), "unknown offload.policy 'fifo'; choose one of: lfu, lru."),
+]
+
+
+@pytest.mark.parametrize("args,text", BAD_SETTINGS, ids=[" ".join(a) for a, _ in BAD_SETTINGS])
+def test_a_bad_setting_is_one_sentence_and_exit_2(tmp_path, args, text):
+    from conftest import run_cli
+
+    out = tmp_path / "out"
+    res = run_cli("model=tiny_deepseek", "hardware=cpu", *args,
+                  *(() if any(a.startswith("out_dir") for a in args) else (f"out_dir={out}",)))
+    assert res.returncode == 2, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], res.stderr
+    assert not out.exists()
+
+
+def test_every_typed_setting_works_in_the_plain_key_value_form():
+    """`workload.temperature=0.7` (README's form) although workload=artifact does not list it."""
+    from conftest import run_cli
+
+    res = run_cli("workload.temperature=0.7", "offload.policy=lfu", "--cfg", "job")
+    assert res.returncode == 0, res.stderr
+    assert "temperature: 0.7" in res.stdout and "policy: lfu" in res.stdout
