@@ -10,6 +10,7 @@ from __future__ import annotations
 from specter.decoding.engines import GreedyEngine, build_greedy
 
 ENGINE = GreedyEngine
+OFFLOADS = False  # every expert on the device: any clock, CPU included
 
 
 def build(ctx) -> GreedyEngine:

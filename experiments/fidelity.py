@@ -92,3 +92,4 @@ def build(ctx) -> FidelityEngine:
 
 
 ENGINE = FidelityEngine
+OFFLOADS = False  # a measurement of routing on the device

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
 from specter.models.routing_stats import checkpoint_record
+from specter.models.zoo import default_cache_dir
 from specter.workloads import DATASETS, Workload, load_workload, truncate_prompt
 
 
@@ -87,7 +89,7 @@ def _workload(cfg: RunConfig) -> Workload:
         if not ds.prompts:
             raise UserError("dataset=custom needs prompts: pass dataset.prompts='[\"text\", ...]'.")
         return Workload(dataset="custom", source="command line", standin=False,
-                        texts=tuple(ds.prompts))
+                        texts=tuple(ds.prompts[:cfg.workload.items]))  # the first `items`
     if ds.name not in DATASETS:
         raise UserError(f"unknown dataset '{ds.name}'; choose one of: "
                         f"{', '.join(DATASETS + ('custom',))}.")
@@ -127,6 +129,63 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+def window_tokens(cfg: RunConfig) -> int:
+    """The most positions one speculative window adds beyond the committed tokens (K+1 for
+    the verification block; the largest profiled K under spec.k=auto); 0 for greedy systems."""
+    if not recipe(cfg.system.name).ENGINE.samples:
+        return 0
+    k = cfg.spec.k
+    if k == "auto":
+        k = max(cfg.spec.profile_ks)
+    return (k if isinstance(k, int) else (cfg.model.paper_k or 4)) + 1
+
+
+def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts: int) -> None:
+    """What can be checked before the weights load, each failure one sentence: the context
+    length, knobs against the expert count, the draft kernel against the device, the charged
+    sizes against the model, and that out_dir and the cache can be written."""
+    from specter.offload.build import charges_real_sizes
+
+    raw = json.loads((checkpoint / "config.json").read_text())
+    positions = raw.get("max_position_embeddings")
+    w = cfg.workload
+    need = w.prompt_tokens + w.max_new_tokens + window_tokens(cfg)
+    if isinstance(positions, int) and need > positions:
+        spec = window_tokens(cfg)
+        raise UserError(
+            f"workload.prompt_tokens ({w.prompt_tokens}) + workload.max_new_tokens "
+            f"({w.max_new_tokens})" + (f" + a speculative window of {spec}" if spec else "")
+            + f" = {need} positions exceed model={cfg.model.name}'s {positions}; lower them.")
+    top_m = getattr(cfg.system, "top_m", None)
+    if top_m is not None and top_m > n_experts:
+        raise UserError(f"system.top_m ({top_m}) exceeds model={cfg.model.name}'s {n_experts} "
+                        "routed experts per layer.")
+    if cfg.quant.backend == "triton" and device.type != "cuda" and footprint(cfg.system).int4_draft:
+        raise UserError("quant.backend=triton needs a CUDA device (this run's is "
+                        f"{device.type}); use quant.backend=auto, cpu_int4 or reference.")
+    if cfg.hardware.clock in ("virtual", "emulated"):
+        charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
+    offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
+    if offloads and cfg.hardware.clock == "wall" and device.type == "cpu":
+        raise UserError(f"system={cfg.system.name} offloads experts, which on the CPU needs a "
+                        "modelled link: use hardware=a100_pcie4_hf (virtual clock) or "
+                        "hardware=a100_pcie4_hf hardware.clock=emulated.")
+
+
+def check_writable(cfg: RunConfig) -> None:
+    """out_dir and the model cache can be created and written (before anything is built)."""
+    for key, folder in (("out_dir", Path(cfg.out_dir)),
+                        ("cache_dir", Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())):
+        if folder.exists() and not folder.is_dir():
+            raise UserError(f"{key}={folder} is a file, not a folder.")
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as e:
+            raise UserError(f"{key}={folder} cannot be written: {e.strerror or e}.") from None
+
+
 ROWS_WRITTEN = [0]  # rows this process wrote, over every run (a Ctrl-C reports it)
 
 
@@ -137,8 +196,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     device = resolve_device(cfg.hardware.device)
     cfg = resolve_auto_hardware(cfg, device, log)
     workload = _workload(cfg)
+    check_writable(cfg)
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
+    preflight(cfg, checkpoint, device, n_experts)
     budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
                                 footprint(cfg.system),
                                 kv_tokens=cfg.workload.prompt_tokens + cfg.workload.max_new_tokens,

@@ -195,7 +195,7 @@ def profile_numbers(y: dict) -> dict:
 def write_fitted_profile(ctx: "Ctx", vals: dict, base: Path | None) -> None:
     """hardware_measured.yaml under --out with the table's offload fit: the other values and
     their notes as in `base` (this run's or --profile's yaml), or this run's stages."""
-    values = {"name": ctx.args.name, "device": "auto", "clock": "virtual", "charge": "real",
+    values = {"name": ctx.args.name, "device": "auto", "clock": "virtual", "charge": "auto",
               "engine": "hf", **vals}
     src = current_profile(ctx)[1]
     if base is not None:
@@ -762,7 +762,7 @@ def stage_roles(ctx: Ctx) -> dict:
 # ======================================================================================
 def stage_profile(ctx: Ctx) -> dict:
     vals, src = current_profile(ctx)
-    values = {"name": ctx.args.name, "device": "auto", "clock": "virtual", "charge": "real",
+    values = {"name": ctx.args.name, "device": "auto", "clock": "virtual", "charge": "auto",
               "engine": "hf", **vals}
     src.update(name="", device="", clock="", charge="the real model's sizes by default; the "
                "error table runs charge=own", engine="an eager framework (HF / PyTorch eager)")

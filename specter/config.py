@@ -94,7 +94,7 @@ class HardwareConfig:
     name: str
     device: str = "auto"  # auto | cpu | cuda
     clock: str = "wall"  # wall | virtual | emulated
-    charge: str = "own"  # own | real: charge the sizes of the real model a small one stands for
+    charge: str = "own"  # auto | own | real: the real model's sizes (auto: where the model stands for one)
     matrix_flops: float = 0.0  # the modelled device (virtual / emulated clocks)
     mem_bandwidth_Bps: float = 0.0
     launch_overhead_s: float = 0.0
@@ -195,6 +195,17 @@ class RunConfig:
             value = getattr(self, key)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, key, os.path.expanduser(value))
+        prompts = self.dataset.prompts
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(t, str) for t in prompts):
+            raise UserError("dataset.prompts must be a list of texts, e.g. "
+                            f"dataset.prompts='[\"first prompt\", \"second\"]' (got {prompts!r}).")
+        blank = [i for i, t in enumerate(prompts) if not t.strip()]
+        if blank:
+            raise UserError(f"dataset.prompts has an empty prompt (entry {blank[0]}); every "
+                            "prompt needs text.")
+        if prompts and self.dataset.name != "custom":
+            raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
+                            f"dataset={self.dataset.name}.")
         w = self.workload
         for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):

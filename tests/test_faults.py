@@ -141,3 +141,59 @@ def test_every_typed_setting_works_in_the_plain_key_value_form():
     res = run_cli("workload.temperature=0.7", "offload.policy=lfu", "--cfg", "job")
     assert res.returncode == 0, res.stderr
     assert "temperature: 0.7" in res.stdout and "policy: lfu" in res.stdout
+
+
+# -- checked before any weights load: one sentence, nothing written -----------------------
+
+
+def _hw(name: str) -> dict:
+    from omegaconf import OmegaConf
+
+    from conftest import REPO
+
+    return OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "hardware" / f"{name}.yaml"))
+
+
+PREFLIGHT = [
+    ({"workload": {"prompt_tokens": 1000, "max_new_tokens": 100}, "system": {"name": "specter"}},
+     "a speculative window of 5 = 1105 positions exceed model=tiny_deepseek's 1024"),
+    ({"system": {"name": "specter", "top_m": 100}}, "system.top_m (100) exceeds"),
+    ({"system": {"name": "lru_s"}, "quant": {"backend": "triton"}},
+     "quant.backend=triton needs a CUDA device"),
+    ({"model": {"name": "tiny_olmoe", "source": "project", "budget_slots": {"high": 16}},
+      "hardware_charge": "real", "system": {"name": "lru"}},
+     "hardware.charge=real needs a model that stands for a real one"),
+    ({"system": {"name": "lru"}, "hardware_name": "cpu"}, "offloads experts, which on the CPU"),
+    ({"out_dir_file": True}, "is a file, not a folder"),
+    ({"cache_dir": "/proc/no/such"}, "cache_dir=/proc/no/such cannot be written"),
+]
+
+
+@pytest.mark.parametrize("over,text", PREFLIGHT, ids=[t[:40] for _, t in PREFLIGHT])
+def test_checked_before_the_model_loads(tmp_path, monkeypatch, over, text):
+    from specter.errors import UserError
+    from specter.models import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    over = dict(over)
+    hw = _hw(over.pop("hardware_name", "a100_pcie4_hf"))
+    if "hardware_charge" in over:
+        hw["charge"] = over.pop("hardware_charge")
+    out = tmp_path / "out"
+    if over.pop("out_dir_file", False):
+        out.write_text("a file")
+    cfg = smoke_cfg(out, hardware=hw, **over)
+    with pytest.raises(UserError, match=text.replace("(", r"\(").replace(")", r"\)")):
+        runner.run(cfg, log=lambda *_: None)
+    assert not list(out.glob("records")) if out.is_dir() else True
+
+
+def test_a_model_without_a_real_counterpart_runs_with_its_own_sizes(tmp_path):
+    """hardware.charge=auto (the profiles' default): the real model's sizes where the project
+    model stands for one, its own otherwise; the record says which."""
+    cfg = smoke_cfg(tmp_path, hardware=_hw("a100_pcie4_hf"), system={"name": "lru"},
+                    model={"name": "tiny_olmoe", "source": "project", "budget_slots": {"high": 16}},
+                    workload={"items": 1, "repeats": 1})
+    runner.run(cfg, log=lambda *_: None)
+    assert records.load(tmp_path)["charged.source"].iloc[0] == "own:tiny_olmoe"

@@ -23,7 +23,7 @@ def smoke_cfg(out_dir, **over) -> RunConfig:
          "workload": {"items": 2, "max_new_tokens": 6, "repeats": 2},
          "out_dir": str(out_dir), "progress": False}
     for k, v in over.items():
-        d[k] = {**d[k], **v} if isinstance(v, dict) else v
+        d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
     return RunConfig.from_dict(d)
 
 

@@ -83,12 +83,23 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
                            offload_layer_overhead_s=hw.offload_layer_overhead_s)
 
 
+def charges_real_sizes(charge: str, model_name: str, stands_for: str | None) -> bool:
+    """hardware.charge: "real" (the real model's sizes), "own" (this model's), or "auto" (the
+    real model's where this one stands for a real one, its own otherwise)."""
+    if charge not in ("auto", "own", "real"):
+        raise UserError(f"hardware.charge must be auto, own or real (got '{charge}').")
+    has_real = (stands_for or model_name) in REAL_CONFIGS
+    if charge == "real" and not has_real:
+        raise UserError(f"hardware.charge=real needs a model that stands for a real one "
+                        f"(deepseek, qwen, phi); model={model_name} does not: use "
+                        "hardware.charge=auto or own.")
+    return charge == "real" or (charge == "auto" and has_real)
+
+
 def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:
     elem = next(model.parameters()).element_size()
-    if hw.charge == "own":
+    if not charges_real_sizes(hw.charge, model_name, stands_for):
         return charged_sizes(model, f"own:{model_name}", elem)
-    if hw.charge != "real":
-        raise UserError(f"hardware.charge must be own or real (got '{hw.charge}').")
     real = REAL_CONFIGS.get(stands_for or model_name)
     if real is None:
         raise UserError(f"hardware.charge=real needs a model that stands for a real one "
