@@ -206,6 +206,15 @@ class RunConfig:
         if prompts and self.dataset.name != "custom":
             raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
                             f"dataset={self.dataset.name}.")
+        if self.model.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise UserError(f"model.dtype must be auto, float32, float16 or bfloat16 "
+                            f"(got '{self.model.dtype}').")
+        for key in ("seed", "model_seed"):
+            if getattr(self, key) < 0:
+                raise UserError(f"{key} must be >= 0 (got {getattr(self, key)}).")
+        if self.quant.backend not in ("auto", "reference", "cpu_int4", "triton"):
+            raise UserError(f"unknown quant.backend '{self.quant.backend}'; choose one of: "
+                            "auto, reference, cpu_int4, triton.")
         w = self.workload
         for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):

@@ -230,3 +230,56 @@ def test_a_model_without_a_real_counterpart_runs_with_its_own_sizes(tmp_path):
                     workload={"items": 1, "repeats": 1})
     runner.run(cfg, log=lambda *_: None)
     assert records.load(tmp_path)["charged.source"].iloc[0] == "own:tiny_olmoe"
+
+
+# -- a bad checkpoint folder (model.path=DIR): one sentence naming the file ----------------
+def _break_config(text):
+    return lambda d: (d / "config.json").write_text(text)
+
+
+def _edit_config(**changes):
+    def edit(d):
+        import json
+
+        raw = json.loads((d / "config.json").read_text())
+        for k, v in changes.items():
+            if v is None:
+                raw.pop(k, None)
+            else:
+                raw[k] = v
+        (d / "config.json").write_text(json.dumps(raw))
+    return edit
+
+
+def _truncate_weights(d):
+    f = next(d.glob("*.safetensors"))
+    f.write_bytes(f.read_bytes()[:-1000])
+
+
+BAD_CHECKPOINTS = {
+    "malformed config.json": (_break_config("{not json"), "config.json is not valid JSON"),
+    "no model_type": (_edit_config(model_type=None), "names no model_type"),
+    "unknown model_type": (_edit_config(model_type="gpt9"), "model_type 'gpt9' is not an architecture"),
+    "auto_map (remote code)": (_edit_config(auto_map={"AutoConfig": "x.Y"}), "asks for remote code"),
+    "no routed-expert count": (_edit_config(n_routed_experts=None),
+                               "names no routed-expert count"),
+    "truncated safetensors": (_truncate_weights, "is truncated"),
+}
+
+
+@pytest.mark.parametrize("how", list(BAD_CHECKPOINTS))
+def test_a_bad_checkpoint_folder_is_one_sentence(tmp_path, monkeypatch, tiny_models, how):
+    import shutil
+
+    from specter.errors import UserError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_models("tiny_deepseek").checkpoint, ckpt)
+    breaker, text = BAD_CHECKPOINTS[how]
+    breaker(ckpt)
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    cfg = smoke_cfg(tmp_path / "out", model={"name": "deepseek", "source": "hf",
+                                              "path": str(ckpt), "stands_for": None})
+    with pytest.raises(UserError, match=text) as err:
+        runner.run(cfg, log=lambda *_: None)
+    assert "\n" not in str(err.value)

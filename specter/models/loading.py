@@ -49,7 +49,55 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
     if not any(path.glob("*.safetensors")):
         raise UserError(f"{path} holds no .safetensors weights; this project loads safetensors "
                         f"only (re-download {cfg.hub_id} in safetensors form).")
+    check_checkpoint(path)
     return path
+
+
+def check_checkpoint(path: Path) -> None:
+    """The checkpoint folder can be loaded without running anything it ships: config.json is
+    JSON naming a model_type transformers knows, asks for no remote code, and every
+    safetensors file is whole (its header's tensors fit the file). One sentence otherwise."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    config = path / "config.json"
+    try:
+        raw = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise UserError(f"{config} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+    if not isinstance(raw, dict) or not raw.get("model_type"):
+        raise UserError(f"{config} names no model_type; is this a Hugging Face checkpoint?")
+    if raw.get("auto_map"):
+        raise UserError(f"{config} asks for remote code (auto_map); this project never runs "
+                        "code shipped with a checkpoint: use one whose model_type transformers "
+                        "supports natively.")
+    if raw["model_type"] not in CONFIG_MAPPING_NAMES:
+        import transformers
+
+        raise UserError(f"{config}: model_type '{raw['model_type']}' is not an architecture "
+                        f"transformers {transformers.__version__} knows.")
+    for weights in sorted(path.glob("*.safetensors")):
+        problem = _safetensors_problem(weights)
+        if problem:
+            raise UserError(f"{weights} {problem}; download it again.")
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why `path` is not a whole safetensors file (None when it is): read from its header."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n <= 0 or 8 + n > size:
+                return "is truncated or not a safetensors file (its header does not fit)"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError):
+        return "is not a safetensors file (unreadable header)"
+    ends = [t["data_offsets"][1] for k, t in header.items()
+            if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
+    need = 8 + n + (max(ends) if ends else 0)
+    if need > size:
+        return f"is truncated ({size} of {need} bytes)"
+    return None
 
 
 def _hub_snapshot(cfg: ModelConfig) -> Path:
