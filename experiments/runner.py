@@ -270,6 +270,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
             ROWS_WRITTEN[0] += 1
         except FileExistsError:  # a concurrent worker on this case recorded this row first
             continue
+        except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
+            raise UserError(f"out_dir={cfg.out_dir} stopped taking rows ({e.strerror or e}); "
+                            f"the {written} row(s) written by this run are kept: free space or "
+                            "fix permissions and rerun to resume.") from None
         if not math.isnan(t["tpot_ms"]):
             tpots.append(t["tpot_ms"])
     mean = sum(tpots) / len(tpots) if tpots else math.nan

@@ -283,3 +283,26 @@ def test_a_bad_checkpoint_folder_is_one_sentence(tmp_path, monkeypatch, tiny_mod
     with pytest.raises(UserError, match=text) as err:
         runner.run(cfg, log=lambda *_: None)
     assert "\n" not in str(err.value)
+
+
+def test_a_disk_that_fills_mid_run_is_one_sentence_and_keeps_the_rows(tmp_path, monkeypatch):
+    import errno
+
+    from specter.errors import UserError
+
+    real = records.pq.write_table
+    calls = {"n": 0}
+
+    def fill_up(table, where, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(table, where, *a, **k)
+
+    monkeypatch.setattr(records.pq, "write_table", fill_up)
+    cfg = smoke_cfg(tmp_path)
+    with pytest.raises(UserError, match="stopped taking rows .No space left on device.; the 2 row"):
+        runner.run(cfg, log=lambda *_: None)
+    assert len(records.load(tmp_path)) == 2 and not list(tmp_path.glob("records/*/.tmp-*"))
+    monkeypatch.setattr(records.pq, "write_table", real)
+    assert runner.run(cfg, log=lambda *_: None).written == 2  # the rerun resumes
