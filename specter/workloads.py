@@ -45,17 +45,25 @@ def dataset_dir() -> Path:
 def _read_jsonl_texts(path: Path) -> list[str]:
     """The "text" field of every line of a jsonl file (blank lines ignored), in order."""
     texts = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                texts.append(json.loads(line)["text"])
-            except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise UserError(
-                    f"{path}:{lineno} is not a JSON object with a \"text\" key ({e}); "
-                    "fix or delete that file (scripts/fetch_datasets.py rewrites it)."
-                ) from None
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = list(f)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); fix or delete that file "
+                        "(scripts/fetch_datasets.py rewrites it).") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            text = json.loads(line)["text"]
+            if not isinstance(text, str):
+                raise TypeError(f"its text is a {type(text).__name__}, not a string")
+            texts.append(text)
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise UserError(
+                f"{path}:{lineno} is not a JSON object with a \"text\" string ({e}); "
+                "fix or delete that file (scripts/fetch_datasets.py rewrites it)."
+            ) from None
     return texts
 
 

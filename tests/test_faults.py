@@ -306,3 +306,55 @@ def test_a_disk_that_fills_mid_run_is_one_sentence_and_keeps_the_rows(tmp_path, 
     assert len(records.load(tmp_path)) == 2 and not list(tmp_path.glob("records/*/.tmp-*"))
     monkeypatch.setattr(records.pq, "write_table", real)
     assert runner.run(cfg, log=lambda *_: None).written == 2  # the rerun resumes
+
+
+# -- a broken prompt file, a pickle-only checkpoint ---------------------------------------
+BAD_DATA = {
+    "not json": ("hello\n", 'gsm8k.jsonl:1 is not a JSON object with a "text" string'),
+    "no text key": ('{"question": "x"}\n', "gsm8k.jsonl:1 is not a JSON object"),
+    "text not a string": ('{"text": 3}\n', "its text is a int, not a string"),
+    "not utf-8": (b"\xff\xfe\x00garbage", "is not UTF-8 text"),
+}
+
+
+@pytest.mark.parametrize("how", list(BAD_DATA))
+def test_a_broken_prompt_file_is_one_sentence_naming_it(tmp_path, monkeypatch, how):
+    from specter.errors import UserError
+
+    content, text = BAD_DATA[how]
+    data = tmp_path / "data"
+    data.mkdir()
+    target = data / "gsm8k.jsonl"
+    target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    with pytest.raises(UserError, match=text):
+        runner.run(smoke_cfg(tmp_path / "out", data_dir=str(data)), log=lambda *_: None)
+
+
+class _Trap:
+    """Unpickling this touches a marker file: the test fails if anything unpickles it."""
+
+    marker = ""
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_only_checkpoint_is_refused_and_never_unpickled(tmp_path, tiny_models):
+    import pickle
+    import shutil
+
+    from specter.errors import UserError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_models("tiny_deepseek").checkpoint, ckpt)
+    for f in ckpt.glob("*.safetensors"):
+        f.unlink()
+    trap = _Trap()
+    trap.marker = str(tmp_path / "UNPICKLED")
+    (ckpt / "pytorch_model.bin").write_bytes(pickle.dumps(trap))
+    cfg = smoke_cfg(tmp_path / "out", model={"name": "deepseek", "source": "hf",
+                                              "path": str(ckpt), "stands_for": None})
+    with pytest.raises(UserError, match="holds no .safetensors weights"):
+        runner.run(cfg, log=lambda *_: None)
+    assert not (tmp_path / "UNPICKLED").exists()
