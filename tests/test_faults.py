@@ -76,26 +76,55 @@ def test_a_killed_writers_temp_files_are_removed_when_the_case_runs_again(tmp_pa
     assert len(records.load(tmp_path)) == 1
 
 
-# -- Ctrl-C -------------------------------------------------------------------------------
-@pytest.mark.slow
-def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
-    import signal
+# -- Ctrl-C and kill -9 ---------------------------------------------------------------------
+LONG_RUN = ["model=tiny_deepseek", "system=resident", "hardware=cpu", "dataset=gsm8k",
+            "workload.items=3", "workload.repeats=20", "workload.max_new_tokens=32",
+            "progress=false"]
+
+
+def _start_and_signal(tmp_path, sig):
+    """Start a 60-row run, send `sig` once its first row is on disk; (returncode, stderr)."""
     import subprocess
     import sys
 
-    from conftest import REPO, run_cli
+    from conftest import REPO
 
-    args = ["model=tiny_deepseek", "system=resident", "hardware=cpu", "dataset=gsm8k",
-            "workload.items=3", "workload.repeats=20", "workload.max_new_tokens=32",
-            f"out_dir={tmp_path}", "progress=false"]
-    proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), *args], cwd=REPO,
+    proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), *LONG_RUN,
+                             f"out_dir={tmp_path}"], cwd=REPO,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while not _rows(tmp_path) and time.time() < deadline:
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+def test_kill_9_keeps_whole_rows_and_the_rerun_writes_each_missing_row_once(tmp_path):
+    import signal
+
+    from conftest import run_cli
+
+    code, _ = _start_and_signal(tmp_path, signal.SIGKILL)
+    assert code == -signal.SIGKILL
+    kept = len(records.load(tmp_path))  # every file on disk reads back
+    again = run_cli(*LONG_RUN, f"out_dir={tmp_path}")
+    assert again.returncode == 0 and f"resuming: {kept} of 60 rows" in again.stdout
+    df = records.load(tmp_path)
+    assert len(df) == 60 and not df.duplicated(["request_id", "repeat"]).any()
+    assert not list(tmp_path.glob("records/*/.tmp-*"))  # the dead writer's temp file is gone
+
+
+@pytest.mark.slow
+def test_ctrl_c_is_one_line_exit_130_and_the_rerun_resumes(tmp_path):
+    import signal
+
+    from conftest import run_cli
+
+    args = [*LONG_RUN, f"out_dir={tmp_path}"]
+    code, err = _start_and_signal(tmp_path, signal.SIGINT)
+    assert code == 130, err
     lines = [line for line in err.strip().splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("interrupted: ") and "resume" in lines[0]
     kept = len(records.load(tmp_path))
