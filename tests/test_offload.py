@@ -324,3 +324,26 @@ def test_eviction_policy_is_chosen_by_name_and_lfu_keeps_the_busiest():
     assert [g.tokens for g in decode_all(engine, loaded.tokenizer)] == ref
     with pytest.raises(UserError, match="unknown offload.policy 'fifo'; choose one of: lfu, lru"):
         make_engine("tiny_qwen", "lru", 4, offload={"policy": "fifo"})
+
+
+def test_a_batch_of_32_is_charged_by_hand_arithmetic_on_deepseek_sizes():
+    """Batched work (issue: batched decoding): attention's projections over all 32 rows at
+    once, each sequence's own KV read; routed experts by the tokens routed to each; one B=1
+    row charges exactly what `attention_s` always did."""
+    sizes = real_charged_sizes(REAL_CONFIGS["deepseek"], modelled=(27, 26, 1))
+    hw = HardwareProfile("a100_pcie4_ideal", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)
+    cost = CostModel(hw, sizes)
+    rows = [(1, 100 + 10 * i) for i in range(32)]  # decode: one token per sequence
+    s = sizes
+    proj = max(2 * 32 * s.attn_params / 312e12, s.attn_params * 2 / 1.555e12) + 6 * 5e-6
+    kv = sum(c for _, c in rows) * s.kv_elems_per_token * 2 / 1.555e12
+    scores = 4 * sum(c for _, c in rows) * s.heads * s.head_dim / 312e12
+    assert cost.attention_batch_s(rows) == pytest.approx((proj + max(kv, scores)) * s.attn_multiplier,
+                                                         rel=1e-12)
+    assert cost.attention_batch_s([(5, 300)]) == cost.attention_s(5, 300)
+    # weights are read once for the batch: 32 rows cost far less than 32 single forwards
+    assert cost.attention_batch_s(rows) < 0.2 * sum(cost.attention_s(t, c) for t, c in rows)
+    # an expert hit by 7 of the batch's tokens: one GEMM over 7 rows, weights read once
+    e = s.expert_params
+    assert cost.expert_s(7) == pytest.approx(
+        (max(2 * 7 * e / 312e12, e * 2 / 1.555e12) + 3 * 5e-6) * s.moe_multiplier, rel=1e-12)

@@ -166,10 +166,18 @@ class CostModel:
 
     def attention_s(self, tokens: int, context: int) -> float:
         """Projections and norms, plus reading the KV cache of `context` positions."""
+        return self.attention_batch_s([(tokens, context)])
+
+    def attention_batch_s(self, rows: list[tuple[int, int]]) -> float:
+        """One batched attention forward: `rows` holds (tokens, context) per sequence. The
+        projections run once over every row's tokens (weights read once); each sequence reads
+        its own KV cache and scores its own tokens against it."""
         s = self.sizes
+        tokens = sum(t for t, _ in rows)
         proj = self.matmul_s(tokens, s.attn_params, kernels=6)
-        kv_read = context * s.kv_elems_per_token * s.elem_bytes / self.hw.mem_bandwidth_Bps
-        scores = 4.0 * tokens * context * s.heads * s.head_dim / self.hw.matrix_flops
+        kv_read = sum(c for _, c in rows) * s.kv_elems_per_token * s.elem_bytes \
+            / self.hw.mem_bandwidth_Bps
+        scores = 4.0 * sum(t * c for t, c in rows) * s.heads * s.head_dim / self.hw.matrix_flops
         # The framework's per-layer cost is charged here, once per decoder layer and forward.
         return (proj + max(kv_read, scores) + self.hw.layer_overhead_s) * self.sizes.attn_multiplier
 
