@@ -73,12 +73,12 @@ def typed_overrides(argv: list[str]) -> list[str]:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    from specter.config import _NESTED, RunConfig
+    from specter.config import RunConfig, section_classes
     from specter.errors import UserError
 
     parser = OverridesParser.create()
-    top = {f.name: f for f in fields(RunConfig)}
-    scalars = [n for n in top if ("RunConfig", n) not in _NESTED]
+    sections = section_classes()
+    scalars = [f.name for f in fields(RunConfig) if f.name not in sections]
     out = []
     for arg in argv:
         if arg.startswith("-") or "=" not in arg.lstrip("~"):
@@ -102,10 +102,10 @@ def typed_overrides(argv: list[str]) -> list[str]:
                                 if near else f"; top-level settings are: {', '.join(scalars)}."))
             out.append(arg)
             continue
-        cls = _NESTED.get(("RunConfig", group))
+        cls = sections.get(group)
         if cls is None:
             raise UserError(f"unknown setting '{key}': '{group}' is not a config section "
-                            f"(sections: {', '.join(n for n in top if ('RunConfig', n) in _NESTED)}).")
+                            f"(sections: {', '.join(sections)}).")
         if group == "system":  # its own typed config: check_system_settings said it
             out.append(arg)
             continue

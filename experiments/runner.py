@@ -29,7 +29,8 @@ from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
-from specter.models.loading import load_model, load_tokenizer, read_moe_shape, resolve_checkpoint
+from specter.models.loading import (load_model, load_tokenizer, read_max_positions, read_moe_shape,
+                                    resolve_checkpoint)
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
 from specter.workloads import DATASETS, Workload, load_workload, truncate_prompt
@@ -146,11 +147,10 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     sizes against the model, and that out_dir and the cache can be written."""
     from specter.offload.build import charges_real_sizes
 
-    raw = json.loads((checkpoint / "config.json").read_text())
-    positions = raw.get("max_position_embeddings")
+    positions = read_max_positions(checkpoint)
     w = cfg.workload
     need = w.prompt_tokens + w.max_new_tokens + window_tokens(cfg)
-    if isinstance(positions, int) and need > positions:
+    if positions is not None and need > positions:
         spec = window_tokens(cfg)
         raise UserError(
             f"workload.prompt_tokens ({w.prompt_tokens}) + workload.max_new_tokens "

@@ -307,3 +307,8 @@ _NESTED = {("RunConfig", "model"): ModelConfig, ("RunConfig", "budget"): BudgetC
            ("RunConfig", "hardware"): HardwareConfig, ("RunConfig", "workload"): WorkloadConfig,
            ("RunConfig", "quant"): QuantConfig, ("RunConfig", "spec"): SpecConfig,
            ("RunConfig", "offload"): OffloadConfig}
+
+
+def section_classes() -> dict[str, type]:
+    """The run configuration's sections (`workload`, `spec`, ...) and their typed classes."""
+    return {name: cls for (owner, name), cls in _NESTED.items() if owner == "RunConfig"}

@@ -148,6 +148,12 @@ def load_tokenizer(checkpoint: Path):
     return AutoTokenizer.from_pretrained(str(checkpoint), trust_remote_code=False)
 
 
+def read_max_positions(checkpoint: Path) -> int | None:
+    """The positions the model supports, from config.json alone (None when it names none)."""
+    positions = json.loads((checkpoint / "config.json").read_text()).get("max_position_embeddings")
+    return positions if isinstance(positions, int) else None
+
+
 def read_moe_shape(cfg: ModelConfig, checkpoint: Path) -> tuple[int, int]:
     """(routed experts, top-k) from config.json alone, to validate budgets before loading."""
     raw = json.loads((checkpoint / "config.json").read_text())
