@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from specter.budget import Footprint
-from specter.engine import DeviceMemory, Generation, eos_ids
+from specter.engine import DeviceMemory, Generation, eos_ids, pad_id
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.offload.build import Timing, timing_for
@@ -76,6 +76,7 @@ class _ClockStreamer:
 
 class TransformersOffloadEngine:
     samples = False  # greedy only
+    batches = True  # generate's own batching: left padding, finished rows fed padding
     name = "transformers"
 
     def __init__(self, model: nn.Module, device: torch.device, timing: Timing, slots: int,
@@ -145,9 +146,9 @@ class TransformersOffloadEngine:
     def _begin_forward(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         cache = kwargs.get("cache")
-        tokens = ids.shape[-1]
+        rows, tokens = ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        self.charger.begin_forward(tokens, past + tokens, prefill=past == 0)
+        self.charger.begin_forward(tokens, past + tokens, prefill=past == 0, rows=rows)
 
     def _before_copy(self, module, args) -> None:
         if self.real_clock:
@@ -171,7 +172,7 @@ class TransformersOffloadEngine:
     _scratch_dst = torch.zeros(1)
 
     # -- engine protocol ---------------------------------------------------------------
-    def seed_request(self, seed: int) -> None:
+    def seed_requests(self, seeds: list[int]) -> None:
         """Greedy decoding draws nothing."""
 
     def reset(self) -> None:
@@ -182,41 +183,61 @@ class TransformersOffloadEngine:
         self.moves = 0
         self.cuda_copies = []
 
-    @torch.no_grad()
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+
+    @torch.no_grad()
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """`generate` over the batch, left-padded with an attention mask as a user of
+        transformers would batch; as `generate` does, a finished row keeps being computed
+        (fed padding) until every row is done. Each row's output ends at its stop token."""
         gc = copy.deepcopy(self.model.generation_config)
         gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, max_new_tokens, None
         gc.temperature = gc.top_p = gc.top_k = None
         stop = sorted(eos_ids(self.model)) if self.stop_on_eos else []
         gc.eos_token_id = stop or None
+        gc.pad_token_id = pad_id(self.model)
         gc.return_dict_in_generate = True
         self.memory.start()
         streamer = _ClockStreamer(self.link)
-        ids = torch.tensor([prompt_ids], device=self.device)
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[gc.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
+                           device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
+                            device=self.device)
         start = self.link.now()
-        out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+        out = self.model.generate(input_ids=ids, attention_mask=mask,
                                   generation_config=gc, streamer=streamer)
-        tokens = out.sequences[0, len(prompt_ids):].tolist()  # one sequence: no padding
-        assert len(streamer.times) == len(tokens), "the streamer saw every committed token"
+        assert len(streamer.times) == out.sequences.shape[1] - width, \
+            "the streamer saw every decoding step"
         self.memory.observe_cache(out.cache)
         peak, source = self.memory.peak()
-        gen = Generation(tokens=tokens, commit_times_s=streamer.times,
-                         start_time_s=start, peak_mem_bytes=peak, peak_mem_source=source)
-        gen.stats.update(self.timing.link_record())
         per_move = self.moved_bytes / self.moves if self.moves else 0.0
-        gen.stats.update({"resident_expert_layers": self.n_resident,
-                          "offloaded_expert_layers": self.n_offloaded,
-                          "accelerate_moved_bytes": self.moved_bytes,
-                          "accelerate_moves": self.moves,
-                          # measured: what one hook copy moved, against the layer's experts
-                          "accelerate_moves_what": ("-" if not self.moves else
-                                                    "all experts of the layer"
-                                                    if per_move >= self.layer_expert_bytes
-                                                    else "routed experts only"),
-                          "transformers_charged_bytes_per_move": self.bytes_per_move})
+        shared = {**self.timing.link_record(),
+                  "resident_expert_layers": self.n_resident,
+                  "offloaded_expert_layers": self.n_offloaded,
+                  "accelerate_moved_bytes": self.moved_bytes,
+                  "accelerate_moves": self.moves,
+                  # measured: what one hook copy moved, against the layer's experts
+                  "accelerate_moves_what": ("-" if not self.moves else
+                                            "all experts of the layer"
+                                            if per_move >= self.layer_expert_bytes
+                                            else "routed experts only"),
+                  "transformers_charged_bytes_per_move": self.bytes_per_move}
         if self.real_clock:
-            gen.stats.update(self._cuda_copy_record())
-        return gen
+            shared.update(self._cuda_copy_record())
+        gens = []
+        for row in out.sequences[:, width:].tolist():
+            tokens = row
+            for i, t in enumerate(row):  # after its stop token a row holds padding
+                if t in stop:
+                    tokens = row[:i + 1]
+                    break
+            gen = Generation(tokens=tokens, commit_times_s=streamer.times[:len(tokens)],
+                             start_time_s=start, peak_mem_bytes=peak, peak_mem_source=source)
+            gen.stats.update(shared)
+            gens.append(gen)
+        return gens
 
     def _cuda_copy_record(self) -> dict:
         torch.cuda.synchronize(self.device)

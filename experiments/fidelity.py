@@ -62,7 +62,9 @@ class FidelityEngine:
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device, extra_bytes=shared.draft_bytes)
 
-    def seed_request(self, seed: int) -> None:
+    batches = False  # one request at a time: routing fidelity is per sequence
+
+    def seed_requests(self, seeds: list[int]) -> None:
         """Greedy decoding draws nothing."""
 
     def reset(self) -> None:

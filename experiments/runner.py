@@ -104,6 +104,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
     for key in ("out_dir", "progress", "cache_dir", "data_dir"):
         d.pop(key)
     d["resolved_slots"] = slots
+    if d["workload"]["batch"] == 1:  # one request at a time: the case of runs before batching
+        del d["workload"]["batch"]
     return d
 
 
@@ -172,6 +174,33 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
                         "hardware=a100_pcie4_hf hardware.clock=emulated.")
 
 
+def check_batch(cfg: RunConfig) -> None:
+    """workload.batch > 1 needs a system that decodes requests together."""
+    if cfg.workload.batch > 1 and not getattr(recipe(cfg.system.name).ENGINE, "batches", False):
+        raise UserError(f"system={cfg.system.name} decodes one request at a time; use "
+                        "workload.batch=1 with it.")
+
+
+def batches(cfg: RunConfig, n_prompts: int) -> list[tuple[int, list[int]]]:
+    """(repeat, request indices) of each batch: consecutive requests, `workload.batch` at a
+    time (the last batch may be smaller), for every repeat."""
+    b = cfg.workload.batch
+    return [(r, list(range(i, min(i + b, n_prompts))))
+            for r in range(cfg.workload.repeats) for i in range(0, n_prompts, b)]
+
+
+def batch_record(gens: list, batch: list[int], repeat: int) -> dict[str, Any]:
+    """The columns every row of one decoded batch shares: its size and id, and its
+    throughput (committed tokens of the batch / the batch's time from start to last commit,
+    on the run's clock)."""
+    start = gens[0].start_time_s
+    end = max(g.commit_times_s[-1] for g in gens)
+    tokens = sum(len(g.tokens) for g in gens)
+    return {"batch_size": len(batch), "batch_id": f"r{repeat}-{batch[0]:03d}",
+            "batch_tokens": tokens, "batch_e2e_ms": (end - start) * 1e3,
+            "batch_tokens_per_s": tokens / (end - start) if end > start else math.nan}
+
+
 def check_writable(cfg: RunConfig) -> None:
     """out_dir and the model cache can be created and written (before anything is built)."""
     for key, folder in (("out_dir", Path(cfg.out_dir)),
@@ -193,6 +222,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
     check_system(cfg.system, cfg.workload.temperature)
+    check_batch(cfg)
     device = resolve_device(cfg.hardware.device)
     cfg = resolve_auto_hardware(cfg, device, log)
     workload = _workload(cfg)
@@ -200,9 +230,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
     preflight(cfg, checkpoint, device, n_experts)
+    w = cfg.workload  # the device holds the KV of a whole batch
     budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
                                 footprint(cfg.system),
-                                kv_tokens=cfg.workload.prompt_tokens + cfg.workload.max_new_tokens,
+                                kv_tokens=w.batch * (w.prompt_tokens + w.max_new_tokens),
                                 group=cfg.quant.group)
     torch.manual_seed(cfg.seed)
 
@@ -212,7 +243,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     # 2. Load the model and account its device bytes.
     loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress)
     spec = loaded.spec
-    kv_tokens = max(len(p) for p in prompts) + cfg.workload.max_new_tokens
+    kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
     acct = budget_mod.account(spec, budget.slots, kv_tokens)
     log(f"[specter] model={cfg.model.name} ({spec.arch}: {spec.num_experts} experts, top-{spec.top_k}, "
         f"{spec.num_moe_layers} MoE layers) system={cfg.system.name} budget={budget.name} "
@@ -243,44 +274,61 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "acct_kv_bytes": acct.kv_bytes, **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }
-    jobs = [(i, r) for i in range(len(prompts)) for r in range(cfg.workload.repeats)]
-    todo = [(i, r) for i, r in jobs if not store.done(_request_id(workload, i), r)]
+    jobs = batches(cfg, len(prompts))
+    missing = lambda r, batch: [i for i in batch  # noqa: E731
+                                if not store.done(_request_id(workload, i), r)]
+    todo = [(r, batch) for r, batch in jobs if missing(r, batch)]
     if len(todo) < len(jobs):
-        log(f"[specter] resuming: {len(jobs) - len(todo)} of {len(jobs)} rows already in {store.dir}")
+        log(f"[specter] resuming: {len(jobs) - len(todo)} of {len(jobs)} batches already in "
+            f"{store.dir}")
     tpots: list[float] = []
+    throughputs: list[float] = []
     written = 0
     from tqdm import tqdm
 
-    for i, r in tqdm(todo, desc=f"{cfg.system.name}/{cfg.model.name}/{workload.dataset}",
-                     disable=not cfg.progress, file=sys.stderr):
-        if store.done(_request_id(workload, i), r):  # a concurrent worker on this case did it
+    for r, batch in tqdm(todo, desc=f"{cfg.system.name}/{cfg.model.name}/{workload.dataset}",
+                         disable=not cfg.progress, file=sys.stderr):
+        wanted = missing(r, batch)  # a concurrent worker on this case may have done some
+        if not wanted:
             continue
         engine.reset()  # outside timing
         if cfg.workload.temperature > 0:  # one generator per (request, repeat): reruns repeat
-            engine.seed_request(cfg.seed * 1_000_003 + i * 1_009 + r)
-        gen = engine.generate(prompts[i], cfg.workload.max_new_tokens)
-        t = timing(gen)
-        row = {**fixed, "request_id": _request_id(workload, i), "repeat": r,
-               "prompt_tokens": prompts[i], "output_tokens": gen.tokens, **t,
-               "distinct_4": distinct_n(gen.tokens, 4), "peak_mem_bytes": gen.peak_mem_bytes,
-               "peak_mem_source": gen.peak_mem_source, "finished_at": time.time(), **gen.stats}
-        try:
-            store.write(row)
-            written += 1
-            ROWS_WRITTEN[0] += 1
-        except FileExistsError:  # a concurrent worker on this case recorded this row first
-            continue
-        except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
-            raise UserError(f"out_dir={cfg.out_dir} stopped taking rows ({e.strerror or e}); "
-                            f"the {written} row(s) written by this run are kept: free space or "
-                            "fix permissions and rerun to resume.") from None
-        if not math.isnan(t["tpot_ms"]):
-            tpots.append(t["tpot_ms"])
+            engine.seed_requests([cfg.seed * 1_000_003 + i * 1_009 + r for i in batch])
+        if len(batch) == 1:
+            gens = [engine.generate(prompts[batch[0]], cfg.workload.max_new_tokens)]
+        else:  # a batch is decoded whole; rows already recorded are not written again
+            gens = engine.generate_batch([prompts[i] for i in batch], cfg.workload.max_new_tokens)
+        shared = batch_record(gens, batch, r)
+        throughputs.append(shared["batch_tokens_per_s"])
+        for i, gen in zip(batch, gens):
+            if i not in wanted:
+                continue
+            t = timing(gen)
+            row = {**fixed, "request_id": _request_id(workload, i), "repeat": r,
+                   "prompt_tokens": prompts[i], "output_tokens": gen.tokens, **t,
+                   "distinct_4": distinct_n(gen.tokens, 4), "peak_mem_bytes": gen.peak_mem_bytes,
+                   "peak_mem_source": gen.peak_mem_source, "finished_at": time.time(),
+                   **shared, **gen.stats}
+            try:
+                store.write(row)
+                written += 1
+                ROWS_WRITTEN[0] += 1
+            except FileExistsError:  # a concurrent worker on this case recorded this row first
+                continue
+            except OSError as e:  # a full disk, a quota, a folder made read-only meanwhile
+                raise UserError(f"out_dir={cfg.out_dir} stopped taking rows ({e.strerror or e}); "
+                                f"the {written} row(s) written by this run are kept: free space "
+                                "or fix permissions and rerun to resume.") from None
+            if not math.isnan(t["tpot_ms"]):
+                tpots.append(t["tpot_ms"])
     mean = sum(tpots) / len(tpots) if tpots else math.nan
-    log(f"[specter] wrote {written} row(s), skipped {len(jobs) - written}; "
-        f"mean TPOT {mean:.2f} ms ({cfg.hardware.clock} clock) -> {store.dir}")
+    rows = len(prompts) * cfg.workload.repeats
+    batched = (f", mean batch throughput {sum(throughputs) / len(throughputs):.1f} tokens/s "
+               f"at batch {cfg.workload.batch}" if cfg.workload.batch > 1 and throughputs else "")
+    log(f"[specter] wrote {written} row(s), skipped {rows - written}; "
+        f"mean TPOT {mean:.2f} ms{batched} ({cfg.hardware.clock} clock) -> {store.dir}")
     summary = RunSummary(out_dir=Path(cfg.out_dir), case_id=store.case_id, written=written,
-                         skipped=len(jobs) - written, tpot_ms_mean=mean)
+                         skipped=rows - written, tpot_ms_mean=mean)
     log("RESULT " + json.dumps({"case_id": summary.case_id, "written": summary.written,
                                 "skipped": summary.skipped, "tpot_ms_mean": round(mean, 4),
                                 "dir": str(store.dir)}))

@@ -129,6 +129,9 @@ class WorkloadConfig:
     # 0: greedy (the protocol). > 0: speculative sampling, for the systems that speculate; each
     # (request, repeat) draws from its own generator seeded from `seed`, so reruns repeat.
     temperature: float = 0.0
+    # Requests decoded together: consecutive items in batches of `batch` (the last may be
+    # smaller), each (batch, repeat) decoded as one; 1: one request at a time.
+    batch: int = 1
 
 
 @dataclass
@@ -217,7 +220,8 @@ class RunConfig:
                             "auto, reference, cpu_int4, triton.")
         w = self.workload
         for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
-                           ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens)):
+                           ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens),
+                           ("workload.batch", w.batch)):
             if value < 1:
                 raise UserError(f"{key} must be at least 1 (got {value}).")
         k = self.spec.k

@@ -12,6 +12,7 @@ Systems differ in policy, not in model code: each one drives the same transforme
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -84,38 +85,158 @@ class Clock(Protocol):
     def now(self) -> float: ...
 
 
+def pad_id(model) -> int:
+    """The token id of padding positions (their values never reach a real token: masked)."""
+    gc = model.generation_config
+    if gc.pad_token_id is not None:
+        return int(gc.pad_token_id)
+    eos = sorted(eos_ids(model))
+    return eos[0] if eos else 0
+
+
+class BatchCache:
+    """A rectangular KV cache of B sequences, each with its own real positions.
+
+    Rows are fed blocks of unequal length, right-aligned (left padding, as `generate` pads a
+    batch): the columns a row did not fill, and speculative positions a row rejected
+    (`keep`), are holes. Holes are masked out of attention, and each real token's position id
+    counts only its row's real tokens before it, so every row computes what it would alone.
+    While there is no hole the model is called exactly as for one sequence (no mask, no
+    position ids). `select` drops finished rows; `crop` and `trim` shorten every row."""
+
+    def __init__(self, model, device: torch.device, rows: int):
+        self.model, self.device = model, device
+        self.cache = new_cache(model)
+        self.mask = torch.ones(rows, 0, dtype=torch.bool)  # [B, columns]: real positions
+        self.valid = [0] * rows  # real tokens per row (the next token's position id)
+        self.pad = pad_id(model)
+
+    @property
+    def rows(self) -> int:
+        return len(self.valid)
+
+    @property
+    def length(self) -> int:
+        """Columns of the cache (what attention reads, holes included)."""
+        return self.mask.shape[1]
+
+    def forward(self, blocks: list[list[int]], live: list[bool] | None = None,
+                logits_to_keep: int = 1) -> torch.Tensor:
+        """One forward of `blocks[b]` appended to row b (right-aligned; `live[b]` False:
+        the row's block is all holes, computed but never kept); returns logits
+        [B, logits_to_keep, V] of the block's last positions."""
+        width = max(len(b) for b in blocks)
+        ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
+        real = torch.zeros(self.rows, width, dtype=torch.bool)
+        pos = torch.zeros(self.rows, width, dtype=torch.long)
+        for r, block in enumerate(blocks):
+            n, at = len(block), width - len(block)
+            ids[r, at:] = torch.tensor(block, dtype=torch.long)
+            pos[r] = self.valid[r]
+            if live is None or live[r]:
+                real[r, at:] = True
+                pos[r, at:] = torch.arange(self.valid[r], self.valid[r] + n)
+                self.valid[r] += n
+        self.mask = torch.cat([self.mask, real], dim=1)
+        kwargs = {}
+        if not bool(self.mask.all()):
+            kwargs = {"attention_mask": self.mask.to(self.device, torch.long),
+                      "position_ids": pos.to(self.device)}
+        out = self.model(input_ids=ids.to(self.device), cache=self.cache, use_cache=True,
+                         logits_to_keep=logits_to_keep, **kwargs)
+        return out.logits
+
+    def copy_for(self, model) -> "BatchCache":
+        """A copy of this cache (every layer's K and V) that `model` continues."""
+        twin = BatchCache(model, self.device, 0)
+        twin.cache = copy.deepcopy(self.cache)
+        twin.mask, twin.valid, twin.pad = self.mask.clone(), list(self.valid), self.pad
+        return twin
+
+    def keep(self, row: int, n: int) -> None:
+        """Row `row` keeps its first `n` real positions; later ones become holes."""
+        real = self.mask[row].nonzero().flatten()
+        if len(real) > n:
+            self.mask[row, real[n:]] = False
+        self.valid[row] = min(self.valid[row], n)
+
+    def trim(self) -> None:
+        """Drop trailing columns that are holes in every row."""
+        filled = self.mask.any(dim=0).nonzero()
+        end = int(filled[-1]) + 1 if len(filled) else 0
+        if end < self.length:
+            self.crop(end)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` columns of every row."""
+        if length < self.length:
+            self.cache.crop(length - self.length)  # a negative count: columns removed
+            self.mask = self.mask[:, :length]
+            self.valid = self.mask.sum(dim=1).tolist()
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only `rows` (indices into the current rows), in that order."""
+        if rows == list(range(self.rows)):
+            return
+        self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
+        self.mask = self.mask[rows]
+        self.valid = [self.valid[r] for r in rows]
+        self.trim()
+
+
 @torch.no_grad()
 def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
                   clock: Clock, stop: set[int], memory: "DeviceMemory",
                   before_forward=None) -> Generation:
-    """Prefill, then one token at a time; each token's commit time read from `clock`.
-    `before_forward(tokens, context, phase)` is told about each forward before it runs
-    (phase: "prefill" | "decode"; the speculative loop's are "prefill" | "draft" | "verify")."""
+    """One request: `greedy_decode_batch` of one row."""
+    return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, clock, stop, memory,
+                               before_forward)[0]
+
+
+@torch.no_grad()
+def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
+                        device: torch.device, clock: Clock, stop: set[int],
+                        memory: "DeviceMemory", before_forward=None) -> list[Generation]:
+    """Prefill the batch, then one token per unfinished row per step; each token's commit
+    time read from `clock`; a row that commits a stop token or its last token leaves the
+    batch while the others go on. `before_forward(tokens, context, phase, rows)` is told
+    about each forward before it runs: `rows` sequences of `tokens` positions each (padding
+    included), attending over `context` positions (phase: "prefill" | "decode"; the
+    speculative loop's are "prefill" | "draft" | "verify")."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every request needs at least one prompt token")
     memory.start()
-    cache = new_cache(model)
-    ids = torch.tensor([prompt_ids], device=device)  # [1, P]
+    kv = BatchCache(model, device, len(prompts))
+    tell = before_forward or (lambda *a, **k: None)
     start = clock.now()
-    tokens: list[int] = []
-    times: list[float] = []
-    # 1. Prefill the prompt; its last logits give the first token.
-    if before_forward:
-        before_forward(len(prompt_ids), len(prompt_ids), "prefill")
-    logits = forward_logits(model, ids, cache)  # [1, V]
+    tokens: list[list[int]] = [[] for _ in prompts]
+    times: list[list[float]] = [[] for _ in prompts]
+    live = list(range(len(prompts)))  # the request of each cache row
+    # 1. Prefill the prompts; their last logits give the first tokens.
+    width = max(len(p) for p in prompts)
+    tell(width, width, "prefill", rows=len(prompts))
+    logits = kv.forward([list(p) for p in prompts])  # [B, 1, V]
     while True:
-        # 2. Commit the greedy token.
-        tok = greedy_token(logits[-1])
-        tokens.append(tok)
-        times.append(clock.now())
-        if len(tokens) >= max_new_tokens or tok in stop:
+        # 2. Commit each row's greedy token.
+        picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
+        now = clock.now()
+        going = []
+        for r, b in enumerate(live):
+            tokens[b].append(picked[r])
+            times[b].append(now)
+            if len(tokens[b]) < max_new_tokens and picked[r] not in stop:
+                going.append(r)
+        memory.observe_cache(kv.cache)
+        if not going:
             break
-        # 3. Decode one step.
-        if before_forward:
-            before_forward(1, len(prompt_ids) + len(tokens), "decode")
-        logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
-    memory.observe_cache(cache)
+        kv.select(going)
+        live = [live[r] for r in going]
+        # 3. Decode one step of every unfinished row.
+        tell(1, kv.length + 1, "decode", rows=len(live))
+        logits = kv.forward([[tokens[b][-1]] for b in live])
     peak, source = memory.peak()
-    return Generation(tokens=tokens, commit_times_s=times, start_time_s=start,
-                      peak_mem_bytes=peak, peak_mem_source=source)
+    return [Generation(tokens=tokens[b], commit_times_s=times[b], start_time_s=start,
+                       peak_mem_bytes=peak, peak_mem_source=source) for b in range(len(prompts))]
 
 
 class DeviceMemory:

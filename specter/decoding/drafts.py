@@ -12,7 +12,7 @@ Each part: `self_draft` (the target's `SelfDraft` whose draft mode the loop swit
 when the draft is a second model), `separate` (that second model's `SeparateDraft`, else
 None), `listen(fn)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call: the
 clock's charge, a window prefetcher), `device_bytes` (device memory beyond the target's own
-parameters and expert slots), `before_forward(tokens, context, phase)`, `reset()` and
+parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `reset()` and
 `as_record()`.
 """
 
@@ -47,7 +47,7 @@ class DraftPart:
     def listen(self, fn) -> None:
         self.self_draft.draft_listeners.append(fn)
 
-    def before_forward(self, tokens: int, context: int, phase: str) -> None:
+    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         pass
 
     def reset(self) -> None:
@@ -122,11 +122,12 @@ class SeparateInt4Draft(DraftPart):
     def listen(self, fn) -> None:
         self.instance.draft_listeners.append(fn)
 
-    def before_forward(self, tokens: int, context: int, phase: str) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill")
+    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
 
-    def _charge_kv_copy(self, tokens: int, cache) -> None:
-        """One per-window copy of the committed KV (`tokens` positions), device to device: on
+    def _charge_kv_copy(self, tokens: int, rows: int, cache) -> None:
+        """One per-window copy of the committed KV (`tokens` positions of `rows` sequences,
+        holes included: the copy is the whole rectangle), device to device: on
         the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
         and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
         real clocks measure the copy itself."""
@@ -134,7 +135,7 @@ class SeparateInt4Draft(DraftPart):
         if charges_virtually(self.timing):
             s = cost.sizes
             layers = len(self.target_model.model.layers) * s.attn_multiplier
-            nbytes = int(round(tokens * s.kv_elems_per_token * s.elem_bytes * layers))
+            nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
             self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
                                      + 2 * layers * cost.hw.launch_overhead_s)
         else:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from specter.decoding.depth import settle_k
-from specter.decoding.loop import speculative_greedy
-from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
+from specter.decoding.loop import speculative_batch
+from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
@@ -30,6 +30,7 @@ class GreedyEngine:
     """Autoregressive greedy decoding; `runtime=None`: every expert resident (HF's own)."""
 
     samples = False  # greedy only: workload.temperature must be 0
+    batches = True  # decodes workload.batch requests together (generate_batch)
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
                  runtime: OffloadRuntime | None = None, stop_on_eos: bool = True):
@@ -51,30 +52,39 @@ class GreedyEngine:
         if self.prefetcher is not None:
             self.prefetcher.reset()
 
-    def seed_request(self, seed: int) -> None:
+    def seed_requests(self, seeds: list[int]) -> None:
         """Greedy decoding draws nothing."""
 
-    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill")
+    def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
         if self.runtime is not None:
             self.runtime.record_demand = phase != "prefill"  # the hit rate excludes prefill
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        gen = greedy_decode(self.model, prompt_ids, max_new_tokens, self.device, self.timing.link,
-                            self.stop, self.memory, self._before_forward)
+        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """The requests decoded together; the batch's statistics (demand, link, prefetcher)
+        are the same columns on every row."""
+        gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
+                                   self.timing.link, self.stop, self.memory, self._before_forward)
+        shared = {}
         if self.runtime is not None:
-            gen.stats.update(self.runtime.stats.as_record())
-        gen.stats.update(self.timing.link_record())
+            shared.update(self.runtime.stats.as_record())
+        shared.update(self.timing.link_record())
         if self.prefetcher is not None:
-            gen.stats.update(self.prefetcher.as_record())
-        return gen
+            shared.update(self.prefetcher.as_record())
+        for gen in gens:
+            gen.stats.update(shared)
+        return gens
 
 
 class SpeculativeEngine:
     """Speculative decoding over offloaded target experts: `draft` proposes, the target
     verifies through `runtime`, `window` (optional) prefetches for the coming verification."""
 
-    samples = True  # workload.temperature > 0: speculative sampling (seed_request per request)
+    samples = True  # workload.temperature > 0: speculative sampling (seed_requests per batch)
+    batches = True
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
                  runtime: OffloadRuntime, draft, k: int, k_source: str = "spec.k",
@@ -89,8 +99,8 @@ class SpeculativeEngine:
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
         self.charger = timing.charger(model, charge_experts=False)
         draft.listen(self.window.on_draft_experts)
-        self.temperature = temperature  # > 0: speculative sampling with `self.generator`
-        self.generator: torch.Generator | None = None
+        self.temperature = temperature  # > 0: speculative sampling, `self.generators`
+        self.generators: list[torch.Generator] | None = None
 
     def reset(self) -> None:
         self.timing.link.synchronize()
@@ -98,32 +108,38 @@ class SpeculativeEngine:
         self.draft.reset()
         self.window.reset()
 
-    def seed_request(self, seed: int) -> None:
-        """The sampling generator of the next request (workload.temperature > 0)."""
-        self.generator = torch.Generator().manual_seed(seed)
+    def seed_requests(self, seeds: list[int]) -> None:
+        """One sampling generator per request of the next batch (workload.temperature > 0)."""
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
 
-    def _before_forward(self, tokens: int, context: int, phase: str) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill")
-        self.draft.before_forward(tokens, context, phase)
+    def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
+        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
+        self.draft.before_forward(tokens, context, phase, rows)
         self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
         self.window.on_forward(phase)
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        sampling = {"temperature": self.temperature, "generator": self.generator} \
+        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """The requests decoded together, each accepting its own proposals; the batch's
+        statistics (demand, link, draft, window prefetcher) are the same columns on every
+        row, acceptance is each row's own."""
+        sampling = {"temperature": self.temperature, "generators": self.generators} \
             if self.temperature > 0 else {}
-        gen = speculative_greedy(self.model, self.draft.self_draft, prompt_ids, max_new_tokens,
+        gens = speculative_batch(self.model, self.draft.self_draft, prompts, max_new_tokens,
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
                                  self._before_forward, separate=self.draft.separate,
                                  after_draft_step=self.window.after_draft_step,
                                  on_window=lambda _stats: self.window.end_window(), **sampling)
-        gen.stats.update(self.runtime.stats.as_record())
-        gen.stats.update(self.timing.link_record())
-        gen.stats.update(self.draft.as_record())
-        gen.stats["k_source"] = self.k_source
-        gen.stats["staged_loads"] = self.runtime.cache.staged_loads  # prefetches into staging
-        gen.stats.update({"reorder": not self.runtime.serial, "overlap": self.runtime.overlap})
-        gen.stats.update(self.window.as_record())
-        return gen
+        shared = {**self.runtime.stats.as_record(), **self.timing.link_record(),
+                  **self.draft.as_record(), "k_source": self.k_source,
+                  "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
+                  "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
+                  **self.window.as_record()}
+        for gen in gens:
+            gen.stats.update(shared)
+        return gens
 
 
 def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,

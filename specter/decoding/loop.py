@@ -16,12 +16,11 @@ last one (`pending`), which the next window feeds first.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
-from specter.engine import Generation, forward_logits, new_cache
+from specter.engine import BatchCache, Generation
 
 
 def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
@@ -67,62 +66,75 @@ class SeparateDraft:
     """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
     the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
     committed tokens; tokens it has not seen (the target's corrections) are fed in one block
-    at the start of the next window."""
+    at the start of the next window (a batch's rows right-aligned, as `BatchCache` feeds)."""
 
     def __init__(self, model):
         self.model = model
-        self.cache = None
+        self.kv: BatchCache | None = None
 
-    def start(self) -> None:
-        self.cache = new_cache(self.model)
+    def start(self, rows: int, device) -> None:
+        self.kv = BatchCache(self.model, device, rows)
 
-    def propose(self, seq: list[int], k_eff: int, pick, tell, stop: set[int], device,
-                after_step=None) -> list[int]:
-        have = self.cache.get_seq_length()
-        feed = seq[have:]  # the committed tokens it has not seen, ending with `pending`
-        proposals: list[int] = []
-        for i in range(k_eff):
-            tell(len(feed), have + len(feed), "draft")
-            logits = forward_logits(self.model, torch.tensor([feed], device=device), self.cache)
-            have += len(feed)
-            tok = pick(logits[-1])
-            proposals.append(tok)
-            feed = [tok]
-            if after_step:  # a stop token ends the window early: its last step is this one
-                after_step(i + 1, i + 1 if tok in stop else k_eff)
-            if tok in stop:
+    def propose(self, seqs: list[list[int]], k_effs: list[int], pick, tell, stop: set[int],
+                after_step=None) -> list[list[int]]:
+        """Up to `k_effs[r]` proposals for each row r whose committed tokens are `seqs[r]`;
+        `pick(r, logits_row)` chooses row r's token."""
+        kv = self.kv
+        feeds = [seq[kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, ending with pending
+        drafting = [k > 0 for k in k_effs]
+        proposals: list[list[int]] = [[] for _ in seqs]
+        k_max = max(k_effs)
+        for i in range(k_max):
+            blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
+            width = max(len(b) for b in blocks)
+            tell(width, kv.length + width, "draft", rows=kv.rows)
+            logits = kv.forward(blocks, live=drafting)
+            for r in range(len(seqs)):
+                if drafting[r]:
+                    tok = pick(r, logits[r, -1])
+                    proposals[r].append(tok)
+                    feeds[r] = [tok]
+                    drafting[r] = tok not in stop and len(proposals[r]) < k_effs[r]
+            last = not any(drafting)
+            if after_step:  # a window ends early when every row has stopped drafting
+                after_step(i + 1, i + 1 if last else k_max)
+            if last:
                 break
         return proposals
 
-    def sync(self, target_cache) -> None:
+    def sync(self, target: BatchCache) -> None:
         """At a window's start, before `propose` (own KV: nothing to do)."""
 
-    def commit(self, n_valid: int) -> None:
-        """Keep the draft's KV of the first `n_valid` tokens only."""
-        excess = self.cache.get_seq_length() - n_valid
-        if excess > 0:
-            self.cache.crop(-excess)
+    def commit(self, n_valid: list[int]) -> None:
+        """Row r keeps the draft's KV of its first `n_valid[r]` tokens only."""
+        for r, n in enumerate(n_valid):
+            self.kv.keep(r, n)
+        self.kv.trim()
+
+    def select(self, rows: list[int]) -> None:
+        if self.kv is not None:
+            self.kv.select(rows)
 
 
 class CopiedKVDraft(SeparateDraft):
     """A second model whose KV is a copy of the target's committed KV, made at the start of
     every window (the authors' artifact's "SIC off": weights apart, KV copied per window, not
     shared). The draft so reads exactly the target's KV, as the shared instance does: the
-    same proposals, the same acceptance; what it costs is the copy (`on_copy(tokens, cache)`
-    is told of each, to charge it) and the copy's memory."""
+    same proposals, the same acceptance; what it costs is the copy (`on_copy(positions,
+    rows, cache)` is told of each, to charge it) and the copy's memory."""
 
     def __init__(self, model, on_copy=None):
         super().__init__(model)
         self.on_copy = on_copy
 
-    def sync(self, target_cache) -> None:
-        self.cache = copy.deepcopy(target_cache)  # every layer's K and V, device to device
+    def sync(self, target: BatchCache) -> None:
+        self.kv = target.copy_for(self.model)  # every layer's K and V, device to device
         if self.on_copy is not None:
-            self.on_copy(self.cache.get_seq_length(), self.cache)
+            self.on_copy(self.kv.length, self.kv.rows, self.kv.cache)
 
-    def commit(self, n_valid: int) -> None:
+    def commit(self, n_valid: list[int]) -> None:
         """Nothing kept: the next window copies the target's KV afresh."""
-        self.cache = None
+        self.kv = None
 
 
 @torch.no_grad()
@@ -131,121 +143,174 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                        before_forward=None, on_window=None, temperature: float = 0.0,
                        generator: torch.Generator | None = None,
                        separate: SeparateDraft | None = None, after_draft_step=None) -> Generation:
-    """Self-speculative decoding, greedy (temperature 0: the target's greedy tokens) or
-    sampled (temperature > 0: `accept_sampled`, tokens distributed as the target's sampling);
-    `before_forward(tokens, context, phase)` is told of every forward (phase: "prefill" |
-    "draft" | "verify"); `on_window(stats)` after each window; `separate`: draft with a
-    second model and its own cache (or, `CopiedKVDraft`, a per-window copy of the target's)
-    instead of `shared`; `after_draft_step(i, k_eff)` after each draft token (a prefetcher's
-    hook; when a stop token ends the window early, k_eff is the steps actually drafted, so
-    i == k_eff marks every window's last step)."""
+    """One request: `speculative_batch` of one row."""
+    return speculative_batch(model, shared, [prompt_ids], max_new_tokens, k, device, clock, stop,
+                             memory, before_forward, on_window, temperature,
+                             None if generator is None else [generator], separate,
+                             after_draft_step)[0]
+
+
+@torch.no_grad()
+def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: int, k: int,
+                      device: torch.device, clock, stop: set[int], memory,
+                      before_forward=None, on_window=None, temperature: float = 0.0,
+                      generators: list[torch.Generator] | None = None,
+                      separate: SeparateDraft | None = None,
+                      after_draft_step=None) -> list[Generation]:
+    """Self-speculative decoding of a batch, greedy (temperature 0: each row gets the target's
+    greedy tokens) or sampled (temperature > 0: `accept_sampled`, row r drawing from
+    `generators[r]`). Every window drafts for all unfinished rows together and verifies them
+    in one target forward; each row accepts its own prefix plus the target's token, and the
+    positions it rejected become holes of the `BatchCache` (no row is cut to another's
+    acceptance). `before_forward(tokens, context, phase, rows)` is told of every forward
+    (phase: "prefill" | "draft" | "verify"); `on_window(stats)` after each window;
+    `separate`: draft with a second model and its own cache (or, `CopiedKVDraft`, a
+    per-window copy of the target's) instead of `shared`; `after_draft_step(i, k_eff)` after
+    each draft step (a prefetcher's hook; k_eff is the window's last step, which comes
+    early once every row has drafted a stop token or its quota, so i == k_eff marks every
+    window's last step)."""
     sampling = temperature > 0
-    if sampling and generator is None:
-        raise ValueError("sampling needs a torch.Generator (seeded per request)")
+    if sampling and (generators is None or len(generators) != len(prompts)):
+        raise ValueError("sampling needs one torch.Generator per request (seeded per request)")
     if k < 1:
         raise ValueError(f"k must be at least 1 (got {k})")
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every request needs at least one prompt token")
     memory.start()
-    cache = new_cache(model)
+    kv = BatchCache(model, device, len(prompts))
     start = clock.now()
-    tokens: list[int] = []
-    times: list[float] = []
-    stats = SpecStats(k=k)
-    tell = before_forward or (lambda *a: None)
+    n = len(prompts)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    times: list[list[float]] = [[] for _ in range(n)]
+    stats = [SpecStats(k=k) for _ in range(n)]
+    limit = [max_new_tokens] * n
+    tell = before_forward or (lambda *a, **kw: None)
+    live = list(range(n))  # the request of each cache row
+    q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]  # draft probabilities (sampling)
 
-    def pick(row: torch.Tensor, rows: list | None = None) -> int:
+    def pick(b: int, row: torch.Tensor) -> int:
         if sampling:
             q = torch.softmax(row.float().cpu() / temperature, dim=-1)
-            if rows is not None:
-                rows.append(q)
-            return int(torch.multinomial(q, 1, generator=generator))
+            q_rows[b].append(q)
+            return int(torch.multinomial(q, 1, generator=generators[b]))
         return int(row.argmax())  # host sync: the next forward needs it
 
-    # 1. Prefill the prompt; its last logits give the target's first output token, committed
-    #    now, as in autoregressive decoding (so TTFT and TPOT mean the same for every system:
-    #    the first window's tokens are not committed together with the first token).
-    n_prompt = len(prompt_ids)
-    tell(n_prompt, n_prompt, "prefill")
-    logits = forward_logits(model, torch.tensor([prompt_ids], device=device), cache)
-    pending = pick(logits[-1])
-    tokens.append(pending)
-    times.append(clock.now())
-    seq = list(prompt_ids) + [pending]  # committed token ids (prompt + outputs)
-    memory.observe_cache(cache)
-    if separate is not None:
-        separate.start()
-    if pending in stop:
-        max_new_tokens = len(tokens)
-
-    while len(tokens) < max_new_tokens:
-        # 2. Draft: at most the tokens still wanted after the target's own next token.
-        k_eff = min(k, max_new_tokens - len(tokens) - 1)
-        proposals: list[int] = []
-        q_rows: list[torch.Tensor] = []  # the draft's probabilities (sampling only)
-        base = cache.get_seq_length()  # == len(seq) - 1
-        t_draft = clock.now()
-        if k_eff > 0 and separate is not None:
-            separate.sync(cache)
-            proposals = separate.propose(seq, k_eff, lambda row: pick(row, q_rows), tell, stop,
-                                         device, after_draft_step)
-        elif k_eff > 0:
-            with shared.draft():
-                tok = pending
-                for i in range(k_eff):
-                    tell(1, base + i + 1, "draft")
-                    logits = forward_logits(model, torch.tensor([[tok]], device=device), cache)
-                    tok = pick(logits[-1], q_rows)
-                    proposals.append(tok)
-                    if after_draft_step:  # a stop token ends the window early, at this step
-                        after_draft_step(i + 1, i + 1 if tok in stop else k_eff)
-                    if tok in stop:
-                        break
-            cache.crop(-(cache.get_seq_length() - base))
-        t_verify = clock.now()
-        stats.draft_s.append(t_verify - t_draft)
-        # 3. Verify pending + proposals in one target forward.
-        block = [pending] + proposals
-        tell(len(block), base + len(block), "verify")
-        logits = forward_logits(model, torch.tensor([block], device=device), cache,
-                                logits_to_keep=len(block))
-        # 4. Accept the longest matching prefix, then the target's next token (greedy), or
-        #    by speculative sampling.
-        if sampling:
-            p = torch.softmax(logits.float().cpu() / temperature, dim=-1)
-            q = torch.stack(q_rows) if q_rows else p[:0]
-            n_acc, nxt = accept_sampled(p, q, proposals, generator)
-            new = proposals[:n_acc] + [nxt]
-        else:
-            target = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
-            n_acc = 0
-            while n_acc < len(proposals) and proposals[n_acc] == target[n_acc]:
-                n_acc += 1
-            new = proposals[:n_acc] + [target[n_acc]]
-        stats.windows += 1
-        stats.drafted += len(proposals)
-        stats.accepted += n_acc
-        stats.accepted_lens.append(n_acc)
-        now = clock.now()
-        stats.verify_s.append(now - t_verify)
-        done = False
+    def commit(b: int, new: list[int], now: float) -> bool:
+        """Commit row b's tokens in order; True once the row is finished."""
         for t in new:
-            tokens.append(t)
-            times.append(now)
-            if t in stop or len(tokens) >= max_new_tokens:
-                done = True
-                break
-        # 5. Keep the target's KV of the committed tokens only (all but the new pending one).
-        if separate is not None:  # the draft's KV of tokens it fed that were kept
-            separate.commit(len(seq) + min(n_acc, max(len(proposals) - 1, 0)))
-        seq.extend(new)
-        cache.crop(-(cache.get_seq_length() - (len(seq) - 1)))
-        pending = new[-1]
-        memory.observe_cache(cache)
+            tokens[b].append(t)
+            times[b].append(now)
+            if t in stop or len(tokens[b]) >= limit[b]:
+                return True
+        return False
+
+    def leave(going: list[int]) -> None:
+        nonlocal live
+        if not going:
+            live = []
+            return
+        kv.select(going)
+        if separate is not None:
+            separate.select(going)
+        live = [live[r] for r in going]
+
+    # 1. Prefill the prompts; each row's last logits give the target's first output token,
+    #    committed now, as in autoregressive decoding (so TTFT and TPOT mean the same for
+    #    every system: the first window's tokens are not committed together with the first).
+    width = max(len(p) for p in prompts)
+    tell(width, width, "prefill", rows=n)
+    logits = kv.forward([list(p) for p in prompts])
+    pending = [pick(b, logits[b, -1]) for b in range(n)]
+    now = clock.now()
+    seqs = [list(p) + [pending[b]] for b, p in enumerate(prompts)]  # committed ids per row
+    memory.observe_cache(kv.cache)
+    if separate is not None:
+        separate.start(n, device)
+    leave([r for r, b in enumerate(live) if not commit(b, [pending[b]], now)])
+
+    while live:
+        # 2. Draft: per row at most the tokens still wanted after the target's next one.
+        k_effs = [min(k, limit[b] - len(tokens[b]) - 1) for b in live]
+        proposals: list[list[int]] = [[] for _ in live]
+        for b in live:
+            q_rows[b] = []
+        base = kv.length
+        t_draft = clock.now()
+        if max(k_effs) > 0 and separate is not None:
+            separate.sync(kv)
+            proposals = separate.propose([seqs[b] for b in live], k_effs,
+                                         lambda r, row: pick(live[r], row), tell, stop,
+                                         after_draft_step)
+        elif max(k_effs) > 0:
+            drafting = [k_eff > 0 for k_eff in k_effs]
+            with shared.draft():
+                cur = [pending[b] for b in live]
+                for i in range(max(k_effs)):
+                    tell(1, kv.length + 1, "draft", rows=len(live))
+                    logits = kv.forward([[t] for t in cur], live=drafting)
+                    for r, b in enumerate(live):
+                        if drafting[r]:
+                            cur[r] = pick(b, logits[r, -1])
+                            proposals[r].append(cur[r])
+                            drafting[r] = cur[r] not in stop and len(proposals[r]) < k_effs[r]
+                    last = not any(drafting)
+                    if after_draft_step:  # early when every row has stopped drafting
+                        after_draft_step(i + 1, i + 1 if last else max(k_effs))
+                    if last:
+                        break
+            kv.crop(base)
+        t_verify = clock.now()
+        # 3. Verify every row's pending token + proposals in one target forward.
+        blocks = [[pending[b]] + proposals[r] for r, b in enumerate(live)]
+        width = max(len(block) for block in blocks)
+        tell(width, kv.length + width, "verify", rows=len(live))
+        logits = kv.forward(blocks, logits_to_keep=width)  # [B, width, V], right-aligned
+        # 4. Each row accepts its longest matching prefix, then the target's next token
+        #    (greedy), or by speculative sampling.
+        if not sampling:
+            targets = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
+        now = clock.now()
+        going, kept = [], []
+        for r, b in enumerate(live):
+            props, at = proposals[r], width - len(blocks[r])
+            if sampling:
+                p = torch.softmax(logits[r, at:].float().cpu() / temperature, dim=-1)
+                q = torch.stack(q_rows[b]) if q_rows[b] else p[:0]
+                n_acc, nxt = accept_sampled(p, q, props, generators[b])
+                new = props[:n_acc] + [nxt]
+            else:
+                target = targets[r][at:]
+                n_acc = 0
+                while n_acc < len(props) and props[n_acc] == target[n_acc]:
+                    n_acc += 1
+                new = props[:n_acc] + [target[n_acc]]
+            st = stats[b]
+            st.windows += 1
+            st.drafted += len(props)
+            st.accepted += n_acc
+            st.accepted_lens.append(n_acc)
+            st.draft_s.append(t_verify - t_draft)
+            st.verify_s.append(now - t_verify)
+            if not commit(b, new, now):
+                going.append(r)
+            # the draft's KV of the tokens it fed that were kept (a separate draft's own)
+            kept.append(len(seqs[b]) + min(n_acc, max(len(props) - 1, 0)))
+            seqs[b].extend(new)
+            pending[b] = new[-1]
+            # 5. Keep the target's KV of the committed tokens only (all but the new pending).
+            kv.keep(r, len(seqs[b]) - 1)
+        kv.trim()
+        if separate is not None and max(k_effs) > 0:
+            separate.commit(kept)
+        memory.observe_cache(kv.cache)
         if on_window:
             on_window(stats)
-        if done:
-            break
+        leave(going)
     peak, source = memory.peak()
-    gen = Generation(tokens=tokens, commit_times_s=times, start_time_s=start,
-                     peak_mem_bytes=peak, peak_mem_source=source)
-    gen.stats.update(stats.as_record())
-    return gen
+    gens = []
+    for b in range(n):
+        gen = Generation(tokens=tokens[b], commit_times_s=times[b], start_time_s=start,
+                         peak_mem_bytes=peak, peak_mem_source=source)
+        gen.stats.update(stats[b].as_record())
+        gens.append(gen)
+    return gens

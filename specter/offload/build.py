@@ -31,7 +31,8 @@ NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs 
 class NoCharge:
     """Real clocks: compute takes the time it takes; nothing to charge."""
 
-    def begin_forward(self, tokens: int, context: int, prefill: bool = False) -> None:
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False,
+                      rows: int = 1) -> None:
         pass
 
     def remove(self) -> None:

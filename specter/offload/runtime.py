@@ -83,11 +83,11 @@ class Charger:
 
     def __init__(self, model: nn.Module, link: Link, cost: CostModel, charge_experts: bool):
         self.link, self.cost = link, cost
-        self.tokens, self.context = 1, 1
+        self.tokens, self.context, self.rows = 1, 1, 1  # tokens: of all rows together
         self.handles = []
         moe_ids = {id(m) for _, m in experts_modules(model)}
         for layer in model.model.layers:
-            self._hook(layer.self_attn, lambda: cost.attention_s(self.tokens, self.context))
+            self._hook(layer.self_attn, self._attention_s)
             mlp = layer.mlp
             if not any(id(m) in moe_ids for m in mlp.modules()):
                 self._hook(mlp, lambda: cost.dense_mlp_s(self.tokens))
@@ -97,8 +97,15 @@ class Charger:
                     self._hook(sub, lambda: cost.shared_s(self.tokens))
                 elif id(sub) in moe_ids and charge_experts:
                     self.handles.append(sub.register_forward_pre_hook(self._charge_hf_experts))
-        self.handles.append(model.lm_head.register_forward_hook(
-            lambda m, i, o: link.compute(cost.lm_head_s(o.shape[-2]))))
+        self.handles.append(model.lm_head.register_forward_hook(  # rows x kept positions
+            lambda m, i, o: link.compute(cost.lm_head_s(o.shape[:-1].numel()))))
+
+    def _attention_s(self) -> float:
+        """Every row's tokens through the projections, each row reading its own KV."""
+        per_row = self.tokens // self.rows
+        if self.rows == 1:
+            return self.cost.attention_s(per_row, self.context)
+        return self.cost.attention_batch_s([(per_row, self.context)] * self.rows)
 
     def _hook(self, module: nn.Module, seconds) -> None:
         self.handles.append(module.register_forward_hook(lambda m, i, o: self.link.compute(seconds())))
@@ -110,9 +117,11 @@ class Charger:
         for n in counts[counts > 0].tolist():  # host sync: one per layer, charging only
             self.link.compute(self.cost.expert_s(n))
 
-    def begin_forward(self, tokens: int, context: int, prefill: bool = False) -> None:
-        """Tokens in the next forward and the context length attention will read."""
-        self.tokens, self.context = tokens, context
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False,
+                      rows: int = 1) -> None:
+        """The next forward: `rows` sequences of `tokens` positions each (padding included),
+        each attending over `context` positions (holes included: the kernel reads them)."""
+        self.tokens, self.context, self.rows = tokens * rows, context, rows
 
     def remove(self) -> None:
         for h in self.handles:

@@ -1,0 +1,169 @@
+"""Batched decoding (`workload.batch`): lossless per sequence on every tiny architecture.
+
+`resident` decoding a left-padded batch of unequal prompts equals Hugging Face `generate` on
+the same batch, row for row, with an EOS inside the batch (one row stops, the others go on);
+every other system's rows equal `resident`'s on the same batch; a batch of identical prompts
+gives each row the one-request output; and the cost model charges batched forwards as
+rows x tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import PROMPTS, TINY
+from experiments.registry import SYSTEMS, BuildContext, build_engine
+from specter.budget import resolve_slots
+from specter.config import ModelConfig, RunConfig
+from specter.engine import BatchCache, pad_id
+from specter.models import archs
+from specter.models.loading import load_model
+
+CPU = torch.device("cpu")
+A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
+        "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
+        "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6,
+        "host_matrix_flops": 2e12, "host_mem_bandwidth_Bps": 100e9}
+N_NEW = 14
+BATCHED = [s for s in SYSTEMS if s != "fidelity"]  # fidelity measures one sequence at a time
+
+
+def prompts(tokenizer, n: int) -> list[list[int]]:
+    """`n` prompts of unequal lengths (6, 9, 12, ... tokens)."""
+    texts = (PROMPTS * 3)[:n]
+    return [tokenizer(t)["input_ids"][:6 + 3 * i] for i, t in enumerate(texts)]
+
+
+def engine_for(name: str, system: str, eos: int | None, slots: str = "low"):
+    """`system` on a fresh copy of tiny model `name` (offloading mutates it), stopping at
+    `eos` (None: the model's own stop tokens), at the low budget so experts move."""
+    cfg = RunConfig.from_dict({
+        "model": {"name": name, "source": "project",
+                  "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
+        "budget": {"name": slots}, "system": {"name": system}, "dataset": {"name": "gsm8k"},
+        "hardware": A100, "workload": {}, "spec": {"k": 3}, "progress": False})
+    loaded = load_model(cfg.model, CPU, progress=False)
+    if eos is not None:
+        loaded.model.generation_config.eos_token_id = eos
+    budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
+    budget = dataclasses.replace(budget, staging=0)
+    return build_engine(BuildContext(cfg, loaded, budget, CPU)), loaded
+
+
+def hf_generate_batch(model, batch: list[list[int]], n: int, eos: int) -> list[list[int]]:
+    """`generate` on the left-padded batch; each row up to and including its stop token."""
+    pad = pad_id(model)
+    width = max(map(len, batch))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False,
+                         eos_token_id=eos, pad_token_id=pad)
+    rows = []
+    for row in out[:, width:].tolist():
+        rows.append(row[:row.index(eos) + 1] if eos in row else row)
+    return rows
+
+
+def mid_batch_eos(engine, batch: list[list[int]]) -> int:
+    """A token row 1 emits early (5th if it can) that some other row never emits: with it as
+    the stop token, row 1 stops early while another row runs to the token limit."""
+    engine.stop = set()
+    free = [g.tokens for g in engine.generate_batch(batch, N_NEW)]
+    for cand in free[1][4:N_NEW - 2] + free[1][:4]:
+        if any(cand not in row for row in free):
+            return cand
+    raise AssertionError("no token stops one row and not another")
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Per architecture: the batches, the stop token, and resident's rows at B = 2 and 5."""
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            engine, loaded = engine_for(name, "resident", None)
+            batches = {b: prompts(loaded.tokenizer, b) for b in (2, 5)}
+            eos = mid_batch_eos(engine, batches[5])
+            engine.stop = {eos}
+            rows = {b: [g.tokens for g in engine.generate_batch(batches[b], N_NEW)]
+                    for b in batches}
+            cache[name] = (batches, eos, rows, loaded)
+        return cache[name]
+    return get
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_resident_batch_equals_hf_generate(name, references):
+    batches, eos, rows, loaded = references(name)
+    for b, batch in batches.items():
+        ref = hf_generate_batch(loaded.model, batch, N_NEW, eos)
+        assert rows[b] == ref, f"{name} B={b}"
+    lengths = [len(r) for r in rows[5]]
+    assert min(lengths) < N_NEW and max(lengths) == N_NEW  # an EOS inside the batch
+    assert len({tuple(r) for r in rows[5]}) >= 3  # not one output five times
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_identical_prompts_give_the_single_request_output(name, references):
+    batches, eos, rows, loaded = references(name)
+    engine, _ = engine_for(name, "specter", eos)
+    one = engine.generate(batches[5][2], N_NEW).tokens
+    engine.reset()
+    same = [g.tokens for g in engine.generate_batch([batches[5][2]] * 4, N_NEW)]
+    assert same == [one] * 4
+    assert one == rows[5][2]
+
+
+@pytest.mark.parametrize("system", BATCHED)
+@pytest.mark.parametrize("name", TINY)
+def test_every_system_batch_equals_resident(name, system, references):
+    if system == "specmoe" and name != "tiny_deepseek":
+        pytest.skip("SpecMoE's host draft: one architecture suffices (its own tests cover more)")
+    batches, eos, rows, _ = references(name)
+    engine, _ = engine_for(name, system, eos)
+    for b, batch in batches.items():
+        engine.reset()
+        gens = engine.generate_batch(batch, N_NEW)
+        assert [g.tokens for g in gens] == rows[b], f"{system} on {name}, B={b}"
+
+
+def test_batch_cache_holes_keep_each_row_its_own():
+    """A row's rejected positions become holes that no later token attends to: feeding
+    [a, b, x] and keeping [a, b] continues exactly as feeding [a, b] alone."""
+    lm = load_model(ModelConfig(name="tiny_qwen", source="project"), CPU, progress=False)
+    ids = lm.tokenizer(PROMPTS[0])["input_ids"][:10]
+    with torch.no_grad():
+        plain = BatchCache(lm.model, CPU, 2)
+        plain.forward([ids[:8], ids[:5]])
+        a = plain.forward([[ids[8]], [ids[5]]])
+        holed = BatchCache(lm.model, CPU, 2)
+        holed.forward([ids[:8], ids[:5]])
+        holed.forward([[ids[8], 7, 9], [ids[5], ids[6], ids[7]]], logits_to_keep=3)
+        holed.keep(0, 8)  # row 0 rejects all three; row 1 keeps ids[5] only
+        holed.keep(1, 6)
+        holed.trim()
+        assert holed.valid == [8, 6] and holed.length == 9
+        b = holed.forward([[ids[8]], [ids[6]]])
+        c = plain.forward([[ids[9]], [ids[6]]])
+    assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(c[1], b[1], atol=1e-5)
+
+
+@pytest.mark.parametrize("system", ["specter", "specmoeoff", "sp_e"])
+@pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
+def test_rejections_leave_holes_not_errors(name, system, references):
+    """A draft made wrong on purpose (its routed experts' output scaled by -6) is rejected often,
+    at different positions in different rows: each row commits its own prefix, the rejected
+    positions become holes, and every row still equals resident's."""
+    batches, eos, rows, _ = references(name)
+    engine, _ = engine_for(name, system, eos)
+    part = engine.draft.self_draft or engine.draft.instance
+    part.draft_layers = [lambda h, i, w, f=f: -6 * f(h, i, w) for f in part.draft_layers]
+    engine.reset()
+    gens = engine.generate_batch(batches[5], N_NEW)
+    assert [g.tokens for g in gens] == rows[5]
+    lens = [tuple(g.stats["accepted_lens"]) for g in gens]
+    assert len(set(lens)) > 1 and any(0 < n < 3 for row in lens for n in row)
