@@ -61,12 +61,43 @@ def check_system_settings(argv: list[str]) -> None:
                 check_setting(name, key[len("system."):])
 
 
+def listed_keys(argv: list[str]) -> set[str] | None:
+    """The dotted keys the yaml files compose to for the command line's group choices (a swept
+    group: its first option), or None when they do not compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    choices = []
+    for arg in argv:
+        key, eq, value = arg.lstrip("+~").partition("=")
+        if eq and (key in GROUPS or key == "workload"):
+            choices.append(f"{key}={value.split(',')[0]}")
+    try:
+        OverridesParser.create().parse_overrides(choices)
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=choices)
+    except Exception:  # noqa: BLE001 - Hydra says what is wrong when it runs
+        return None
+    keys: set[str] = set()
+
+    def walk(d, prefix):
+        for k, v in d.items():
+            keys.add(prefix + str(k))
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+    walk(OmegaConf.to_container(cfg, resolve=False), "")
+    return keys
+
+
 def typed_overrides(argv: list[str]) -> list[str]:
     """Every `key=value` checked against the typed run configuration (specter.config) before
     Hydra sees it: unreadable syntax or an unknown key is one sentence naming the key and the
     nearest valid one; a valid key that the selected yaml does not list (e.g.
     `workload.temperature` under workload=artifact) is passed as `++key=value`, so every key
-    of the typed config works in the plain `key=value` form."""
+    of the typed config works in the plain `key=value` form. A key the yaml lists stays plain,
+    so that a sweep of it replaces an experiment overlay's sweep of the same key (Hydra's
+    sweeper tells `++k` and `k` apart and would run both)."""
     import difflib
     from dataclasses import fields
 
@@ -77,6 +108,7 @@ def typed_overrides(argv: list[str]) -> list[str]:
     from specter.errors import UserError
 
     parser = OverridesParser.create()
+    listed = listed_keys(argv)
     sections = section_classes()
     scalars = [f.name for f in fields(RunConfig) if f.name not in sections]
     out = []
@@ -115,7 +147,8 @@ def typed_overrides(argv: list[str]) -> list[str]:
             raise UserError(f"unknown setting '{key}'" + (f"; did you mean '{group}.{near[0]}'?"
                             if near else f"; {group} settings are: "
                             f"{', '.join(group + '.' + n for n in names)}."))
-        out.append(arg if arg.startswith("+") else "++" + arg)
+        plain = arg.startswith("+") or (listed is not None and key in listed)
+        out.append(arg if plain else "++" + arg)
     return out
 
 

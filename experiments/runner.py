@@ -33,7 +33,7 @@ from specter.models.loading import (load_model, load_tokenizer, read_max_positio
                                     resolve_checkpoint)
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
-from specter.workloads import DATASETS, Workload, load_workload, truncate_prompt
+from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
 
 @dataclass
@@ -91,9 +91,9 @@ def _workload(cfg: RunConfig) -> Workload:
             raise UserError("dataset=custom needs prompts: pass dataset.prompts='[\"text\", ...]'.")
         return Workload(dataset="custom", source="command line", standin=False,
                         texts=tuple(ds.prompts[:cfg.workload.items]))  # the first `items`
-    if ds.name not in DATASETS:
+    if ds.name not in DATASETS + (MIX,):
         raise UserError(f"unknown dataset '{ds.name}'; choose one of: "
-                        f"{', '.join(DATASETS + ('custom',))}.")
+                        f"{', '.join(DATASETS + (MIX, 'custom'))}.")
     data_dir = Path(cfg.data_dir) if cfg.data_dir else None
     return load_workload(ds.name, cfg.workload.items, data_dir)
 
@@ -277,10 +277,12 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     jobs = batches(cfg, len(prompts))
     missing = lambda r, batch: [i for i in batch  # noqa: E731
                                 if not store.done(_request_id(workload, i), r)]
-    todo = [(r, batch) for r, batch in jobs if missing(r, batch)]
-    if len(todo) < len(jobs):
-        log(f"[specter] resuming: {len(jobs) - len(todo)} of {len(jobs)} batches already in "
-            f"{store.dir}")
+    left = [(r, batch, missing(r, batch)) for r, batch in jobs]
+    todo = [(r, batch) for r, batch, m in left if m]
+    rows = len(prompts) * cfg.workload.repeats
+    done = rows - sum(len(m) for _, _, m in left)
+    if done:
+        log(f"[specter] resuming: {done} of {rows} rows already in {store.dir}")
     tpots: list[float] = []
     throughputs: list[float] = []
     written = 0
@@ -322,7 +324,6 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
             if not math.isnan(t["tpot_ms"]):
                 tpots.append(t["tpot_ms"])
     mean = sum(tpots) / len(tpots) if tpots else math.nan
-    rows = len(prompts) * cfg.workload.repeats
     batched = (f", mean batch throughput {sum(throughputs) / len(throughputs):.1f} tokens/s "
                f"at batch {cfg.workload.batch}" if cfg.workload.batch > 1 and throughputs else "")
     log(f"[specter] wrote {written} row(s), skipped {rows - written}; "

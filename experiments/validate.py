@@ -8,7 +8,8 @@ beside the paper's, per engine profile.
    profile: Specter, SpecMoEOff, MO-SM, Transformers and resident on the three project-made
    models at the high budget; Specter's ablation variants and its noisiest oracle case on the
    DeepSeek-shaped model; Specter at 16 / 24 / 32 GiB (`budget=gb`) for the hit-rate study;
-   the routing fidelity of the INT4 draft (profile-independent).
+   the routing fidelity of the INT4 draft (profile-independent); and the batch-32 case (Specter,
+   SpecMoEOff, MO-SM, Transformers decoding 32 interleaved prompts together, `dataset=mix`).
 2. Writes OUT/validation.md and OUT/validation.parquet with the columns
    `quantity, model, system, profile, paper, ours, ratio, note` (ratio = ours / paper), and the
    median absolute log-ratio per profile.
@@ -37,6 +38,8 @@ MAIN_SYSTEMS = ("resident", "specter", "specmoeoff", "mo_sm", "transformers")
 HIT_RATE_GB = (16, 24, 32)
 NOISE_HIGH = 0.75
 DEPTHS = (4, 8, 16, 32)  # Specter's K swept per profile: the chosen K* = argmin mean TPOT
+BATCH = 32  # the paper's batched case: DeepSeek-V2-Lite, 32 sequences together
+BATCH_SYSTEMS = tuple(paper.BATCH32_DEEPSEEK)
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,16 @@ def cases(profiles, models=MODELS) -> list[Case]:
     for model in models.values():  # routing fidelity: no clock involved
         out.append(Case((f"hardware={profiles[0]}", f"model={model}", "system=fidelity", "budget=high")))
     return out
+
+
+def batch_cases(profiles, models=MODELS) -> list[Case]:
+    """The batch-32 case per profile (its own workload: 32 prompts of dataset=mix at once)."""
+    if "deepseek" not in models:
+        return []
+    return [Case((f"hardware={hw}", f"model={models['deepseek']}", f"system={system}",
+                  "budget=high", f"workload.batch={BATCH}", f"workload.items={BATCH}",
+                  "dataset=mix"))
+            for hw in profiles for system in BATCH_SYSTEMS]
 
 
 def run_cases(out: Path, todo: list[Case], common: list[str], log=print) -> int:
@@ -170,6 +183,9 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
                      "paper": paper_v, "ours": ours, "ratio": ratio, "note": note})
 
     df = df[df["system"] != "fidelity"] if "system" in df else df
+    size = pd.to_numeric(df["cfg.workload.batch"], errors="coerce").fillna(1) \
+        if "cfg.workload.batch" in df else pd.Series(1, index=df.index)
+    batched, df = df[size == BATCH], df[size == 1]  # the batch-32 case; the rest one at a time
     fam_of = {v: k for k, v in MODELS.items()}
     df = df.assign(family=df["model"].map(lambda m: fam_of.get(m, m)))
     fixed_k = pd.to_numeric(df["cfg.spec.k"], errors="coerce").notna() if "cfg.spec.k" in df \
@@ -242,6 +258,22 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
         add("robustness: TPOT, wrong prefetch (ms)", "deepseek", "specter", hw, p_hi, hi,
             f"paper: precision 0.41; ours: noise {NOISE_HIGH}, precision {prec[1]:.2f}")
         add("robustness: TPOT ratio wrong / accurate", "deepseek", "specter", hw, p_hi / p_lo, hi / lo)
+        # Batch 32, DeepSeek-shaped model: TPOT per sequence, batch throughput, their ratios.
+        b = batched[(batched["hardware"] == hw) & (batched["model"] == MODELS["deepseek"])]
+        if len(b):
+            per_batch = b.drop_duplicates(["system", "batch_id", "repeat"])
+            tput = {s: _mean(per_batch[per_batch["system"] == s], "batch_tokens_per_s")
+                    for s in BATCH_SYSTEMS}
+            for s, (p_tpot, p_tput) in paper.BATCH32_DEEPSEEK.items():
+                add(f"batch {BATCH}: TPOT (ms)", "deepseek", s, hw, p_tpot,
+                    _mean(b[b["system"] == s], "tpot_ms"))
+                add(f"batch {BATCH}: throughput (tokens/s)", "deepseek", s, hw, p_tput, tput[s],
+                    "committed tokens of the batch / its start-to-last-commit time")
+            p_spec = paper.BATCH32_DEEPSEEK["specter"][1]
+            for s, (_, p_tput) in paper.BATCH32_DEEPSEEK.items():
+                if s != "specter":
+                    add(f"batch {BATCH}: throughput of Specter / {s}", "deepseek", "specter", hw,
+                        p_spec / p_tput, tput["specter"] / tput[s])
         # Hit rate at 16/24/32 GiB.
         gb = _defaults(d[(d["family"] == "deepseek") & (d["budget"] == "gb") & (d["system"] == "specter")])
         paper_hr = {g: v for g, v in paper.HIT_RATE_DEEPSEEK.values()}
@@ -339,6 +371,8 @@ def main(argv: list[str] | None = None) -> int:
         todo = [Case((*c.overrides, f"dataset={ds}")) for ds in args.datasets.split(",")
                 for c in cases(profiles)]
         failed = run_cases(out, todo, common)
+        batch_common = [f"workload.max_new_tokens={args.tokens}", "workload.repeats=1"]
+        failed += run_cases(out, batch_cases(profiles), batch_common)
     from experiments import records
 
     df = records.load(out)

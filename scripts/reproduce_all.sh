@@ -11,7 +11,7 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
+# working_set, batch, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
 # On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
 # modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
 # docs/calibration.md), and the figures show them side by side.
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 
 PROFILE="" OUT="" FIGS="" ONLY="" EXTRA=()
-STEPS="main cache ablation latency oracle depth working_set fidelity routing memory kernel validate figures"
+STEPS="main cache ablation latency oracle depth working_set batch fidelity routing memory kernel validate figures"
 need_value() {  # an option that takes a value got none
   [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || {
     echo "reproduce_all.sh: $1 needs a value (see the header of this script)." >&2; exit 2; }
@@ -68,6 +68,8 @@ case "$PROFILE" in
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=rtn quant.bits=2,3,4,8" "quant.method=gptq quant.bits=4")
     ROUTING=(--models small_deepseek,small_qwen,small_phi)
+    # batch: the 32 mix prompts at B = 1, 8, 32, 32 new tokens, the eager profile only
+    BATCH=(hardware=a100_pcie4_hf workload.batch=1,8,32 workload.max_new_tokens=32)
     KERNEL=(--quick) ;;
   small)
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
@@ -80,6 +82,7 @@ case "$PROFILE" in
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=gptq,rtn quant.bits=2,3,4,8")
     ROUTING=(--models small_deepseek,small_qwen,small_phi)
+    BATCH=("${HW[@]}")  # B = 1, 4, 8, 16, 32 x 128 tokens (conf/experiment/batch.yaml)
     KERNEL=() ;;
   full)
     for v in DEEPSEEK_PATH QWEN_PATH PHI_PATH; do
@@ -97,6 +100,7 @@ case "$PROFILE" in
     FIDELITY=("quant.method=gptq,rtn quant.bits=2,3,4,8")
     ROUTING=(--models deepseek,qwen,phi --device cuda --path "deepseek=$DEEPSEEK_PATH"
              --path "qwen=$QWEN_PATH" --path "phi=$PHI_PATH")
+    BATCH=(hardware=cuda "model=deepseek" "model.path=$DEEPSEEK_PATH")
     KERNEL=(--device cuda) ;;
 esac
 
@@ -142,6 +146,11 @@ if want working_set; then
   HW_PROFILE=("${HW[@]}"); HW=(hardware=a100_pcie4_hf)
   run working_set model=small_deepseek,small_dense spec.k="$WS_KS"
   HW=("${HW_PROFILE[@]}")
+fi
+if want batch; then
+  header "batch: TPOT and throughput vs batch size (B = 32 beside the paper's)"
+  # Its own workload (32 interleaved prompts; the profile's workload.items would cut them).
+  "$PY" run.py -m experiment=batch out_dir="$OUT/batch" progress=false "${BATCH[@]}" "${EXTRA[@]}"
 fi
 if want fidelity; then
   for m in "${MOE[@]}"; do

@@ -23,6 +23,7 @@ from pathlib import Path
 from specter.errors import UserError
 
 DATASETS: tuple[str, ...] = ("gsm8k", "wikitext2", "humaneval", "gpqa", "c4")
+MIX = "mix"  # the five interleaved: item i is item i // 5 of DATASETS[i % 5] (a batch of many)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 STANDIN_DIR = REPO_ROOT / "data" / "standins"
@@ -81,9 +82,13 @@ def _humaneval_package_prompts() -> list[str] | None:
 
 def load_workload(name: str, items: int | None, cache_dir: Path | None = None) -> Workload:
     """The first `items` non-empty texts of dataset `name` (all of them for None): local cache,
-    then package, then stand-in."""
+    then package, then stand-in. `mix`: the five datasets interleaved, gsm8k's first item,
+    wikitext2's first, ..., c4's first, gsm8k's second, ... (so a batch of B requests spans
+    every domain, as a server's queue would)."""
+    if name == MIX:
+        return _mix(items, cache_dir)
     if name not in DATASETS:
-        raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}.")
+        raise UserError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS + (MIX,))}.")
     if items is not None and items < 1:
         raise UserError(f"items must be at least 1 (got {items}); ask for 1 or more prompts.")
 
@@ -111,6 +116,22 @@ def load_workload(name: str, items: int | None, cache_dir: Path | None = None) -
             "ask for fewer or fetch more with scripts/fetch_datasets.py --items."
         )
     return Workload(dataset=name, source=source, standin=standin, texts=tuple(non_empty[:items]))
+
+
+def _mix(items: int | None, cache_dir: Path | None) -> Workload:
+    if items is not None and items < 1:
+        raise UserError(f"items must be at least 1 (got {items}); ask for 1 or more prompts.")
+    n = len(DATASETS)
+    each = [load_workload(d, None if items is None else -(-(items - i) // n), cache_dir)
+            for i, d in enumerate(DATASETS)]  # dataset i supplies items i, i + 5, ...
+    texts = [t for group in zip(*(w.texts for w in each)) for t in group]
+    longest = max(len(w.texts) for w in each)
+    for j in range(len(texts) // n, longest):  # the datasets' last items beyond the shortest
+        texts += [w.texts[j] for w in each if j < len(w.texts)]
+    texts = texts if items is None else texts[:items]
+    source = "interleaved: " + ", ".join(f"{w.dataset} ({w.source})" for w in each)
+    return Workload(dataset=MIX, source=source, standin=any(w.standin for w in each),
+                    texts=tuple(texts))
 
 
 def truncate_prompt(tokenizer, text: str, max_tokens: int) -> list[int]:

@@ -167,3 +167,58 @@ def test_rejections_leave_holes_not_errors(name, system, references):
     assert [g.tokens for g in gens] == rows[5]
     lens = [tuple(g.stats["accepted_lens"]) for g in gens]
     assert len(set(lens)) > 1 and any(0 < n < 3 for row in lens for n in row)
+
+
+def test_sampled_batch_rows_draw_as_single_requests(references):
+    """Speculative sampling in a batch: row r draws from its own request's generator in the
+    order it would alone, so each row equals that request sampled by itself."""
+    batches, eos, _, _ = references("tiny_qwen")
+    engine, _ = engine_for("tiny_qwen", "specter", eos)
+    engine.temperature = 0.8
+    seeds = [11, 12, 13]
+    engine.seed_requests(seeds)
+    engine.reset()
+    together = [g.tokens for g in engine.generate_batch(batches[5][:3], N_NEW)]
+    alone = []
+    for seed, prompt in zip(seeds, batches[5][:3]):
+        engine.seed_requests([seed])
+        engine.reset()
+        alone.append(engine.generate(prompt, N_NEW).tokens)
+    assert together == alone
+
+
+def test_charger_charges_a_batched_forward_as_rows_times_tokens():
+    """Under the virtual clock a forward of 32 rows x 3 tokens is charged as 96 tokens through
+    every token-linear step, attention as 32 sequences each reading its own KV
+    (`attention_batch_s`), and the lm head by rows x kept positions."""
+    from specter.offload.costmodel import CostModel, HardwareProfile, charged_sizes
+    from specter.offload.link import LinkProfile, make_link
+    from specter.offload.runtime import Charger
+
+    lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), CPU, progress=False)
+    hw = HardwareProfile(name="t", matrix_flops=312e12, mem_bandwidth_Bps=1.555e12,
+                         launch_overhead_s=5e-6, h2d_bandwidth_Bps=31.5e9, h2d_latency_s=1e-5)
+    cost = CostModel(hw, charged_sizes(lm.model, "own", 4))
+    link = make_link("virtual", LinkProfile(31.5e9, 1e-5), CPU)
+    charger = Charger(lm.model, link, cost, charge_experts=False)
+    charger.begin_forward(3, 40, rows=32)
+    assert charger.tokens == 96
+    assert charger._attention_s() == cost.attention_batch_s([(3, 40)] * 32)
+    assert charger._attention_s() > cost.attention_s(96, 40)  # 32 KV reads, not one
+    t0 = link.now()
+    with torch.no_grad():
+        lm.model.lm_head(torch.zeros(32, 1, lm.model.config.hidden_size))
+    assert link.now() - t0 == pytest.approx(cost.lm_head_s(32))
+    charger.remove()
+
+
+def test_a_batch_of_64(references):
+    """B = 64 (the most the issue asks for): Specter's rows equal resident's."""
+    _, eos, _, loaded = references("tiny_qwen")
+    batch = [p[:4 + i % 13] for p in prompts(loaded.tokenizer, 8) for i in range(8)]
+    outs = {}
+    for system in ("resident", "specter"):
+        engine, _ = engine_for("tiny_qwen", system, eos)
+        engine.reset()
+        outs[system] = [g.tokens for g in engine.generate_batch(batch, 8)]
+    assert len(outs["specter"]) == 64 and outs["specter"] == outs["resident"]

@@ -205,6 +205,23 @@ def test_every_typed_setting_works_in_the_plain_key_value_form():
     assert "temperature: 0.7" in res.stdout and "policy: lfu" in res.stdout
 
 
+def test_a_command_line_sweep_replaces_the_overlays_sweep_of_the_same_key():
+    """`experiment=depth spec.k=2,4` sweeps K over 2 and 4 only: a key the yaml lists stays
+    plain, so Hydra's sweeper sees one `spec.k` (with `++spec.k` it would also run the
+    overlay's nine K, each overridden back to the command line's)."""
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("run_entry", REPO / "run.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    out = entry.typed_overrides(["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
+                                 "workload.temperature=0.5"])
+    assert out == ["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
+                   "++workload.temperature=0.5"]
+
+
 # -- checked before any weights load: one sentence, nothing written -----------------------
 
 

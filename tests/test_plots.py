@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from experiments import memory_table, records, routing_report
-from experiments.plots import RESULTS, base, cache, main_tpot
+from experiments.plots import RESULTS, base, cache, main_tpot, paper
 from experiments.plots.cli import load_all, main
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -77,6 +77,15 @@ def synthetic_rows() -> list[dict]:
         rows.append(_row("oracle", "specter", tpot_ms=60.0 + 40 * noise, **_spec(16),
                          **{"cfg.system.prefetch_noise": noise}, prefetch_precision=1 - noise,
                          plan_recall=0.7, hit_rate=0.9 - noise, prefetch_corrupted=noise))
+    for (system, tput), b in itertools.product({"specter": 200.0, "specmoeoff": 100.0,
+                                                "mo_sm": 25.0}.items(), (1, 32)):
+        for rid in range(2):  # two rows of one batch: its throughput columns repeat
+            rows.append(_row("batch", system, dataset="mix", rid=rid, tpot_ms=32e3 / tput,
+                             **{"cfg.workload.batch": b, "batch_id": "r0-000", "batch_size": b,
+                                "batch_tokens_per_s": tput * b / 32, "batch_tokens": 64,
+                                "h2d_bytes": 64 * 1e6, "charged.expert_params": 1e6,
+                                "charged.elem_bytes": 2, "hit_rate": 0.3,
+                                "h2d_hidden_frac": 0.5}))
     for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
         rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
                      "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
@@ -86,9 +95,9 @@ def synthetic_rows() -> list[dict]:
 
 # Two engine profiles of the same cases: the eager one slower; its records carry `engine`, the
 # ideal one's do not (older records: the engine comes from the name's suffix).
-PROFILED = ("main", "cache", "latency", "ablation", "oracle", "depth", "working_set")
+PROFILED = ("main", "cache", "latency", "ablation", "oracle", "depth", "working_set", "batch")
 TWO_PROFILED = {"main_tpot", "cache_hit_rate", "h2d_hiding", "ablation", "oracle", "depth",
-                "working_set"}
+                "working_set", "batch"}
 
 
 def two_profile_rows() -> list[dict]:
@@ -295,3 +304,18 @@ def test_engine_and_profile_labels():
     assert base.engine_of("a100_pcie4") == "-" and base.engine_of("x", "hf") == "hf"
     assert base.profile_label("a100_pcie4_hf") == "a100_pcie4_hf (eager engine)"
     assert base.profile_label("cpu") == "cpu"
+
+
+def test_batch_table_measures_throughput_per_batch_beside_the_paper(tree):
+    from experiments.plots import batch
+
+    df = load_all(tree)
+    t = batch.table(df[df["experiment"] == "batch"].reset_index(drop=True))
+    b32 = t[t["B"] == 32].set_index("system")
+    assert b32.loc["specter", "throughput_tok_s"] == 200.0  # per batch, not per row
+    assert b32.loc["mo_sm", "specter_throughput_x"] == pytest.approx(8.0)
+    assert b32.loc["specter", "experts_per_token"] == pytest.approx(0.5)  # 64e6 B / 2e6 / 64
+    assert b32.loc["specter", "TPOT ms paper (A100)"] == paper.BATCH32_DEEPSEEK["specter"][0]
+    assert b32.loc["specmoeoff", "specter x paper (A100)"] == pytest.approx(130.3 / 40.2)
+    assert t[t["B"] == 1]["TPOT ms paper (A100)"].isna().all()  # the paper has B = 32 only
+    assert b32.loc["specter", "tpot_x_tput"] == pytest.approx(32.0)

@@ -96,6 +96,8 @@ BAD = [
     (["budget.slots=3"], "below top-k=6"),
     (["budget.slots=65"], "exceeds the 64 routed experts"),
     (["workload.max_new_tokens=0"], "workload.max_new_tokens must be at least 1"),
+    (["workload.batch=0"], "workload.batch must be at least 1"),
+    (["system=fidelity", "workload.batch=2"], "decodes one request at a time"),
 ]
 
 
@@ -167,3 +169,24 @@ def test_auto_hardware_keeps_real_clocks_where_asked(tmp_path):
     assert on_gpu.hardware.clock == "wall"
     with pytest.raises(UserError, match="unknown hardware profile 'nope'"):
         runner.load_hardware("nope")
+
+
+def test_batched_run_writes_a_row_per_sequence_and_resumes_a_partial_batch(tmp_path):
+    cfg = smoke_cfg(tmp_path, workload={"items": 3, "batch": 2, "repeats": 1})
+    runner.run(cfg, log=lambda *_: None)
+    df = records.load(tmp_path).sort_values("request_id")
+    assert len(df) == 3 and df["batch_id"].tolist() == ["r0-000", "r0-000", "r0-002"]
+    assert df["batch_size"].tolist() == [2, 2, 1]
+    first = df[df["batch_id"] == "r0-000"]
+    assert first["batch_tokens"].iloc[0] == first["n_output_tokens"].sum()
+    assert first["batch_tokens_per_s"].nunique() == 1 and (first["batch_tokens_per_s"] > 0).all()
+    alone = runner.run(smoke_cfg(tmp_path / "one", workload={"items": 3, "repeats": 1}),
+                       log=lambda *_: None)
+    one = records.load(alone.out_dir).sort_values("request_id")
+    assert one["output_tokens"].map(tuple).tolist() == df["output_tokens"].map(tuple).tolist()
+    # A crash after one row of a batch: the rerun decodes the batch and writes the other row.
+    next(p for p in records.row_files(tmp_path) if "gsm8k-001" in p.name).unlink()
+    summary = runner.run(cfg, log=lambda *_: None)
+    assert (summary.written, summary.skipped) == (1, 2)
+    again = records.load(tmp_path).sort_values("request_id")
+    assert again["output_tokens"].map(tuple).tolist() == df["output_tokens"].map(tuple).tolist()

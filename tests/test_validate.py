@@ -36,6 +36,12 @@ def synthetic(scale: float) -> list[dict]:
     for gb in validate.HIT_RATE_GB:
         rows.append(_row(hw, ds, "specter", budget="gb", budget_gb=gb, budget_slots=gb,
                          hit_rate=0.5, hit_rate_cap=0.6, hit_rate_tokens=0.7, plan_recall=0.8))
+    for s, (p_tpot, p_tput) in paper.BATCH32_DEEPSEEK.items():  # one batch of 32 rows each
+        for i in range(validate.BATCH):
+            rows.append(_row(hw, ds, s, **{"cfg.workload.batch": validate.BATCH,
+                                           "tpot_ms": p_tpot * scale + (i % 2),
+                                           "batch_id": "r0-000", "repeat": 0,
+                                           "batch_tokens_per_s": p_tput / scale}))
     return rows
 
 
@@ -62,6 +68,14 @@ def test_table_has_every_quantity_with_ratios_per_profile():
     assert rob["ours"].tolist() == [99.0, 99.0]
     kstar = t[(t["quantity"] == "chosen depth K* (argmin TPOT)") & (t["model"] == "deepseek")]
     assert kstar["ours"].tolist() == [8.0, 8.0] and kstar["paper"].tolist() == [16, 16]
+    b_tpot = t[t["quantity"] == "batch 32: TPOT (ms)"]
+    assert len(b_tpot) == 2 * 4  # the batch rows stay out of the one-at-a-time TPOT above
+    assert b_tpot[b_tpot["profile"] == "a100_pcie4_hf"]["ratio"].tolist() == \
+        pytest.approx([2.0 + 0.5 / v[0] for v in paper.BATCH32_DEEPSEEK.values()])
+    tput = t[t["quantity"] == "batch 32: throughput (tokens/s)"]
+    assert tput[tput["profile"] == "a100_pcie4_hf"]["ratio"].tolist() == pytest.approx([0.5] * 4)
+    over = t[t["quantity"].str.startswith("batch 32: throughput of Specter /")]
+    assert len(over) == 2 * 3 and over["ratio"].tolist() == pytest.approx([1.0] * 6)
     med = validate.median_abs_log_ratio(t)
     assert med["a100_pcie4_ideal"] < med["a100_pcie4_hf"]
     for q in ("none", "no PIO+SIC"):  # not run here: ours is missing, never invented
@@ -91,3 +105,6 @@ def test_cases_cover_both_profiles_and_the_paper_experiments():
         assert sum(f"hardware={hw}" in f and "spec.k=" in f for f in flat) == 3 * len(validate.DEPTHS)
         assert sum(f"hardware={hw}" in f and "budget.gb=" in f for f in flat) == 3
     assert sum("system=fidelity" in f for f in flat) == 3
+    batch = [" ".join(c.overrides) for c in validate.batch_cases(validate.PROFILES)]
+    assert len(batch) == 2 * 4 and all("workload.batch=32" in f and "dataset=mix" in f
+                                       for f in batch)

@@ -171,3 +171,17 @@ def test_fetch_write_first_items_keeps_old_file_on_failure(tmp_path):
         fetch.write_first_items(broken(), 5, out)
     assert out.read_text() == json.dumps({"text": "old"}) + "\n"
     assert [p.name for p in tmp_path.iterdir()] == ["c4.jsonl"]
+
+
+def test_mix_interleaves_the_five_datasets():
+    from specter.workloads import MIX
+
+    each = {d: load_workload(d, 7).texts for d in DATASETS}
+    mix = load_workload(MIX, 32)
+    assert mix.dataset == "mix" and len(mix.texts) == 32 and mix.standin
+    assert mix.texts[:5] == tuple(each[d][0] for d in DATASETS)
+    assert mix.texts[5:10] == tuple(each[d][1] for d in DATASETS)
+    assert mix.texts[30:] == (each["gsm8k"][6], each["wikitext2"][6])
+    assert all(d in mix.source for d in DATASETS)
+    with pytest.raises(UserError, match="at least 1"):
+        load_workload(MIX, 0)

@@ -19,7 +19,7 @@ TPOT_HIGH_MS: dict[str, dict[str, float]] = {
 }
 SPEEDUP_VS_SPECMOEOFF = {"mean": 1.50, "max": 1.88}
 
-# Batch 32 on DeepSeek-V2-Lite: (TPOT ms, throughput tok/s); not an experiment here (B=1).
+# Batch 32 on DeepSeek-V2-Lite: (TPOT ms, throughput tok/s); experiment=batch (plots/batch.py).
 BATCH32_DEEPSEEK = {"specter": (119.2, 130.3), "specmoeoff": (718.0, 40.2),
                     "mo_sm": (1262.9, 25.3), "transformers": (1493.6, 21.4)}
 
