@@ -102,14 +102,14 @@ def run_cases(out: Path, todo: list[Case], common: list[str], log=print) -> int:
     from omegaconf import OmegaConf
 
     from experiments.runner import run
-    from run import CONF, system_knob_overrides
+    from run import CONF, typed_overrides
     from specter.config import RunConfig
     from specter.errors import UserError
 
     failed = 0
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for i, case in enumerate(todo, 1):
-            overrides = system_knob_overrides([*case.overrides, *common, f"out_dir={out}",
+            overrides = typed_overrides([*case.overrides, *common, f"out_dir={out}",
                                                "experiment=validate", "progress=false"])
             log(f"[validate] case {i}/{len(todo)}: {' '.join(case.overrides)}")
             try:
@@ -258,22 +258,6 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
         add("robustness: TPOT, wrong prefetch (ms)", "deepseek", "specter", hw, p_hi, hi,
             f"paper: precision 0.41; ours: noise {NOISE_HIGH}, precision {prec[1]:.2f}")
         add("robustness: TPOT ratio wrong / accurate", "deepseek", "specter", hw, p_hi / p_lo, hi / lo)
-        # Batch 32, DeepSeek-shaped model: TPOT per sequence, batch throughput, their ratios.
-        b = batched[(batched["hardware"] == hw) & (batched["model"] == MODELS["deepseek"])]
-        if len(b):
-            per_batch = b.drop_duplicates(["system", "batch_id", "repeat"])
-            tput = {s: _mean(per_batch[per_batch["system"] == s], "batch_tokens_per_s")
-                    for s in BATCH_SYSTEMS}
-            for s, (p_tpot, p_tput) in paper.BATCH32_DEEPSEEK.items():
-                add(f"batch {BATCH}: TPOT (ms)", "deepseek", s, hw, p_tpot,
-                    _mean(b[b["system"] == s], "tpot_ms"))
-                add(f"batch {BATCH}: throughput (tokens/s)", "deepseek", s, hw, p_tput, tput[s],
-                    "committed tokens of the batch / its start-to-last-commit time")
-            p_spec = paper.BATCH32_DEEPSEEK["specter"][1]
-            for s, (_, p_tput) in paper.BATCH32_DEEPSEEK.items():
-                if s != "specter":
-                    add(f"batch {BATCH}: throughput of Specter / {s}", "deepseek", "specter", hw,
-                        p_spec / p_tput, tput["specter"] / tput[s])
         # Hit rate at 16/24/32 GiB.
         gb = _defaults(d[(d["family"] == "deepseek") & (d["budget"] == "gb") & (d["system"] == "specter")])
         paper_hr = {g: v for g, v in paper.HIT_RATE_DEEPSEEK.values()}
@@ -284,6 +268,22 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
                 f"{slots:.0f} slots/layer; cap slots/distinct {_mean(r, 'hit_rate_cap'):.3f}; per "
                 f"(token, expert) {_mean(r, 'hit_rate_tokens'):.3f}; plan recall "
                 f"{_mean(r, 'plan_recall'):.3f}" if not math.isnan(slots) else "not run")
+    # Batch 32, DeepSeek-shaped model: TPOT per sequence, batch throughput, their ratios.
+    for hw in sorted(batched["hardware"].dropna().unique()):
+        b = batched[(batched["hardware"] == hw) & (batched["model"] == MODELS["deepseek"])]
+        per_batch = b.drop_duplicates(["system", "batch_id", "repeat"])
+        tput = {s: _mean(per_batch[per_batch["system"] == s], "batch_tokens_per_s")
+                for s in BATCH_SYSTEMS}
+        for s, (p_tpot, p_tput) in paper.BATCH32_DEEPSEEK.items():
+            add(f"batch {BATCH}: TPOT (ms)", "deepseek", s, hw, p_tpot,
+                _mean(b[b["system"] == s], "tpot_ms"))
+            add(f"batch {BATCH}: throughput (tokens/s)", "deepseek", s, hw, p_tput, tput[s],
+                "committed tokens of the batch / its start-to-last-commit time")
+        p_spec = paper.BATCH32_DEEPSEEK["specter"][1]
+        for s, (_, p_tput) in paper.BATCH32_DEEPSEEK.items():
+            if s != "specter":
+                add(f"batch {BATCH}: throughput of Specter / {s}", "deepseek", "specter", hw,
+                    p_spec / p_tput, tput["specter"] / tput[s])
     return pd.DataFrame(rows)
 
 

@@ -108,3 +108,16 @@ def test_cases_cover_both_profiles_and_the_paper_experiments():
     batch = [" ".join(c.overrides) for c in validate.batch_cases(validate.PROFILES)]
     assert len(batch) == 2 * 4 and all("workload.batch=32" in f and "dataset=mix" in f
                                        for f in batch)
+
+
+def test_run_cases_runs_each_case_through_the_runner(tmp_path):
+    """The cases go through run.py's own override checks and the runner (a batched one too)."""
+    from experiments import records
+
+    case = validate.Case(("hardware=a100_pcie4_hf", "model=tiny_deepseek", "system=lru",
+                          "budget=high", "workload.batch=2"))
+    common = ["workload.items=2", "workload.max_new_tokens=4", "workload.repeats=1"]
+    assert validate.run_cases(tmp_path, [case], common, log=lambda *_: None) == 0
+    df = records.load(tmp_path)
+    assert len(df) == 2 and (df["experiment"] == "validate").all()
+    assert (df["batch_size"] == 2).all() and (df["system"] == "lru").all()
