@@ -26,6 +26,26 @@ def test_resident_equals_generate_on_cuda(name):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("name", TINY)
+def test_resident_batch_equals_generate_batch_on_cuda(name):
+    """A left-padded batch of unequal prompts on the device: each row as `generate` pads it."""
+    from specter.engine import pad_id
+
+    dev = torch.device("cuda")
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)
+    batch = [lm.tokenizer(t)["input_ids"][:6 + 3 * i] for i, t in enumerate(PROMPTS)]
+    ours = [g.tokens for g in resident_engine(lm.model, dev, stop_on_eos=False)
+            .generate_batch(batch, 16)]
+    pad, width = pad_id(lm.model), max(map(len, batch))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch], device=dev)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=dev)
+    lm.model.generation_config.eos_token_id = None
+    ref = lm.model.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                            pad_token_id=pad)
+    assert ours == ref[:, width:].tolist()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
 def test_transformers_offload_on_cuda_equals_resident_and_times_real_copies(name):
     from baselines.transformers_offload import TransformersOffloadEngine
