@@ -248,6 +248,15 @@ def subplots(n: int, ncols: int = 3, w: float = 4.6, h: float = 3.4, **kw):
     return fig, flat[:n]
 
 
+def log2_x(ax, values, label: str) -> None:
+    """A base-2 log x axis with a tick at each of `values` (depths K, batch sizes B)."""
+    ax.set_xscale("log", base=2)
+    ticks = sorted(values)
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([str(int(v)) for v in ticks], fontsize=7)
+    ax.set_xlabel(label)
+
+
 def paper_marker(ax, xs, ys, label: str = PAPER_LABEL, **kw) -> None:
     ax.plot(xs, ys, label=label, **{**PAPER_STYLE, **kw})
 

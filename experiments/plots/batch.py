@@ -14,7 +14,7 @@ import pandas as pd
 
 from experiments.plots import paper
 from experiments.plots.base import (PAPER_LABEL, RENAME, Result, by_profile, case_columns,
-                                    clock_note, col, dedup_legend, palette, panel_title,
+                                    clock_note, col, dedup_legend, log2_x, palette, panel_title,
                                     paper_marker, prepare, same_limits, save_figure, subplots,
                                     system_key, title, write_table)
 
@@ -92,12 +92,8 @@ def figure(t: pd.DataFrame, df: pd.DataFrame):
                     if pt:
                         paper_marker(ax, [PAPER_B], [pt[p]], color=colors[system],
                                      label=f"{PAPER_LABEL}, B={PAPER_B}")
-                ax.set_xscale("log", base=2)
-                bs = sorted(g["B"].unique())
-                ax.set_xticks(bs)
-                ax.set_xticklabels([str(b) for b in bs], fontsize=7)
+                log2_x(ax, g["B"].unique(), "batch size B")
                 ax.set_yscale("log")
-                ax.set_xlabel("batch size B")
                 ax.set_ylabel(label)
                 ax.set_title(panel_title(f"{model}, budget {budget}", prof), fontsize=9)
                 ax.grid(alpha=0.3, which="both")

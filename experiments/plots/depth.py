@@ -12,7 +12,7 @@ import pandas as pd
 
 from experiments.plots import paper
 from experiments.plots.base import (PAPER_LABEL, PAPER_STYLE, RENAME, Result, agg, case_panels,
-                                    case_columns, clock_note, col, dedup_legend, isnan,
+                                    case_columns, clock_note, col, dedup_legend, isnan, log2_x,
                                     panel_title, prepare, same_limits, save_figure, subplots,
                                     title, write_table)
 
@@ -51,11 +51,7 @@ def figure(t: pd.DataFrame, df: pd.DataFrame):
         if not isnan(k):
             ax.axvline(k, color=PAPER_STYLE["color"], linestyle="--", linewidth=1.2,
                        label=f"K* {PAPER_LABEL} = {int(k)}")
-        ax.set_xscale("log", base=2)
-        ks = sorted(g["K"].unique())
-        ax.set_xticks(ks)
-        ax.set_xticklabels([str(x) for x in ks], fontsize=7)
-        ax.set_xlabel("draft depth K")
+        log2_x(ax, g["K"].unique(), "draft depth K")
         ax.set_ylabel("mean TPOT (ms)")
         ax.set_title(panel_title(f"{model}, budget {budget}", prof), fontsize=9)
         ax.grid(alpha=0.3)
