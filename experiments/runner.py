@@ -116,6 +116,8 @@ def measured_config(cfg: RunConfig) -> dict[str, Any]:
     d = cfg.to_dict()
     if not recipe(cfg.system.name).ENGINE.samples:  # not speculative
         d.pop("spec")
+    elif cfg.spec.k != "adaptive":  # the bound of adaptive K only
+        d["spec"].pop("k_max")
     return d
 
 
@@ -134,12 +136,15 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def window_tokens(cfg: RunConfig) -> int:
     """The most positions one speculative window adds beyond the committed tokens (K+1 for
-    the verification block; the largest profiled K under spec.k=auto); 0 for greedy systems."""
+    the verification block; the largest profiled K under spec.k=auto, spec.k_max under
+    adaptive); 0 for greedy systems."""
     if not recipe(cfg.system.name).ENGINE.samples:
         return 0
     k = cfg.spec.k
     if k == "auto":
         k = max(cfg.spec.profile_ks)
+    if k == "adaptive":
+        k = cfg.spec.k_max
     return (k if isinstance(k, int) else (cfg.model.paper_k or 4)) + 1
 
 

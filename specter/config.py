@@ -158,7 +158,9 @@ class OffloadConfig:
 class SpecConfig:
     """Self-speculative decoding (systems that speculate)."""
 
-    k: int | str | None = None  # draft depth K; "auto": the depth profiler; None: model.paper_k, else 4
+    k: int | str | None = None  # draft depth K; "auto": the depth profiler; "adaptive": per
+    # window (specter/decoding/depth.py AdaptiveDepth); None: model.paper_k, else 4
+    k_max: int = 32  # spec.k=adaptive: the deepest window
     # The depth profiler (k=auto): K values swept, prompts (the five datasets round-robin, after
     # the evaluated items) and runs per prompt; its choice is stored and reused.
     profile_ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])
@@ -225,8 +227,10 @@ class RunConfig:
             if value < 1:
                 raise UserError(f"{key} must be at least 1 (got {value}).")
         k = self.spec.k
-        if isinstance(k, str) and k != "auto":
-            raise UserError(f"spec.k must be a positive integer or auto (got '{k}').")
+        if isinstance(k, str) and k not in ("auto", "adaptive"):
+            raise UserError(f"spec.k must be a positive integer, auto or adaptive (got '{k}').")
+        if self.spec.k_max < 1:
+            raise UserError(f"spec.k_max must be at least 1 (got {self.spec.k_max}).")
         if isinstance(k, int) and k < 1:
             raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {k}).")
         if not self.spec.profile_ks or min(self.spec.profile_ks) < 1:

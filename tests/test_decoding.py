@@ -393,3 +393,61 @@ def test_memory_account_of_the_shared_instance():
     assert acct.separate_bytes - acct.shared_bytes == acct.non_expert_bytes + acct.kv_bytes
     assert 0 < acct.saving < 1
     assert moe_spec(lm.model).non_expert_bytes == acct.non_expert_bytes
+
+
+def test_adaptive_depth_rule_against_hand_arithmetic():
+    from specter.decoding.depth import AdaptiveDepth
+
+    d = AdaptiveDepth(4, 16)
+    assert d.next_k() == 4  # nothing measured: the starting K
+    # A perfect draft whose steps cost nothing beside a fixed verification: the deepest K.
+    d.observe(4, accepted=40, rejected=0, draft_s=0.0004, draft_steps=4, verify_s=0.1)
+    assert d.acceptance() == pytest.approx(40.5 / 41)
+    assert d.next_k() == 16
+    # E(K) = (1 - a^(K+1)) / (1 - a): at a = 0.5 and K = 2, 1 + 0.5 + 0.25.
+    assert AdaptiveDepth.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # A draft that is always rejected, with steps as costly as verification: K = 1.
+    bad = AdaptiveDepth(8, 16)
+    bad.observe(8, accepted=0, rejected=10, draft_s=0.8, draft_steps=8, verify_s=0.1)
+    assert bad.next_k() == 1
+    # Verification time: one depth measured, its time; two, the line through them.
+    assert bad.verify_time(3) == pytest.approx(0.1)
+    bad.observe(4, accepted=0, rejected=0, draft_s=0.0, draft_steps=0, verify_s=0.06)
+    assert bad.verify_time(6) == pytest.approx(0.08)  # 0.06 at K = 4, + 0.01 per position
+    bad.observe(2, accepted=0, rejected=0, draft_s=0.0, draft_steps=0, verify_s=0.5)
+    assert bad.verify_time(1) == bad.verify_time(12)  # a falling fit is clamped flat
+    bad.reset()
+    assert bad.next_k() == 8 and bad.fit[0] == 0
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_adaptive_k_is_lossless_and_records_each_windows_k(name):
+    """spec.k=adaptive on offloaded experts: resident's tokens; the K of every window recorded;
+    a draft made wrong on purpose drives K down to the shallowest windows."""
+    from experiments.registry import BuildContext, build_engine
+    from specter.budget import ResolvedBudget
+    from specter.config import RunConfig
+    from specter.decoding.engines import resident_engine
+
+    lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
+    ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
+    ref = resident_engine(lm.model, CPU).generate(ids, 40).tokens
+    cfg = RunConfig.from_dict({
+        "model": {"name": name, "source": "project"}, "budget": {"name": "high"},
+        "system": {"name": "specter"}, "dataset": {"name": "gsm8k"},
+        "hardware": A100, "workload": {}, "spec": {"k": "adaptive", "k_max": 8},
+        "progress": False})
+    for wrong in (False, True):
+        lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
+        engine = build_engine(BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU))
+        assert engine.depth is not None and "adaptive" in engine.k_source
+        if wrong:
+            sd = engine.draft.self_draft
+            sd.draft_layers = [lambda h, i, w, f=f: -6 * f(h, i, w) for f in sd.draft_layers]
+        engine.reset()
+        gen = engine.generate(ids, 40)
+        assert gen.tokens == ref
+        ks = gen.stats["k_windows"]
+        assert len(ks) == gen.stats["windows"] and all(1 <= k <= 8 for k in ks)
+        if wrong:  # rejected often: the windows shrink to the shallowest
+            assert ks[-1] < ks[0] and ks[-1] <= 2

@@ -1,9 +1,10 @@
 """The draft depth K: the one rule every speculative system follows, and the depth profiler.
 
-The rule (`settle_k`): `spec.k=N` -> N; `spec.k=auto` -> the profiled K (below); unset -> the
-system's own K if its recipe has one (SpecMoEOff and SpecMoE: 3, as their papers run them),
-else the model's paper K (`model.paper_k`), else DEFAULT_K. Every record says which one
-applied (`k_source`).
+The rule (`settle_k`): `spec.k=N` -> N; `spec.k=auto` -> the profiled K (below);
+`spec.k=adaptive` -> a K per window (`AdaptiveDepth`, starting from the unset rule's K, at most
+`spec.k_max`); unset -> the system's own K if its recipe has one (SpecMoEOff and SpecMoE: 3, as
+their papers run them), else the model's paper K (`model.paper_k`), else DEFAULT_K. Every
+record says which one applied (`k_source`).
 
 The profiler owns `spec.k=auto`. For a (model, budget, hardware, system, draft) it runs the system's
 engine at every K of `spec.profile_ks` over `spec.profile_prompts` prompts (the workload's five
@@ -32,6 +33,7 @@ def settle_k(ctx, engine, default_k: int | None = None, default_k_name: str = ""
     """Set `engine.k` and `engine.k_source` by the rule above (auto: profiled on `engine`
     itself, after it is built)."""
     k = ctx.cfg.spec.k
+    engine.depth = None
     if isinstance(k, int):
         engine.k, engine.k_source = k, "spec.k"
         return
@@ -41,12 +43,89 @@ def settle_k(ctx, engine, default_k: int | None = None, default_k_name: str = ""
         engine.k, engine.k_source = ctx.cfg.model.paper_k, "model.paper_k"
     else:
         engine.k, engine.k_source = DEFAULT_K, f"default {DEFAULT_K}"
+    if k == "adaptive":
+        k_max = ctx.cfg.spec.k_max
+        engine.k = min(engine.k, k_max)
+        engine.depth = AdaptiveDepth(engine.k, k_max)
+        engine.k_source = f"adaptive (from K={engine.k}, {engine.k_source}; k_max={k_max})"
     if k == "auto":
         from specter.models.zoo import default_cache_dir
 
         cache = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
         engine.k, path, reused = auto_depth(ctx, engine, cache)
         engine.k_source = f"auto ({'reused' if reused else 'profiled'}: {path})"
+
+
+class AdaptiveDepth:
+    """`spec.k=adaptive`: the draft depth of each window, from what the run has measured.
+
+    Before a window it picks the K in 1..k_max with the most expected committed tokens per
+    second of window: E(K) / (K * t_draft + t_verify(K)), where E(K) = (1 - a^(K+1)) / (1 - a)
+    is the expected committed tokens of a row when each draft token is accepted with
+    probability a (the accepted prefix plus the target's token), t_draft the measured time of
+    one draft step and t_verify(K) = c + s * (K + 1) a line fitted to the measured
+    verification times (least squares, slope >= 0; one depth measured: its mean time). a is
+    the running acceptance, accepted / (accepted + rejections) with half a token of each as
+    its prior (a rejection ends a row's window, so drafted tokens after it say nothing). The
+    acceptance counts decay by `acceptance_decay` per window (a slow decay: a run of fully
+    accepted windows must be long to argue for a deep K), the times by `time_decay` (the first
+    windows run on a cold expert cache). A depth not measured yet is priced by the line, so
+    the rule explores deeper while verification looks cheap and learns its slope there. Until
+    both times are measured it keeps the starting K. Any K is lossless (verification decides):
+    the rule changes speed only. Time is the run's clock (virtual: the cost model's)."""
+
+    def __init__(self, k0: int, k_max: int, acceptance_decay: float = 0.95,
+                 time_decay: float = 0.8):
+        if not 1 <= k0 <= k_max:
+            raise ValueError(f"starting K {k0} must lie in 1..{k_max}")
+        self.k0, self.k_max = k0, k_max
+        self.acceptance_decay, self.time_decay = acceptance_decay, time_decay
+        self.reset()
+
+    def reset(self) -> None:
+        """Before each request: the starting K and no measurements."""
+        self.k = self.k0
+        self.accepted = self.rejected = 0.0
+        self.step_s: float | None = None
+        self.fit = [0.0] * 5  # decayed sums of w, w x, w x^2, w y, w x y; x = K + 1, y = seconds
+
+    def acceptance(self) -> float:
+        return (self.accepted + 0.5) / (self.accepted + self.rejected + 1.0)
+
+    @staticmethod
+    def expected_tokens(a: float, k: int) -> float:
+        return float(k + 1) if a >= 1.0 else (1.0 - a ** (k + 1)) / (1.0 - a)
+
+    def verify_time(self, k: int) -> float:
+        """The fitted verification time of a window of depth K."""
+        w, wx, wxx, wy, wxy = self.fit
+        mx, my = wx / w, wy / w
+        var = wxx / w - mx * mx
+        slope = max(0.0, (wxy / w - mx * my) / var) if var > 1e-12 else 0.0
+        return max(my + slope * (k + 1 - mx), 1e-12)
+
+    def rate(self, k: int) -> float:
+        """Expected committed tokens per second of a window of depth K."""
+        return self.expected_tokens(self.acceptance(), k) / (k * self.step_s + self.verify_time(k))
+
+    def next_k(self) -> int:
+        if self.step_s is not None and self.fit[0] > 0:
+            self.k = max(range(1, self.k_max + 1), key=lambda k: (self.rate(k), -k))
+        return self.k
+
+    def observe(self, k: int, accepted: int, rejected: int, draft_s: float, draft_steps: int,
+                verify_s: float) -> None:
+        """One window at depth `k`: tokens accepted and rows that rejected one (over the
+        batch), the draft's time over its steps, the verification's time."""
+        da, dt = self.acceptance_decay, self.time_decay
+        self.accepted = da * self.accepted + accepted
+        self.rejected = da * self.rejected + rejected
+        if draft_steps > 0:
+            step = draft_s / draft_steps
+            self.step_s = step if self.step_s is None else dt * self.step_s + (1 - dt) * step
+        x = k + 1
+        self.fit = [dt * v + add for v, add in
+                    zip(self.fit, (1.0, x, x * x, verify_s, x * verify_s))]
 
 
 def profile_key(ctx) -> dict:

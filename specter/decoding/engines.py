@@ -93,6 +93,7 @@ class SpeculativeEngine:
         self.name, self.model, self.device = name, model, device
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.k, self.k_source = k, k_source
+        self.depth = None  # spec.k=adaptive: an AdaptiveDepth choosing each window's K
         self.window = window or WindowPrefetcher()
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device,
@@ -107,6 +108,8 @@ class SpeculativeEngine:
         self.runtime.reset()
         self.draft.reset()
         self.window.reset()
+        if self.depth is not None:
+            self.depth.reset()
 
     def seed_requests(self, seeds: list[int]) -> None:
         """One sampling generator per request of the next batch (workload.temperature > 0)."""
@@ -131,7 +134,8 @@ class SpeculativeEngine:
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
                                  self._before_forward, separate=self.draft.separate,
                                  after_draft_step=self.window.after_draft_step,
-                                 on_window=lambda _stats: self.window.end_window(), **sampling)
+                                 on_window=lambda _stats: self.window.end_window(),
+                                 depth=self.depth, **sampling)
         shared = {**self.runtime.stats.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), "k_source": self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging

@@ -48,6 +48,7 @@ class SpecStats:
     drafted: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     accepted_lens: list[int] = field(default_factory=list)
+    ks: list[int] = field(default_factory=list)  # the draft depth of each window
     draft_s: list[float] = field(default_factory=list)  # clock time of each window's draft
     verify_s: list[float] = field(default_factory=list)  # ... and of its verification
 
@@ -59,7 +60,8 @@ class SpecStats:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
                 "mean_accepted_len": (sum(self.accepted_lens) / len(self.accepted_lens)
                                       if self.accepted_lens else float("nan")),
-                "accepted_lens": self.accepted_lens}
+                "accepted_lens": self.accepted_lens, "k_windows": self.ks,
+                "k_window_mean": sum(self.ks) / len(self.ks) if self.ks else float("nan")}
 
 
 class SeparateDraft:
@@ -156,7 +158,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                       before_forward=None, on_window=None, temperature: float = 0.0,
                       generators: list[torch.Generator] | None = None,
                       separate: SeparateDraft | None = None,
-                      after_draft_step=None) -> list[Generation]:
+                      after_draft_step=None, depth=None) -> list[Generation]:
     """Self-speculative decoding of a batch, greedy (temperature 0: each row gets the target's
     greedy tokens) or sampled (temperature > 0: `accept_sampled`, row r drawing from
     `generators[r]`). Every window drafts for all unfinished rows together and verifies them
@@ -168,7 +170,8 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     per-window copy of the target's) instead of `shared`; `after_draft_step(i, k_eff)` after
     each draft step (a prefetcher's hook; k_eff is the window's last step, which comes
     early once every row has drafted a stop token or its quota, so i == k_eff marks every
-    window's last step)."""
+    window's last step); `depth` (an `AdaptiveDepth`): the K of each window instead of `k`,
+    told what each window measured."""
     sampling = temperature > 0
     if sampling and (generators is None or len(generators) != len(prompts)):
         raise ValueError("sampling needs one torch.Generator per request (seeded per request)")
@@ -230,7 +233,8 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
 
     while live:
         # 2. Draft: per row at most the tokens still wanted after the target's next one.
-        k_effs = [min(k, limit[b] - len(tokens[b]) - 1) for b in live]
+        k_now = depth.next_k() if depth is not None else k
+        k_effs = [min(k_now, limit[b] - len(tokens[b]) - 1) for b in live]
         proposals: list[list[int]] = [[] for _ in live]
         for b in live:
             q_rows[b] = []
@@ -271,6 +275,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
             targets = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
         now = clock.now()
         going, kept = [], []
+        accepted = rejected = 0
         for r, b in enumerate(live):
             props, at = proposals[r], width - len(blocks[r])
             if sampling:
@@ -284,7 +289,10 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                 while n_acc < len(props) and props[n_acc] == target[n_acc]:
                     n_acc += 1
                 new = props[:n_acc] + [target[n_acc]]
+            accepted += n_acc
+            rejected += n_acc < len(props)
             st = stats[b]
+            st.ks.append(k_now)
             st.windows += 1
             st.drafted += len(props)
             st.accepted += n_acc
@@ -300,6 +308,9 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
             # 5. Keep the target's KV of the committed tokens only (all but the new pending).
             kv.keep(r, len(seqs[b]) - 1)
         kv.trim()
+        if depth is not None:
+            depth.observe(k_now, accepted, rejected, t_verify - t_draft,
+                          max(len(p) for p in proposals), now - t_verify)
         if separate is not None and max(k_effs) > 0:
             separate.commit(kept)
         memory.observe_cache(kv.cache)
