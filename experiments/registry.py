@@ -21,12 +21,14 @@ from specter.models.loading import LoadedModel
 SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",
     "lru": "baselines.lru",
+    "lru_hybrid": "baselines.lru",  # lru with host-computed misses (Fiddler's rule)
     "mo_sm": "baselines.mo_sm",
     "quasi_hidden": "baselines.quasi_hidden",
     "transformers": "baselines.transformers_offload",
     "lru_s": "baselines.lru_s",
     "specmoeoff": "baselines.specmoeoff",
     "specter": "specter.system",
+    "specter_hybrid": "specter.system",  # specter with host-computed misses
     "sp_e": "baselines.single_plan",
     "sp_l": "baselines.single_plan",
     "specmoe": "baselines.specmoe",

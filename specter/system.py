@@ -51,6 +51,9 @@ class SpecterConfig(SystemConfig):
     kv_copy: bool = True  # shared=false: target's KV copied to the draft per window (False: own KV)
     bandwidth_prior_Bps: float | None = 12e9  # planner's bandwidth prior; None: the link profile's
     step_prior_s: float | None = 1e-3  # planner's draft-step prior; None: none (first measurement)
+    # A miss computed on the host when that ends sooner than its copy (offload/runtime.py);
+    # None: the system's default (specter: off, specter_hybrid: on).
+    host_compute: bool | None = None
 
     def validate(self) -> None:
         if not 0.0 <= self.prefetch_noise <= 1.0:
@@ -115,9 +118,17 @@ def build_planned(ctx, name: str, plan_mode: str | None, sc: SpecterConfig) -> S
             ctx.loaded.model, second, draft, ctx.device, timing, kv_copy=sc.kv_copy)
     return build_speculative(ctx, name, make_draft,
                              window=orchestrator_for(ctx, sc, plan_mode) if plan_mode else None,
-                             reorder=sc.reorder, overlap=sc.overlap)
+                             reorder=sc.reorder, overlap=sc.overlap,
+                             host_compute=host_compute_on(sc))
+
+
+def host_compute_on(sc: SystemConfig) -> bool:
+    """`system.host_compute`, else the system's default: on for the `*_hybrid` systems."""
+    value = getattr(sc, "host_compute", None)
+    return sc.name.endswith("_hybrid") if value is None else bool(value)
 
 
 def build(ctx) -> SpeculativeEngine:
+    """`specter`, or `specter_hybrid` (the same with host-computed misses on by default)."""
     sc = ctx.cfg.system
-    return build_planned(ctx, "specter", "pio" if sc.orchestrator else None, sc)
+    return build_planned(ctx, sc.name, "pio" if sc.orchestrator else None, sc)

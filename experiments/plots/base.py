@@ -351,8 +351,8 @@ def write_table(df: pd.DataFrame, out: Path, stem: str, title_text: str, note: s
 
 
 # ---------------------------------------------------------------------------- shared tables
-SYSTEM_ORDER = ["resident", "transformers", "lru", "mo_sm", "quasi_hidden", "lru_s", "specmoeoff",
-                "specmoe", "sp_e", "sp_l", "specter", "fidelity"]
+SYSTEM_ORDER = ["resident", "transformers", "lru", "lru_hybrid", "mo_sm", "quasi_hidden", "lru_s", "specmoeoff",
+                "specmoe", "sp_e", "sp_l", "specter", "specter_hybrid", "fidelity"]
 
 
 def system_key(name) -> tuple[int, str]:

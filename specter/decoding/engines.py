@@ -21,6 +21,7 @@ import torch
 from specter.decoding.depth import settle_k
 from specter.decoding.loop import speculative_batch
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
+from specter.errors import UserError
 from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
@@ -146,18 +147,33 @@ class SpeculativeEngine:
         return gens
 
 
+def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> None:
+    """Switch the runtime's host-computed misses on (virtual clock only, said in one sentence)."""
+    if on and timing.clock != "virtual":
+        raise UserError("host-computed misses (system.host_compute, the *_hybrid systems) run "
+                        "on the virtual clock only so far: use a GPU profile's virtual clock, "
+                        "e.g. hardware=a100_pcie4_hf.")
+    if on and not (timing.cost.hw.host_matrix_flops > 0 and timing.cost.hw.host_mem_bandwidth_Bps > 0):
+        raise UserError(f"host-computed misses need the host's rates: hardware="
+                        f"{timing.cost.hw.name} has no host_matrix_flops / host_mem_bandwidth_Bps.")
+    runtime.host_compute = on
+
+
 def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
-                 offload: bool = True) -> GreedyEngine:
-    """A greedy engine for `ctx`: experts offloaded (with `prefetcher`), or all resident."""
+                 offload: bool = True, host_compute: bool = False) -> GreedyEngine:
+    """A greedy engine for `ctx`: experts offloaded (with `prefetcher`), or all resident;
+    `host_compute`: misses computed on the host when that ends sooner than their copy."""
     timing = timing_for(ctx)
     runtime = offload_model(ctx, timing, prefetcher) if offload else None
+    if runtime is not None:
+        host_computed_misses(runtime, timing, host_compute)
     return GreedyEngine(name, ctx.loaded.model, ctx.device, timing, runtime,
                         stop_on_eos=ctx.cfg.workload.stop_on_eos)
 
 
 def build_speculative(ctx, name: str, make_draft, window=None, default_k: int | None = None,
-                      default_k_name: str = "", reorder: bool = True, overlap: bool = True
-                      ) -> SpeculativeEngine:
+                      default_k_name: str = "", reorder: bool = True, overlap: bool = True,
+                      host_compute: bool = False) -> SpeculativeEngine:
     """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
     once the target's experts are offloaded (quantize before, from the full-precision
     experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
@@ -167,6 +183,7 @@ def build_speculative(ctx, name: str, make_draft, window=None, default_k: int | 
     timing = timing_for(ctx)
     runtime = offload_model(ctx, timing)
     runtime.serial, runtime.overlap = not reorder, overlap
+    host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
     engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
                                k=1, window=window(runtime, timing, draft) if window else None,

@@ -67,6 +67,7 @@ class ChargedSizes:
     moe_multiplier: float = 1.0
     dense_multiplier: float = 1.0
     unmodelled_dense_layers: int = 0  # real dense layers with no modelled counterpart
+    hidden: int = 0  # the residual width: bytes of a token's activations / elem_bytes
 
     @property
     def expert_bytes(self) -> int:
@@ -125,7 +126,7 @@ def charged_sizes(model: nn.Module, source: str, elem_bytes: int,
         dense_mlp_params=layer_roles(layers[dense[0]])["dense_mlp"] if dense else 0,
         expert_params=experts.gate_up_proj[0].numel() + experts.down_proj[0].numel(),
         lm_head_params=model.lm_head.weight.numel(), kv_elems_per_token=kv, heads=heads,
-        head_dim=head_dim, **_multipliers(layer_counts(model), modelled))
+        head_dim=head_dim, hidden=cfg.hidden_size, **_multipliers(layer_counts(model), modelled))
 
 
 def _multipliers(real: tuple[int, int, int], modelled: tuple[int, int, int] | None) -> dict:
@@ -232,6 +233,14 @@ class CostModel:
                       p * self.sizes.elem_bytes / self.hw.host_mem_bandwidth_Bps) \
             + self.hw.expert_overhead_s
         return seconds * self.sizes.moe_multiplier
+
+    def host_expert_job_s(self, tokens: int) -> float:
+        """A routed expert computed on the host for `tokens` tokens (`host_expert_s`) plus its
+        activations' round trip over the link: the tokens' inputs down and outputs back,
+        each one transfer of tokens x hidden elements (per real layer a modelled one stands for)."""
+        act = tokens * self.sizes.hidden * self.sizes.elem_bytes
+        trip = 2 * (act / self.hw.h2d_bandwidth_Bps + self.hw.h2d_latency_s)
+        return self.host_expert_s(tokens) + trip * self.sizes.moe_multiplier
 
     def lm_head_s(self, tokens: int) -> float:
         """The lm head, plus any real dense MLP layers the modelled model lacks."""

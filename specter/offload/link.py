@@ -156,6 +156,22 @@ class Link(ABC):
         self._transfers = []
         self._waits = []
 
+    def host_free(self) -> float:
+        """When the host CPU's queue of expert jobs is empty (virtual clock only)."""
+        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+
+    def copy_engine_free(self) -> float:
+        """When the copy engine's queue is empty (virtual clock only)."""
+        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+
+    def host(self, seconds: float) -> Transfer:
+        """A job of `seconds` on the host CPU's own timeline (after its earlier jobs)."""
+        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+
+    def wait_host(self, t: Transfer) -> None:
+        """The compute stream waits for host job `t` (counted as a host wait, not an H2D one)."""
+        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+
     def close(self) -> None:
         """Release threads / streams; the link cannot copy afterwards."""
 
@@ -200,9 +216,33 @@ class VirtualLink(Link):
         super().__init__(profile, device)
         self._tc = 0.0
         self._te = 0.0
+        self._th = 0.0  # the host CPU's expert jobs
+        self.host_busy_s = self.host_wait_s = 0.0
 
     def now(self) -> float:
         return self._tc
+
+    def host_free(self) -> float:
+        return self._th
+
+    def copy_engine_free(self) -> float:
+        return self._te
+
+    def host(self, seconds: float) -> Transfer:
+        _check_compute(seconds)
+        start = max(self._tc, self._th)
+        self._th = start + seconds
+        self.host_busy_s += seconds
+        return VirtualTransfer(0, start, self._th, self)
+
+    def wait_host(self, t: Transfer) -> None:
+        if t.end > self._tc:
+            self.host_wait_s += t.end - self._tc
+            self._tc = t.end
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        self.host_busy_s = self.host_wait_s = 0.0
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
         # issued at tc, it starts when the engine is free and occupies it for the modelled time

@@ -55,6 +55,8 @@ class DemandStats:
     # the experts it needs can be resident when it starts (plus every staging buffer, which
     # budget.staging may add), so hits <= min(slots + staging, needed).
     cap_hits: int = 0
+    host_experts: int = 0  # misses computed on the host instead of copied (host_compute)
+    host_tokens: int = 0  # ... and the (token, expert) pairs they served
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
 
@@ -67,6 +69,8 @@ class DemandStats:
                 "hit_rate_tokens": self.pair_hits / self.pair_requests if self.pair_requests
                 else float("nan"),
                 "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
+                "host_experts": self.host_experts, "host_tokens": self.host_tokens,
+                "host_frac": self.host_experts / self.misses if self.misses else float("nan"),
                 "distinct_experts_per_layer": per_layer,
                 "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0,
                 "distinct_experts_per_forward": (sum(self.forward_distinct) / len(self.forward_distinct)
@@ -144,6 +148,10 @@ class OffloadRuntime:
         # False: serial demand loading (an ablation): each miss is copied only when its turn
         # comes and waited for before anything else computes; no copy overlaps compute.
         self.overlap = True
+        # True: a miss whose host computation (host rates, activations over the link) would
+        # end before its copy would land and compute is computed on the host from its host
+        # copy, never admitted (Fiddler's rule); virtual clock only.
+        self.host_compute = False
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -186,7 +194,16 @@ class OffloadRuntime:
             tokens_of = self.last_counts[l]
             self.stats.pair_requests += top_k_index.numel()
             self.stats.pair_hits += sum(tokens_of[e] for e in hits)
-        cache.protect(l, needed)  # needed and not yet computed: never evicted
+        host = self._host_side(misses, self.last_counts[l]) if self.host_compute else []
+        if host:
+            misses = [e for e in misses if e not in host]
+            if self.record_demand:
+                self.stats.host_experts += len(host)
+                self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
+        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        jobs = [self._host_expert(module, l, e, hidden, top_k_index, top_k_weights, outs)
+                for e in host]
+        cache.protect(l, hits + misses)  # needed and not yet computed: never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
         # issued yet, each is copied when its turn comes.
@@ -196,7 +213,6 @@ class OffloadRuntime:
             self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
         # 3. Resident experts compute first while misses stream in; a computed expert is
         # released, so a forward needing more experts than slots streams them through.
-        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for e in hits + misses:
             if not cache.resident(l, e):
                 waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
@@ -214,10 +230,41 @@ class OffloadRuntime:
             outs[e] = (token_idx, out)
             if waiting:
                 waiting = self._issue(l, waiting)
+        for job in jobs:  # the host's results must be back before the layer's sum
+            self.link.wait_host(job)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
         final = sum_in_expert_order(hidden, outs, needed)
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         return final
+
+    def _host_side(self, misses: list[int], tokens_of: dict[int, int]) -> list[int]:
+        """The misses the host computes: in order, each one whose host job (after the host's
+        earlier jobs) would end before its copy (after the copies queued) lands and computes."""
+        cost, link = self.cost, self.link
+        now = link.now()
+        host_free, copy_free = max(now, link.host_free()), max(now, link.copy_engine_free())
+        copy_s = cost.transfer_s(cost.expert_transfer_bytes())
+        chosen = []
+        for e in misses:
+            n = tokens_of[e]
+            host_end = host_free + cost.host_expert_job_s(n)
+            if host_end < copy_free + copy_s + cost.expert_s(n):
+                chosen.append(e)
+                host_free = host_end
+            else:
+                copy_free += copy_s
+        return chosen
+
+    def _host_expert(self, module, l, e, hidden, top_k_index, top_k_weights, outs):
+        """Expert `e` computed from its host copy (the same arithmetic as on the device when
+        both are the CPU); its time goes on the host's timeline."""
+        gate_up, down = self.cache.store.layout.views(self.cache.store.flat[l][e])
+        host = torch.device("cpu")
+        token_idx, out = expert_output(hidden.to(host), top_k_index.to(host),
+                                       top_k_weights.to(host), e, gate_up, down,
+                                       module._apply_gate, self.serial)
+        outs[e] = (token_idx.to(hidden.device), out.to(hidden.device))
+        return self.link.host(self.cost.host_expert_job_s(token_idx.numel()))
 
     def _issue(self, l: int, experts: list[int]) -> list[int]:
         """Load `experts` in order while a slot can be freed; returns those left waiting."""

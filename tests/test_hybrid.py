@@ -1,0 +1,92 @@
+"""Host-computed misses (`system.host_compute`, `lru_hybrid`, `specter_hybrid`): lossless on
+every tiny architecture (the host computes the same arithmetic as the device when both are
+the CPU), the per-miss decision against hand arithmetic, the host's own timeline, and the
+refusal where it is not built (real and emulated clocks)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import TINY
+from experiments.registry import BuildContext, build_engine
+from specter.budget import resolve_slots
+from specter.config import RunConfig
+from specter.errors import UserError
+from specter.models import archs
+from specter.models.loading import load_model
+from test_batch import A100, CPU, prompts
+
+SLOW = dict(A100, h2d_bandwidth_Bps=0.5e9)  # copies dear against the host: misses go there
+
+
+def engine_for(name: str, system: str, hardware=SLOW, **system_kw):
+    cfg = RunConfig.from_dict({
+        "model": {"name": name, "source": "project",
+                  "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
+        "budget": {"name": "low"}, "system": {"name": system, **system_kw},
+        "dataset": {"name": "gsm8k"}, "hardware": hardware, "workload": {}, "spec": {"k": 4},
+        "progress": False})
+    lm = load_model(cfg.model, CPU, progress=False)
+    budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
+                                               lm.spec.top_k), staging=0)
+    return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_hybrid_systems_are_lossless_and_use_the_host(name):
+    resident, lm = engine_for(name, "resident")
+    batch = prompts(lm.tokenizer, 3)
+    ref = [g.tokens for g in resident.generate_batch(batch, 16)]
+    for system in ("lru_hybrid", "specter_hybrid"):
+        engine, _ = engine_for(name, system)
+        assert engine.runtime.host_compute
+        engine.reset()
+        gens = engine.generate_batch(batch, 16)
+        assert [g.tokens for g in gens] == ref, system
+        if system == "lru_hybrid":
+            assert gens[0].stats["host_experts"] > 0 and 0 < gens[0].stats["host_frac"] <= 1
+
+
+def test_host_compute_is_a_switch_on_either_name():
+    off, _ = engine_for("tiny_qwen", "specter_hybrid", host_compute=False)
+    on, _ = engine_for("tiny_qwen", "lru", host_compute=True)
+    assert not off.runtime.host_compute and on.runtime.host_compute
+    plain, _ = engine_for("tiny_qwen", "specter")
+    assert not plain.runtime.host_compute
+
+
+def test_the_decision_against_hand_arithmetic():
+    """A miss goes to the host when its host job (queued after the host's earlier jobs) ends
+    before its copy (queued after the copy engine's) lands and computes."""
+    engine, _ = engine_for("tiny_qwen", "lru_hybrid")
+    rt = engine.runtime
+    cost = rt.cost
+    copy_s = cost.transfer_s(cost.expert_transfer_bytes())
+    tokens = {3: 1, 5: 40}
+    host_1 = cost.host_expert_job_s(1)
+    assert host_1 < copy_s + cost.expert_s(1)  # one token: the host wins on a slow link
+    chosen = rt._host_side([3, 5], tokens)
+    # expert 5 after expert 3 on the host, against its copy alone on the link
+    expect_5 = host_1 + cost.host_expert_job_s(40) < copy_s + cost.expert_s(40)
+    assert chosen == ([3, 5] if expect_5 else [3])
+    t0 = rt.link.now()
+    job = rt.link.host(0.01)
+    rt.link.compute(0.004)
+    rt.link.wait_host(job)
+    assert rt.link.now() - t0 == pytest.approx(0.01)  # the device waited 6 ms for the host
+    assert rt.link.host_wait_s == pytest.approx(0.006)
+
+
+@pytest.mark.parametrize("clock", ["emulated", "wall"])
+def test_other_clocks_refuse_in_one_sentence(clock):
+    hw = dict(SLOW, clock=clock) if clock == "emulated" else {"name": "cpu", "device": "cpu"}
+    with pytest.raises(UserError, match="virtual clock only|modelled link"):
+        engine_for("tiny_qwen", "lru_hybrid", hardware=hw)
+
+
+def test_a_profile_without_host_rates_is_refused():
+    bare = {k: v for k, v in SLOW.items() if not k.startswith("host_")}
+    with pytest.raises(UserError, match="host's rates"):
+        engine_for("tiny_qwen", "lru_hybrid", hardware=bare)
