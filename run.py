@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 CONF = Path(__file__).resolve().parent / "conf"
-GROUPS = ("model", "budget", "system", "dataset", "hardware", "quant", "experiment", "ablation")
+GROUPS = ("model", "budget", "system", "dataset", "hardware", "host", "quant", "experiment",
+          "ablation")
 
 
 def check_group_choices(argv: list[str]) -> None:

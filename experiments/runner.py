@@ -78,6 +78,9 @@ def resolve_auto_hardware(cfg: RunConfig, device: torch.device, log=print) -> Ru
     if not hw.cpu_fallback or device.type != "cpu" or hw.clock != "wall" or cfg.system.name == "fidelity":
         return cfg
     profile = dataclasses.replace(load_hardware(hw.cpu_fallback), device="cpu")
+    if hw.host_matrix_flops > 0:  # host=NAME chose the host CPU's rates: they stay
+        profile = dataclasses.replace(profile, host=hw.host, host_matrix_flops=hw.host_matrix_flops,
+                                      host_mem_bandwidth_Bps=hw.host_mem_bandwidth_Bps)
     log(f"[specter] hardware={hw.name}: no GPU here, so time comes from the virtual clock of "
         f"hardware={profile.name} ({profile.engine} engine); hardware=cpu measures this CPU's "
         "wall-clock time instead.")

@@ -11,7 +11,7 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, batch, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
+# working_set, batch, hybrid, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
 # On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
 # modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
 # docs/calibration.md), and the figures show them side by side.
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 
 PROFILE="" OUT="" FIGS="" ONLY="" EXTRA=()
-STEPS="main cache ablation latency oracle depth working_set batch fidelity routing memory kernel validate figures"
+STEPS="main cache ablation latency oracle depth working_set batch hybrid fidelity routing memory kernel validate figures"
 need_value() {  # an option that takes a value got none
   [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || {
     echo "reproduce_all.sh: $1 needs a value (see the header of this script)." >&2; exit 2; }
@@ -151,6 +151,12 @@ if want batch; then
   header "batch: TPOT and throughput vs batch size (B = 32 beside the paper's)"
   # Its own workload (32 interleaved prompts; the profile's workload.items would cut them).
   "$PY" run.py -m experiment=batch out_dir="$OUT/batch" progress=false "${BATCH[@]}" "${EXTRA[@]}"
+fi
+if want hybrid && [[ "$PROFILE" != full ]]; then  # host-computed misses: virtual clock only so far
+  header "hybrid: host-computed misses (specter_hybrid, lru_hybrid) beside specter, lru, specmoeoff"
+  HW_ALL=("${HW[@]}"); [[ "$PROFILE" == quick ]] && HW=("${HW1[@]}")
+  run hybrid
+  HW=("${HW_ALL[@]}")
 fi
 if want fidelity; then
   for m in "${MOE[@]}"; do

@@ -117,6 +117,7 @@ class HardwareConfig:
     cpu_fallback: str | None = None
     host_matrix_flops: float = 0.0  # the host CPU (systems that compute experts on the host)
     host_mem_bandwidth_Bps: float = 0.0
+    host: str = "assumed"  # whose host rates those are: a conf/host/ profile (host=NAME) or assumed
 
 
 @dataclass

@@ -44,10 +44,10 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
 
     assert cfg({"name": "specter", "shared": False, "top_m": 3}).system.top_m == 3
     assert isinstance(cfg({"name": "sp_l", "top_m": 3}).system, config_class("sp_l"))
-    for name, knob, text in (("sp_e", "overlap", "system.overlap applies to specter only"),
-                             ("specmoeoff", "kv_copy", "system.kv_copy applies to specter only"),
-                             ("lru_s", "shared", "system.shared applies to specter only"),
-                             ("lru", "prefetch_noise", "prefetch_noise applies to specter, sp_e"),
+    for name, knob, text in (("sp_e", "overlap", "system.overlap applies to specter, specter_hybrid only"),
+                             ("specmoeoff", "kv_copy", "system.kv_copy applies to specter, specter_hybrid only"),
+                             ("lru_s", "shared", "system.shared applies to specter, specter_hybrid only"),
+                             ("lru", "prefetch_noise", "prefetch_noise applies to specter, specter_hybrid, sp_e"),
                              ("lru", "sharing", "unknown setting 'system.sharing'")):
         with pytest.raises(UserError, match=text):
             cfg({"name": name, knob: True})
@@ -79,7 +79,7 @@ def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_pat
 
     wrong_system = run_cli("system=lru", "system.shared=false", f"out_dir={tmp_path}")
     unknown = run_cli("system=specter", "system.sharing=false", f"out_dir={tmp_path}")
-    for res, text in ((wrong_system, "system.shared applies to specter only"),
+    for res, text in ((wrong_system, "system.shared applies to specter, specter_hybrid only"),
                       (unknown, "unknown setting 'system.sharing'")):
         assert res.returncode == 2 and text in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1

@@ -281,7 +281,7 @@ def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     assert second.returncode == 0 and "depth profile: K=" not in second.stdout
     assert records.load(tmp_path / "b")["k_source"].str.contains("reused").all()
     bad = run_cli(f"out_dir={tmp_path}/c", *common[:-6], "spec.k=deep", "progress=false")
-    assert bad.returncode == 2 and "spec.k must be a positive integer or auto" in bad.stderr
+    assert bad.returncode == 2 and "spec.k must be a positive integer, auto or adaptive" in bad.stderr
 
 
 def test_verification_block_equals_token_by_token_within_fp32_rounding():

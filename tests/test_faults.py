@@ -15,7 +15,9 @@ from test_runner import smoke_cfg
 
 
 def _rows(tmp_path):
-    return sorted((tmp_path / "records").glob("*/*.parquet"))
+    """Published row files (not a writer's hidden temp file, which pathlib's glob also sees)."""
+    return sorted(p for p in (tmp_path / "records").glob("*/*.parquet")
+                  if not p.name.startswith("."))
 
 
 # -- corrupt records ----------------------------------------------------------------------

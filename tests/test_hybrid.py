@@ -90,3 +90,31 @@ def test_a_profile_without_host_rates_is_refused():
     bare = {k: v for k, v in SLOW.items() if not k.startswith("host_")}
     with pytest.raises(UserError, match="host's rates"):
         engine_for("tiny_qwen", "lru_hybrid", hardware=bare)
+
+
+def test_host_profiles_override_the_hardware_host_and_survive_the_cpu_fallback():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from conftest import REPO
+    from experiments.runner import resolve_auto_hardware
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
+        plain = compose(config_name="config", overrides=["hardware=a100_pcie4_hf"])
+        chosen = compose(config_name="config", overrides=["hardware=a100_pcie4_hf", "host=assumed"])
+        auto = compose(config_name="config", overrides=["host=measured"])
+    assert plain.hardware.host == "epyc7742_2s" and plain.hardware.host_matrix_flops == 9.2e12
+    assert chosen.hardware.host == "assumed" and chosen.hardware.host_mem_bandwidth_Bps == 1e11
+    cfg = RunConfig.from_dict(OmegaConf.to_container(auto, resolve=True))
+    fell_back = resolve_auto_hardware(cfg, CPU, log=lambda *_: None)
+    assert fell_back.hardware.name == "a100_pcie4_hf" and fell_back.hardware.host == "measured"
+    assert fell_back.hardware.host_matrix_flops == auto.hardware.host_matrix_flops
+
+
+def test_host_rate_measures_this_machine():
+    from experiments import host_rate
+
+    m = host_rate.measure(repeats=1, tokens=16)
+    assert m["host_matrix_flops"] > 1e8 and m["host_mem_bandwidth_Bps"] > 1e8
+    text = host_rate.as_yaml(m)
+    assert text.startswith("# @package hardware") and "host: measured" in text

@@ -20,7 +20,7 @@ HW = {"hardware": "a100_pcie4_ideal", "clock": "virtual", "device": "cpu", "data
 CHARGED = {"deepseek": "real:deepseek-ai/DeepSeek-V2-Lite", "qwen": "real:Qwen/Qwen1.5-MoE-A2.7B"}
 MODELS = {"small_deepseek": "deepseek", "small_qwen": "qwen", "small_dense": "deepseek"}
 SLOTS = {"low": 8, "high": 16, "xhigh": 32}
-NO_PAPER = {"kernel"}  # results whose tables have no paper column
+NO_PAPER = {"kernel", "hybrid"}  # results whose tables have no paper column
 
 
 def _row(experiment, system, model="small_deepseek", budget="high", dataset="gsm8k", rid=0,
@@ -86,6 +86,14 @@ def synthetic_rows() -> list[dict]:
                                 "h2d_bytes": 64 * 1e6, "charged.expert_params": 1e6,
                                 "charged.elem_bytes": 2, "hit_rate": 0.3,
                                 "h2d_hidden_frac": 0.5}))
+    for (system, tpot), budget in itertools.product({"resident": 40.0, "lru": 80.0,
+                                                     "lru_hybrid": 60.0, "specter": 50.0,
+                                                     "specter_hybrid": 48.0}.items(),
+                                                    ("high", "low")):
+        hybrid = system.endswith("_hybrid")
+        rows.append(_row("hybrid", system, budget=budget, tpot_ms=tpot,
+                         host_frac=0.5 if hybrid else 0.0, host_experts=10 if hybrid else 0,
+                         hit_rate=None if system == "resident" else 0.6))
     for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
         rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
                      "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",
@@ -319,3 +327,14 @@ def test_batch_table_measures_throughput_per_batch_beside_the_paper(tree):
     assert b32.loc["specmoeoff", "specter x paper (A100)"] == pytest.approx(130.3 / 40.2)
     assert t[t["B"] == 1]["TPOT ms paper (A100)"].isna().all()  # the paper has B = 32 only
     assert b32.loc["specter", "tpot_x_tput"] == pytest.approx(32.0)
+
+
+def test_hybrid_table_is_relative_to_resident_and_specter(tree):
+    from experiments.plots import hybrid
+
+    df = load_all(tree)
+    t = hybrid.table(df[df["experiment"] == "hybrid"].reset_index(drop=True))
+    high = t[t["budget"] == "high"].set_index("system")
+    assert high.loc["lru_hybrid", "x_resident"] == pytest.approx(1.5)
+    assert high.loc["specter_hybrid", "x_specter"] == pytest.approx(0.96)
+    assert high.loc["specter_hybrid", "host_frac"] == 0.5

@@ -60,7 +60,10 @@ class Timing:
         s = self.link.stats()
         rec = {"clock": self.clock, "n_transfers": s.n_transfers, "h2d_bytes": s.h2d_bytes,
                "h2d_ms": s.h2d_s * 1e3, "exposed_wait_ms": s.exposed_wait_s * 1e3,
-               "h2d_hidden_frac": s.hidden_frac, "time_scale": self.time_scale}
+               "h2d_hidden_frac": s.hidden_frac, "time_scale": self.time_scale,
+               # host-computed misses (virtual clock): the host's busy time, the device's wait
+               "host_busy_ms": getattr(self.link, "host_busy_s", float("nan")) * 1e3,
+               "host_wait_ms": getattr(self.link, "host_wait_s", float("nan")) * 1e3}
         if self.cost is not None:
             rec.update(self.cost.sizes.as_record())
             rec["engine"] = self.cost.hw.engine  # ideal | hf: which engine the profile models
