@@ -9,6 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+import experiments.registry  # noqa: F401  (registers each system's typed config with specter.config)
 from specter.config import RunConfig
 from specter.errors import UserError
 
