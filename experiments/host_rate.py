@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
@@ -51,13 +50,9 @@ def measure(repeats: int = 7, tokens: int = 256) -> dict:
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
+    from experiments.kernel_timing import device_name
+
+    return device_name(torch.device("cpu"))
 
 
 def as_yaml(m: dict) -> str:
