@@ -101,7 +101,9 @@ def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
             mode=plan_mode, cold_start=sc.cold_start, noise=sc.prefetch_noise, seed=ctx.cfg.seed,
             sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0,
             cold_start_round=sc.cold_start_round, final_plan=sc.final_plan,
-            wait_last_batch=sc.wait_last_batch)
+            # With host-computed misses verification does not wait for the last batch as a
+            # whole: an expert still in flight is computed on the host when that is sooner.
+            wait_last_batch=sc.wait_last_batch and not host_compute_on(sc))
     return make
 
 

@@ -79,6 +79,11 @@ class ExpertCache:
         lc = self.layers[l]
         return self.resident(l, e) and e not in lc.inflight
 
+    def arrival(self, l: int, e: int) -> float | None:
+        """When `e`'s outstanding copy lands (a virtual link's transfers know), else None."""
+        t = self.layers[l].inflight.get(e)
+        return getattr(t, "end", None) if t is not None else None
+
     def resident_set(self, l: int) -> set[int]:
         lc = self.layers[l]
         return set(lc.slot_of) | set(lc.staged)

@@ -194,16 +194,20 @@ class OffloadRuntime:
             tokens_of = self.last_counts[l]
             self.stats.pair_requests += top_k_index.numel()
             self.stats.pair_hits += sum(tokens_of[e] for e in hits)
-        host = self._host_side(misses, self.last_counts[l]) if self.host_compute else []
+        host = []
+        if self.host_compute:  # misses, and prefetches still in flight, that the host would finish sooner
+            late = {e: cache.arrival(l, e) for e in hits if not cache.ready(l, e)}
+            host = self._host_side(misses, self.last_counts[l], late)
         if host:
             misses = [e for e in misses if e not in host]
+            hits = [e for e in hits if e not in host]
             if self.record_demand:
                 self.stats.host_experts += len(host)
                 self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         jobs = [self._host_expert(module, l, e, hidden, top_k_index, top_k_weights, outs)
                 for e in host]
-        cache.protect(l, hits + misses)  # needed and not yet computed: never evicted
+        cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
         # issued yet, each is copied when its turn comes.
@@ -232,19 +236,29 @@ class OffloadRuntime:
                 waiting = self._issue(l, waiting)
         for job in jobs:  # the host's results must be back before the layer's sum
             self.link.wait_host(job)
+        for e in host:
+            cache.unprotect(l, e)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
         final = sum_in_expert_order(hidden, outs, needed)
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         return final
 
-    def _host_side(self, misses: list[int], tokens_of: dict[int, int]) -> list[int]:
-        """The misses the host computes: in order, each one whose host job (after the host's
-        earlier jobs) would end before its copy (after the copies queued) lands and computes."""
+    def _host_side(self, misses: list[int], tokens_of: dict[int, int],
+                   late: dict[int, float | None] | None = None) -> list[int]:
+        """The experts the host computes: each expert still in flight (`late`: when its copy
+        lands) whose host job would end before it lands and computes (the copy goes on and
+        stays resident), then in order each miss whose host job (after the host's earlier
+        jobs) would end before its copy (after the copies queued) lands and computes."""
         cost, link = self.cost, self.link
         now = link.now()
         host_free, copy_free = max(now, link.host_free()), max(now, link.copy_engine_free())
         copy_s = cost.transfer_s(cost.expert_transfer_bytes())
         chosen = []
+        for e, lands in (late or {}).items():
+            host_end = host_free + cost.host_expert_job_s(tokens_of[e])
+            if lands is not None and host_end < lands + cost.expert_s(tokens_of[e]):
+                chosen.append(e)
+                host_free = host_end
         for e in misses:
             n = tokens_of[e]
             host_end = host_free + cost.host_expert_job_s(n)
