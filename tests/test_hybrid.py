@@ -71,6 +71,10 @@ def test_the_decision_against_hand_arithmetic():
     # expert 5 after expert 3 on the host, against its copy alone on the link
     expect_5 = host_1 + cost.host_expert_job_s(40) < copy_s + cost.expert_s(40)
     assert chosen == ([3, 5] if expect_5 else [3])
+    # A prefetched expert still in flight: the host takes it only if its copy lands too late.
+    now = rt.link.now()
+    assert rt._host_side([], {7: 1}, {7: now + 1.0}) == [7]
+    assert rt._host_side([], {7: 1}, {7: now}) == []
     t0 = rt.link.now()
     job = rt.link.host(0.01)
     rt.link.compute(0.004)
