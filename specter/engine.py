@@ -68,10 +68,6 @@ def forward_logits(model, ids: torch.Tensor, cache, logits_to_keep: int = 1) -> 
     return out.logits[0]
 
 
-def greedy_token(logits_row: torch.Tensor) -> int:
-    return int(logits_row.argmax())  # host sync: the next step and EOS check need the id
-
-
 def eos_ids(model) -> set[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:

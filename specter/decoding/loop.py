@@ -64,6 +64,35 @@ class SpecStats:
                 "k_window_mean": sum(self.ks) / len(self.ks) if self.ks else float("nan")}
 
 
+def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick, tell,
+                stop: set[int], after_step=None) -> list[list[int]]:
+    """Up to `k_effs[r]` proposals for each row r of `kv`, one draft forward per step: row r
+    feeds `feeds[r]` first (its tokens the draft has not seen, ending with the pending one),
+    then its last proposal; a row that has drafted a stop token or its quota feeds its last
+    token as a hole. `pick(r, logits_row)` chooses row r's token; `after_step(i, k_eff)`
+    after each step (k_eff: the window's last step, early once no row drafts)."""
+    drafting = [k > 0 for k in k_effs]
+    proposals: list[list[int]] = [[] for _ in feeds]
+    k_max = max(k_effs)
+    for i in range(k_max):
+        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
+        width = max(len(b) for b in blocks)
+        tell(width, kv.length + width, "draft", rows=kv.rows)
+        logits = kv.forward(blocks, live=drafting)
+        for r in range(len(feeds)):
+            if drafting[r]:
+                tok = pick(r, logits[r, -1])
+                proposals[r].append(tok)
+                feeds[r] = [tok]
+                drafting[r] = tok not in stop and len(proposals[r]) < k_effs[r]
+        last = not any(drafting)
+        if after_step:  # a window ends early when every row has stopped drafting
+            after_step(i + 1, i + 1 if last else k_max)
+        if last:
+            break
+    return proposals
+
+
 class SeparateDraft:
     """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
     the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
@@ -81,28 +110,8 @@ class SeparateDraft:
                 after_step=None) -> list[list[int]]:
         """Up to `k_effs[r]` proposals for each row r whose committed tokens are `seqs[r]`;
         `pick(r, logits_row)` chooses row r's token."""
-        kv = self.kv
-        feeds = [seq[kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, ending with pending
-        drafting = [k > 0 for k in k_effs]
-        proposals: list[list[int]] = [[] for _ in seqs]
-        k_max = max(k_effs)
-        for i in range(k_max):
-            blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
-            width = max(len(b) for b in blocks)
-            tell(width, kv.length + width, "draft", rows=kv.rows)
-            logits = kv.forward(blocks, live=drafting)
-            for r in range(len(seqs)):
-                if drafting[r]:
-                    tok = pick(r, logits[r, -1])
-                    proposals[r].append(tok)
-                    feeds[r] = [tok]
-                    drafting[r] = tok not in stop and len(proposals[r]) < k_effs[r]
-            last = not any(drafting)
-            if after_step:  # a window ends early when every row has stopped drafting
-                after_step(i + 1, i + 1 if last else k_max)
-            if last:
-                break
-        return proposals
+        feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
+        return draft_steps(self.kv, feeds, k_effs, pick, tell, stop, after_step)
 
     def sync(self, target: BatchCache) -> None:
         """At a window's start, before `propose` (own KV: nothing to do)."""
@@ -246,22 +255,10 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                                          lambda r, row: pick(live[r], row), tell, stop,
                                          after_draft_step)
         elif max(k_effs) > 0:
-            drafting = [k_eff > 0 for k_eff in k_effs]
             with shared.draft():
-                cur = [pending[b] for b in live]
-                for i in range(max(k_effs)):
-                    tell(1, kv.length + 1, "draft", rows=len(live))
-                    logits = kv.forward([[t] for t in cur], live=drafting)
-                    for r, b in enumerate(live):
-                        if drafting[r]:
-                            cur[r] = pick(b, logits[r, -1])
-                            proposals[r].append(cur[r])
-                            drafting[r] = cur[r] not in stop and len(proposals[r]) < k_effs[r]
-                    last = not any(drafting)
-                    if after_draft_step:  # early when every row has stopped drafting
-                        after_draft_step(i + 1, i + 1 if last else max(k_effs))
-                    if last:
-                        break
+                proposals = draft_steps(kv, [[pending[b]] for b in live], k_effs,
+                                        lambda r, row: pick(live[r], row), tell, stop,
+                                        after_draft_step)
             kv.crop(base)
         t_verify = clock.now()
         # 3. Verify every row's pending token + proposals in one target forward.

@@ -55,7 +55,7 @@ class DemandStats:
     # the experts it needs can be resident when it starts (plus every staging buffer, which
     # budget.staging may add), so hits <= min(slots + staging, needed).
     cap_hits: int = 0
-    host_experts: int = 0  # misses computed on the host instead of copied (host_compute)
+    host_experts: int = 0  # misses and in-flight experts computed on the host (host_compute)
     host_tokens: int = 0  # ... and the (token, expert) pairs they served
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
@@ -70,7 +70,9 @@ class DemandStats:
                 else float("nan"),
                 "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
                 "host_experts": self.host_experts, "host_tokens": self.host_tokens,
-                "host_frac": self.host_experts / self.misses if self.misses else float("nan"),
+                # of the experts not ready when needed (misses and copies still in flight)
+                "host_frac": (self.host_experts / (self.misses + self.inflight_hits)
+                              if self.misses + self.inflight_hits else float("nan")),
                 "distinct_experts_per_layer": per_layer,
                 "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0,
                 "distinct_experts_per_forward": (sum(self.forward_distinct) / len(self.forward_distinct)
@@ -88,6 +90,7 @@ class Charger:
     def __init__(self, model: nn.Module, link: Link, cost: CostModel, charge_experts: bool):
         self.link, self.cost = link, cost
         self.tokens, self.context, self.rows = 1, 1, 1  # tokens: of all rows together
+        self.row_tokens = 1
         self.handles = []
         moe_ids = {id(m) for _, m in experts_modules(model)}
         for layer in model.model.layers:
@@ -106,10 +109,9 @@ class Charger:
 
     def _attention_s(self) -> float:
         """Every row's tokens through the projections, each row reading its own KV."""
-        per_row = self.tokens // self.rows
         if self.rows == 1:
-            return self.cost.attention_s(per_row, self.context)
-        return self.cost.attention_batch_s([(per_row, self.context)] * self.rows)
+            return self.cost.attention_s(self.row_tokens, self.context)
+        return self.cost.attention_batch_s([(self.row_tokens, self.context)] * self.rows)
 
     def _hook(self, module: nn.Module, seconds) -> None:
         self.handles.append(module.register_forward_hook(lambda m, i, o: self.link.compute(seconds())))
@@ -126,6 +128,7 @@ class Charger:
         """The next forward: `rows` sequences of `tokens` positions each (padding included),
         each attending over `context` positions (holes included: the kernel reads them)."""
         self.tokens, self.context, self.rows = tokens * rows, context, rows
+        self.row_tokens = tokens
 
     def remove(self) -> None:
         for h in self.handles:
