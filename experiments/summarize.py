@@ -1,4 +1,5 @@
-"""Print a side-by-side table of a results tree: `python -m experiments.summarize OUT_DIR [--short]`.
+"""Print a side-by-side table of a results tree: `python -m experiments.summarize OUT_DIR
+[--short | --agreement]` (`--agreement`: output tokens differing from resident's).
 
 Reads parquet records only. One row per (model, budget, hardware, clock, charged sizes,
 system): mean TPOT, K and acceptance, hit rate (per expert per layer-forward, and per
@@ -91,18 +92,61 @@ def short(df: pd.DataFrame) -> str:
     return "\n".join(out)
 
 
+def agreement(df: pd.DataFrame, reference: str = "resident") -> pd.DataFrame:
+    """Per (case, system): how many output tokens differ from `reference`'s on the same
+    (request, repeat): position by position, plus any length difference. Lossless systems
+    show 0; host-computed misses beside a GPU (fp32 on the host) may not."""
+    group = [k for k in KEYS if k not in ("budget", "budget_slots")] + ["dataset", "batch_size"]
+    group = [k for k in group if k in df]
+    df = df.assign(**{k: df[k].fillna("-") for k in group})
+    ref = {(tuple(r[k] for k in group), r["request_id"], r["repeat"]): list(r["output_tokens"])
+           for _, r in df[df["system"] == reference].iterrows()}
+    rows = []
+    for _, r in df[df["system"] != reference].iterrows():
+        want = ref.get((tuple(r[k] for k in group), r["request_id"], r["repeat"]))
+        if want is None:
+            continue
+        got = list(r["output_tokens"])
+        differ = sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+        first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b),
+                     None if len(got) == len(want) else min(len(got), len(want)))
+        rows.append({**{k: r[k] for k in group}, "budget": r.get("budget"), "system": r["system"],
+                     "rows": 1, "identical_rows": int(differ == 0), "tokens": len(want),
+                     "tokens_differing": differ, "first_divergence": first,
+                     "host_experts": r.get("host_experts", math.nan)})
+    if not rows:
+        return pd.DataFrame()
+    out = pd.DataFrame(rows)
+    keys = group + ["budget", "system"]
+    return out.groupby(keys, dropna=False).agg(
+        rows=("rows", "sum"), identical_rows=("identical_rows", "sum"), tokens=("tokens", "sum"),
+        tokens_differing=("tokens_differing", "sum"), earliest_divergence=("first_divergence", "min"),
+        host_experts=("host_experts", "sum")).reset_index()
+
+
+USAGE = "usage: python -m experiments.summarize OUT_DIR [--short | --agreement]"
+
+
 def main(argv: list[str]) -> int:
-    brief = "--short" in argv
-    argv = [a for a in argv if a != "--short"]
-    if len(argv) != 1:
-        print("usage: python -m experiments.summarize OUT_DIR [--short]", file=sys.stderr)
+    flags = {a for a in argv if a.startswith("--")}
+    argv = [a for a in argv if not a.startswith("--")]
+    if len(argv) != 1 or flags - {"--short", "--agreement"} or len(flags) > 1:
+        print(USAGE, file=sys.stderr)
         return 2
     df = records.load(argv[0])
     if df.empty:
         print(f"error: no records under {argv[0]}", file=sys.stderr)
         return 2
-    if brief:
+    if "--short" in flags:
         print(short(df))
+        return 0
+    if "--agreement" in flags:
+        a = agreement(df)
+        if a.empty:
+            print(f"error: no rows with a resident row to compare under {argv[0]}", file=sys.stderr)
+            return 2
+        print("output tokens against resident's on the same request (0 differing: lossless)")
+        print(a.to_string(index=False, na_rep="-"))
         return 0
     t = table(df)
     with pd.option_context("display.width", 200, "display.max_columns", 30):

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with a CUDA GPU: the calibration of the virtual clock
-# (scripts/calibrate_gpu.py, at most 8 minutes), the CUDA-marked tests, then a short benchmark
-# in real CUDA time (hardware=cuda). Results go under $OUT (the device tool's output folder)
+# (scripts/calibrate_gpu.py, at most 8 minutes), the CUDA-marked tests, a short benchmark
+# in real CUDA time (hardware=cuda), then host-computed misses beside the GPU. Results go under $OUT (the device tool's output folder)
 # or results/gpu_check/. Grows with each feature; keep its total run time within a few minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +12,7 @@ PY="${PY:-.venv/bin/python}"
 CAL_BUDGET_S="${CAL_BUDGET_S:-420}"
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
+HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 [ -x "$PY" ] || PY=python3
 status=0
 
@@ -59,4 +60,26 @@ df = records.load(sys.argv[1] + "/records")
 if len(df):
     print(summarize.table(df).to_string(index=False))
 PY
+
+# Host-computed misses beside a real GPU: this machine's host CPU rates (conf/host/measured.yaml
+# in this copy), then resident, lru, lru_hybrid, specter, specter_hybrid in real CUDA time with
+# the measured profile's rates deciding (hardware.clock=wall), and the tokens that differ from
+# resident's (the host computes in fp32, the GPU in fp16). A second run makes the decision's
+# link slow (1 GB/s) so that most misses go to the host: the agreement count covers them.
+echo "== host-computed misses on CUDA: host rate, TPOT, tokens differing from resident" | tee "$OUT/hybrid.txt"
+timeout -k 10 "$HYBRID_TIMEOUT_S" bash -c '
+  "$0" -m experiments.host_rate --write &&
+  "$0" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,lru_hybrid,specter,specter_hybrid \
+    hardware=h200_measured hardware.clock=wall host=measured budget=high,low dataset=gsm8k \
+    workload.items=2 workload.repeats=2 workload.max_new_tokens=64 out_dir="$1/hybrid" progress=false &&
+  "$0" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru_hybrid,specter_hybrid \
+    hardware=h200_measured hardware.clock=wall host=measured hardware.h2d_bandwidth_Bps=1e9 \
+    budget=low dataset=gsm8k workload.items=2 workload.max_new_tokens=64 \
+    out_dir="$1/hybrid_forced" progress=false' "$PY" "$OUT" 2>&1 | tee -a "$OUT/hybrid.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+for d in hybrid hybrid_forced; do
+  [ -d "$OUT/$d" ] || continue
+  { echo "-- $d"; "$PY" -m experiments.summarize "$OUT/$d" --short
+    "$PY" -m experiments.summarize "$OUT/$d" --agreement; } 2>&1 | tee -a "$OUT/hybrid.txt"
+done
 exit $status

@@ -1,7 +1,7 @@
 """Host-computed misses (`system.host_compute`, `lru_hybrid`, `specter_hybrid`): lossless on
 every tiny architecture (the host computes the same arithmetic as the device when both are
-the CPU), the per-miss decision against hand arithmetic, the host's own timeline, and the
-refusal where it is not built (real and emulated clocks)."""
+the CPU), the per-miss decision against hand arithmetic, the host's own timeline (modelled on
+the virtual clock, a host thread on real and emulated ones), and the refusals."""
 
 from __future__ import annotations
 
@@ -21,17 +21,17 @@ from test_batch import A100, CPU, prompts
 SLOW = dict(A100, h2d_bandwidth_Bps=0.5e9)  # copies dear against the host: misses go there
 
 
-def engine_for(name: str, system: str, hardware=SLOW, **system_kw):
+def engine_for(name: str, system: str, hardware=SLOW, device=CPU, dtype="float32", **system_kw):
     cfg = RunConfig.from_dict({
-        "model": {"name": name, "source": "project",
+        "model": {"name": name, "source": "project", "dtype": dtype,
                   "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
         "budget": {"name": "low"}, "system": {"name": system, **system_kw},
         "dataset": {"name": "gsm8k"}, "hardware": hardware, "workload": {}, "spec": {"k": 4},
         "progress": False})
-    lm = load_model(cfg.model, CPU, progress=False)
+    lm = load_model(cfg.model, device, progress=False)
     budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
                                                lm.spec.top_k), staging=0)
-    return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
+    return build_engine(BuildContext(cfg, lm, budget, device)), lm
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -76,18 +76,52 @@ def test_the_decision_against_hand_arithmetic():
     assert rt._host_side([], {7: 1}, {7: now + 1.0}) == [7]
     assert rt._host_side([], {7: 1}, {7: now}) == []
     t0 = rt.link.now()
-    job = rt.link.host(0.01)
+    job = rt.link.host(lambda: "value", 0.01)
     rt.link.compute(0.004)
-    rt.link.wait_host(job)
+    assert rt.link.wait_host(job) == "value"
     assert rt.link.now() - t0 == pytest.approx(0.01)  # the device waited 6 ms for the host
     assert rt.link.host_wait_s == pytest.approx(0.006)
 
 
-@pytest.mark.parametrize("clock", ["emulated", "wall"])
-def test_other_clocks_refuse_in_one_sentence(clock):
-    hw = dict(SLOW, clock=clock) if clock == "emulated" else {"name": "cpu", "device": "cpu"}
-    with pytest.raises(UserError, match="virtual clock only|modelled link"):
-        engine_for("tiny_qwen", "lru_hybrid", hardware=hw)
+def test_the_emulated_clock_runs_host_jobs_on_their_own_thread_and_stays_lossless():
+    """Real time on this CPU: the host's jobs run on a host thread beside the decoding thread
+    (the path a GPU run takes), each held to its modelled seconds scaled to this machine."""
+    resident, lm = engine_for("tiny_qwen", "resident")
+    batch = prompts(lm.tokenizer, 2)
+    ref = [g.tokens for g in resident.generate_batch(batch, 12)]
+    engine, _ = engine_for("tiny_qwen", "lru_hybrid", hardware=dict(SLOW, clock="emulated"))
+    rt = engine.runtime
+    assert rt.link.kind == "wall" and rt.link.time_scale > 0 and rt.rates is rt.cost
+    engine.reset()
+    gens = engine.generate_batch(batch, 12)
+    assert [g.tokens for g in gens] == ref
+    stats = gens[0].stats
+    assert stats["host_experts"] > 0 and stats["host_busy_ms"] > 0
+    assert rt.link._host is not None and rt.link._host._thread.is_alive()
+    rt.link.close()
+    assert rt.link._host is None
+
+
+def test_a_real_link_host_job_reports_its_value_error_and_wait():
+    from specter.offload.link import LinkProfile, make_link
+
+    link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU)
+    try:
+        link.time_scale = 2.0  # held to 2 x its modelled 10 ms
+        job = link.host(lambda: 41 + 1, 0.01)
+        assert link.host_free() > link.now()  # its estimate is still queued
+        assert link.wait_host(job) == 42
+        assert job.end - job.start >= 0.02 and link.host_wait_s > 0 and link.host_busy_s >= 0.02
+        bad = link.host(lambda: 1 / 0, 0.0)
+        with pytest.raises(RuntimeError, match="host expert job failed"):
+            link.wait_host(bad)
+    finally:
+        link.close()
+
+
+def test_without_rates_it_is_refused_in_one_sentence():
+    with pytest.raises(UserError, match="modelled link"):  # the CPU's wall clock cannot offload
+        engine_for("tiny_qwen", "lru_hybrid", hardware={"name": "cpu", "device": "cpu"})
 
 
 def test_a_profile_without_host_rates_is_refused():
@@ -122,3 +156,39 @@ def test_host_rate_measures_this_machine():
     assert m["host_matrix_flops"] > 1e8 and m["host_mem_bandwidth_Bps"] > 1e8
     text = host_rate.as_yaml(m)
     assert text.startswith("# @package hardware") and "host: measured" in text
+
+
+def test_a_real_clock_without_a_profile_is_refused_in_one_sentence():
+    from types import SimpleNamespace
+
+    from specter.decoding.engines import host_computed_misses
+
+    runtime = SimpleNamespace(rates=None, host_compute=False)
+    with pytest.raises(UserError, match="cuda clock has no profile for.*h200_measured"):
+        host_computed_misses(runtime, SimpleNamespace(clock="cuda"), True)
+    host_computed_misses(runtime, SimpleNamespace(clock="cuda"), False)  # off: nothing needed
+    assert not runtime.host_compute
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("system", ["lru_hybrid", "specter_hybrid"])
+def test_host_compute_on_cuda_runs_on_the_host_thread_beside_the_gpu(system):
+    """Real CUDA time (the profile's rates decide only): misses go to the host thread, which
+    computes in fp32 from the pinned host copy while the GPU goes on. The device and the
+    host round differently, so tokens may differ from resident's: counted, and bounded."""
+    import torch
+
+    dev = torch.device("cuda")
+    wall = dict(SLOW, clock="wall", device="cuda")
+    resident, lm = engine_for("tiny_deepseek", "resident", hardware=wall, device=dev)
+    batch = prompts(lm.tokenizer, 3)
+    ref = [g.tokens for g in resident.generate_batch(batch, 16)]
+    engine, _ = engine_for("tiny_deepseek", system, hardware=wall, device=dev)
+    assert engine.timing.clock == "cuda" and engine.runtime.rates is not None
+    engine.reset()
+    gens = engine.generate_batch(batch, 16)
+    differ = sum(a != b for g, r in zip(gens, ref) for a, b in zip(g.tokens, r))
+    total = sum(len(r) for r in ref)
+    print(f"{system} on cuda: {differ} of {total} tokens differ from resident")
+    assert gens[0].stats["host_experts"] > 0 and gens[0].stats["host_busy_ms"] > 0
+    assert differ <= total // 4

@@ -43,3 +43,23 @@ def test_failed_write_leaves_no_file(tmp_path, monkeypatch):
         store.write(_row("a-000", 0))
     assert records.row_files(tmp_path) == []
     assert not list(store.dir.glob(".tmp-*"))
+
+
+def test_agreement_counts_tokens_differing_from_resident(tmp_path, capsys):
+    import pandas as pd
+
+    from experiments import summarize
+
+    case = {"model": "m", "budget_slots": 4, "hardware": "h", "clock": "cuda", "charged": "-",
+            "dataset": "gsm8k", "batch_size": 1}
+    rows = [dict(case, system="resident", budget="-", request_id="a", repeat=0, output_tokens=[1, 2, 3, 4]),
+            dict(case, system="x", budget="low", request_id="a", repeat=0, output_tokens=[1, 2, 9, 4],
+                 host_experts=5),
+            dict(case, system="x", budget="low", request_id="b", repeat=0, output_tokens=[7]),  # no reference
+            dict(case, system="y", budget="low", request_id="a", repeat=0, output_tokens=[1, 2])]
+    out = summarize.agreement(pd.DataFrame(rows)).set_index("system")
+    assert out.loc["x", "rows"] == 1 and out.loc["x", "tokens_differing"] == 1
+    assert out.loc["x", "earliest_divergence"] == 2 and out.loc["x", "host_experts"] == 5
+    assert out.loc["y", "tokens_differing"] == 2 and out.loc["y", "earliest_divergence"] == 2
+    assert out.loc["y", "identical_rows"] == 0
+    assert summarize.main([str(tmp_path), "--agreement", "--short"]) == 2  # one view at a time

@@ -148,14 +148,18 @@ class SpeculativeEngine:
 
 
 def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> None:
-    """Switch the runtime's host-computed misses on (virtual clock only, said in one sentence)."""
-    if on and timing.clock != "virtual":
-        raise UserError("host-computed misses (system.host_compute, the *_hybrid systems) run "
-                        "on the virtual clock only so far: use a GPU profile's virtual clock, "
-                        "e.g. hardware=a100_pcie4_hf.")
-    if on and not (timing.cost.hw.host_matrix_flops > 0 and timing.cost.hw.host_mem_bandwidth_Bps > 0):
+    """Switch the runtime's host-computed misses on; they decide from modelled rates (the
+    virtual or emulated clock's cost model, or a real clock's profile), refused without them."""
+    rates = runtime.rates
+    if on and rates is None:
+        raise UserError(f"host-computed misses (system.host_compute, the *_hybrid systems) decide "
+                        f"from the host's and the link's rates, which this {timing.clock} clock "
+                        "has no profile for: give a measured one, e.g. hardware=h200_measured "
+                        "hardware.clock=wall (scripts/calibrate_gpu.py writes it), or use a "
+                        "virtual clock, e.g. hardware=a100_pcie4_hf.")
+    if on and not (rates.hw.host_matrix_flops > 0 and rates.hw.host_mem_bandwidth_Bps > 0):
         raise UserError(f"host-computed misses need the host's rates: hardware="
-                        f"{timing.cost.hw.name} has no host_matrix_flops / host_mem_bandwidth_Bps.")
+                        f"{rates.hw.name} has no host_matrix_flops / host_mem_bandwidth_Bps.")
     runtime.host_compute = on
 
 

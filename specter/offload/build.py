@@ -45,6 +45,9 @@ class Timing:
     cost: CostModel | None  # None on real clocks without a profile
     clock: str  # virtual | emulated | wall | cuda
     time_scale: float = 1.0  # emulated: this machine's step time / the profile's
+    # Real clocks with a profile (e.g. hardware=h200_measured hardware.clock=wall): its rates
+    # at this model's own sizes, for decisions only (host-computed misses); never charged.
+    rates: CostModel | None = None
 
     @staticmethod
     def wall(device: torch.device) -> "Timing":
@@ -115,7 +118,15 @@ def timing_for(ctx) -> Timing:
     """The clock and link a system runs under, from the run's hardware config."""
     hw, device = ctx.cfg.hardware, ctx.device
     if hw.clock == "wall":
-        return Timing.wall(device)
+        if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
+            return Timing.wall(device)
+        profile = profile_of(hw)  # real time; the profile's rates inform decisions only
+        kind = "cuda" if device.type == "cuda" else "wall"
+        link = make_link(kind, LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps,
+                                           latency_s=profile.h2d_latency_s), device)
+        elem = next(ctx.loaded.model.parameters()).element_size()
+        rates = CostModel(profile, charged_sizes(ctx.loaded.model, f"own:{ctx.cfg.model.name}", elem))
+        return Timing(link=link, cost=None, clock=kind, rates=rates)
     profile = profile_of(hw)
     sizes = sizes_for(ctx.loaded.model, hw, ctx.cfg.model.name, ctx.cfg.model.stands_for)
     cost = CostModel(profile, sizes)
@@ -127,8 +138,9 @@ def timing_for(ctx) -> Timing:
         scale = calibrate_time_scale(ctx.loaded.model, device, cost)
         slowed = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps / scale,
                              latency_s=profile.h2d_latency_s * scale)
-        return Timing(link=make_link("wall", slowed, device), cost=cost, clock="emulated",
-                      time_scale=scale)
+        link = make_link("wall", slowed, device)
+        link.time_scale = scale  # host jobs last their modelled seconds, scaled alike
+        return Timing(link=link, cost=cost, clock="emulated", time_scale=scale)
     raise UserError(f"hardware.clock must be wall, virtual or emulated (got '{hw.clock}').")
 
 
@@ -169,5 +181,6 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
     cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
                         transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
-    cost = timing.cost
-    return OffloadRuntime(model, cache, timing.link, cost, prefetcher)
+    runtime = OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher)
+    runtime.rates = timing.cost or timing.rates
+    return runtime

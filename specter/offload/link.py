@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 import queue
+from collections import deque
 import threading
 import time
 import warnings
@@ -81,6 +82,66 @@ class Transfer(ABC):
         """Whether the copy has completed as seen from the compute stream / host now."""
 
 
+class HostJob(Transfer):
+    """Handle of one host-CPU expert job: `value` once `finished` (or `error`); `estimate_s`:
+    its modelled seconds on this link's clock."""
+
+    def __init__(self, estimate_s: float) -> None:
+        super().__init__(0)
+        self.estimate_s = estimate_s
+        self.value = None
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    def done(self) -> bool:
+        # virtual jobs are finished at issue (their data); their time is `end`
+        return self.finished.is_set()
+
+
+class _HostThread:
+    """The host CPU's FIFO of expert jobs on a real clock: one daemon thread runs each job's
+    function (torch releases the GIL in its kernels, so it overlaps the launching thread),
+    holding it to at least its `estimate_s` when the link's clock is emulated."""
+
+    def __init__(self, link: Link) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued: deque[HostJob] = deque()
+        self._link_stats = link  # host_busy_s is added here (the only writer)
+        self._hold = link.time_scale != 1.0
+        self._thread = threading.Thread(target=self._loop, name="specter-host-experts", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: HostJob, fn) -> None:
+        self._queued.append(job)
+        self._jobs.put((job, fn))
+
+    def pending_s(self) -> float:
+        while self._queued and self._queued[0].done():
+            self._queued.popleft()
+        return sum(j.estimate_s for j in self._queued)
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _loop(self) -> None:
+        while (item := self._jobs.get()) is not None:
+            job, fn = item
+            item = None
+            job.start = time.perf_counter()
+            try:
+                job.value = fn()
+            except Exception as exc:  # surfaced to the caller by wait_host
+                job.error = exc
+            fn = None
+            if self._hold:
+                _sleep_until(job.start + job.estimate_s)
+            job.end = time.perf_counter()
+            self._link_stats.host_busy_s += job.end - job.start
+            job.finished.set()
+            job = None
+
+
 def _copy_data(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """dst <- src, element for element (shapes may differ when the element counts agree)."""
     view = src if src.shape == dst.shape else src.reshape(dst.shape)
@@ -117,12 +178,17 @@ class Link(ABC):
         self.device = device
         self._transfers: list[Transfer] = []
         self._waits: list[Interval] = []
+        self._pending: deque[Transfer] = deque()  # real links: copies maybe not finished
+        self._host: _HostThread | None = None
+        self.host_busy_s = self.host_wait_s = 0.0
 
     # --- the interface -------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> Transfer:
         """Issue an asynchronous copy of `src` into `dst`; the data really moves."""
         transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes))
         self._transfers.append(transfer)
+        if self.kind != "virtual":
+            self._pending.append(transfer)
         return transfer
 
     @abstractmethod
@@ -155,25 +221,53 @@ class Link(ABC):
     def reset_stats(self) -> None:
         self._transfers = []
         self._waits = []
+        self.host_busy_s = self.host_wait_s = 0.0
+
+    # --- the host CPU's expert jobs (host-computed misses) ----------------------------------
+    # One FIFO queue of jobs beside the copy engine. Virtual: a job's function runs at issue
+    # and its modelled seconds go on the host's own timeline. Real (wall, cuda): a host thread
+    # runs the jobs in order, concurrently with device compute and copies; on the emulated
+    # clock (`time_scale` != 1) a job also lasts at least its modelled seconds, scaled.
+    time_scale: float = 1.0  # real seconds per modelled second (the emulated clock's scale)
+
+    def host(self, fn, seconds: float) -> HostJob:
+        """Queue `fn()` on the host CPU, modelled to take `seconds`; `wait_host` returns its value."""
+        _check_compute(seconds)
+        if self._host is None:
+            self._host = _HostThread(self)
+        job = HostJob(seconds * self.time_scale)
+        self._host.submit(job, fn)
+        return job
+
+    def wait_host(self, job: HostJob):
+        """The compute stream waits for host job `job` (counted as a host wait, not an H2D
+        one); returns its value."""
+        if not job.done():
+            t0 = time.perf_counter()
+            job.finished.wait()
+            self.host_wait_s += time.perf_counter() - t0
+        if job.error is not None:
+            raise RuntimeError(f"host expert job failed: {job.error}") from job.error
+        return job.value
 
     def host_free(self) -> float:
-        """When the host CPU's queue of expert jobs is empty (virtual clock only)."""
-        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+        """When the host's queue is empty, on this link's clock (real links: now plus the
+        estimated seconds of the jobs not finished)."""
+        now = self.now()
+        return now + (self._host.pending_s() if self._host is not None else 0.0)
 
     def copy_engine_free(self) -> float:
-        """When the copy engine's queue is empty (virtual clock only)."""
-        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
-
-    def host(self, seconds: float) -> Transfer:
-        """A job of `seconds` on the host CPU's own timeline (after its earlier jobs)."""
-        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
-
-    def wait_host(self, t: Transfer) -> None:
-        """The compute stream waits for host job `t` (counted as a host wait, not an H2D one)."""
-        raise NotImplementedError(f"host-computed experts need the virtual clock (this link is {self.kind})")
+        """When the copy engine's queue is empty (real links: now plus the profile's time for
+        the bytes of the copies not finished: an estimate, the clock is real)."""
+        while self._pending and self._pending[0].done():
+            self._pending.popleft()
+        return self.now() + sum(self.profile.transfer_s(t.nbytes) for t in self._pending)
 
     def close(self) -> None:
         """Release threads / streams; the link cannot copy afterwards."""
+        if self._host is not None:
+            self._host.stop()
+            self._host = None
 
     def __enter__(self) -> Link:
         return self
@@ -217,7 +311,6 @@ class VirtualLink(Link):
         self._tc = 0.0
         self._te = 0.0
         self._th = 0.0  # the host CPU's expert jobs
-        self.host_busy_s = self.host_wait_s = 0.0
 
     def now(self) -> float:
         return self._tc
@@ -228,21 +321,22 @@ class VirtualLink(Link):
     def copy_engine_free(self) -> float:
         return self._te
 
-    def host(self, seconds: float) -> Transfer:
+    def host(self, fn, seconds: float) -> HostJob:
+        # the data now (the same arithmetic as later), the time on the host's own timeline
         _check_compute(seconds)
-        start = max(self._tc, self._th)
-        self._th = start + seconds
+        job = HostJob(seconds)
+        job.start = max(self._tc, self._th)
+        job.end = self._th = job.start + seconds
         self.host_busy_s += seconds
-        return VirtualTransfer(0, start, self._th, self)
+        job.value = fn()
+        job.finished.set()
+        return job
 
-    def wait_host(self, t: Transfer) -> None:
-        if t.end > self._tc:
-            self.host_wait_s += t.end - self._tc
-            self._tc = t.end
-
-    def reset_stats(self) -> None:
-        super().reset_stats()
-        self.host_busy_s = self.host_wait_s = 0.0
+    def wait_host(self, job: HostJob):
+        if job.end > self._tc:
+            self.host_wait_s += job.end - self._tc
+            self._tc = job.end
+        return job.value
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
         # issued at tc, it starts when the engine is free and occupies it for the modelled time
@@ -371,6 +465,7 @@ class WallLink(Link):
             t.finished.wait()
 
     def close(self) -> None:
+        super().close()
         if not self._closed:
             self._closed = True
             self._jobs.put(None)  # queued transfers finish first

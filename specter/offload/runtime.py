@@ -153,8 +153,10 @@ class OffloadRuntime:
         self.overlap = True
         # True: a miss whose host computation (host rates, activations over the link) would
         # end before its copy would land and compute is computed on the host from its host
-        # copy, never admitted (Fiddler's rule); virtual clock only.
+        # copy, never admitted (Fiddler's rule). `rates`: the cost model that decides (the
+        # virtual clock's, or on a real clock a profile's rates, never charged).
         self.host_compute = False
+        self.rates = cost
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -208,8 +210,7 @@ class OffloadRuntime:
                 self.stats.host_experts += len(host)
                 self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        jobs = [self._host_expert(module, l, e, hidden, top_k_index, top_k_weights, outs)
-                for e in host]
+        jobs = [self._host_expert(module, l, e, hidden, top_k_index, top_k_weights) for e in host]
         cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
@@ -237,8 +238,8 @@ class OffloadRuntime:
             outs[e] = (token_idx, out)
             if waiting:
                 waiting = self._issue(l, waiting)
-        for job in jobs:  # the host's results must be back before the layer's sum
-            self.link.wait_host(job)
+        for e, (token_idx, job) in zip(host, jobs):  # back before the layer's sum
+            outs[e] = (token_idx, self.link.wait_host(job).to(hidden.device))
         for e in host:
             cache.unprotect(l, e)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
@@ -251,37 +252,47 @@ class OffloadRuntime:
         """The experts the host computes: each expert still in flight (`late`: when its copy
         lands) whose host job would end before it lands and computes (the copy goes on and
         stays resident), then in order each miss whose host job (after the host's earlier
-        jobs) would end before its copy (after the copies queued) lands and computes."""
-        cost, link = self.cost, self.link
+        jobs) would end before its copy (after the copies queued) lands and computes.
+        Seconds from `rates` (the virtual clock's cost model, or a real clock's profile),
+        scaled to the link's clock; on a real clock the queues are the link's estimates."""
+        rates, link = self.rates, self.link
+        scale = link.time_scale
         now = link.now()
         host_free, copy_free = max(now, link.host_free()), max(now, link.copy_engine_free())
-        copy_s = cost.transfer_s(cost.expert_transfer_bytes())
+        copy_s = rates.transfer_s(rates.expert_transfer_bytes()) * scale
         chosen = []
         for e, lands in (late or {}).items():
-            host_end = host_free + cost.host_expert_job_s(tokens_of[e])
-            if lands is not None and host_end < lands + cost.expert_s(tokens_of[e]):
+            host_end = host_free + rates.host_expert_job_s(tokens_of[e]) * scale
+            if lands is not None and host_end < lands + rates.expert_s(tokens_of[e]) * scale:
                 chosen.append(e)
                 host_free = host_end
         for e in misses:
             n = tokens_of[e]
-            host_end = host_free + cost.host_expert_job_s(n)
-            if host_end < copy_free + copy_s + cost.expert_s(n):
+            host_end = host_free + rates.host_expert_job_s(n) * scale
+            if host_end < copy_free + copy_s + rates.expert_s(n) * scale:
                 chosen.append(e)
                 host_free = host_end
             else:
                 copy_free += copy_s
         return chosen
 
-    def _host_expert(self, module, l, e, hidden, top_k_index, top_k_weights, outs):
-        """Expert `e` computed from its host copy (the same arithmetic as on the device when
-        both are the CPU); its time goes on the host's timeline."""
+    def _host_expert(self, module, l, e, hidden, top_k_index, top_k_weights):
+        """Expert `e` queued on the host CPU from its host copy: (token_idx on the device, the
+        host job whose value is the weighted output [n, H] on the CPU). The host computes in
+        the model's dtype on a CPU run (the same arithmetic as the device: lossless) and in
+        fp32 beside a GPU (CPUs lack fast fp16/bf16 kernels; the tokens may then differ)."""
+        pos, token_idx = torch.where(top_k_index.T == e)
+        cpu = torch.device("cpu")
+        dtype = hidden.dtype if hidden.device.type == "cpu" else torch.float32
+        x = hidden[token_idx].to(cpu, dtype)  # beside a GPU: the activations' D2H (a sync)
+        w = top_k_weights[token_idx, pos, None].to(cpu, dtype)
         gate_up, down = self.cache.store.layout.views(self.cache.store.flat[l][e])
-        host = torch.device("cpu")
-        token_idx, out = expert_output(hidden.to(host), top_k_index.to(host),
-                                       top_k_weights.to(host), e, gate_up, down,
-                                       module._apply_gate, self.serial)
-        outs[e] = (token_idx.to(hidden.device), out.to(hidden.device))
-        return self.link.host(self.cost.host_expert_job_s(token_idx.numel()))
+        act, serial = module._apply_gate, self.serial
+
+        def job() -> torch.Tensor:
+            return expert_mlp(x, gate_up.to(dtype), down.to(dtype), act, serial) * w
+
+        return token_idx, self.link.host(job, self.rates.host_expert_job_s(token_idx.numel()))
 
     def _issue(self, l: int, experts: list[int]) -> list[int]:
         """Load `experts` in order while a slot can be freed; returns those left waiting."""
@@ -324,16 +335,19 @@ def expert_output(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     the token-by-token ablation) one GEMV per token. `act` is the gate (SwiGLU on the fused
     gate_up output)."""
     pos, token_idx = torch.where(top_k_index.T == e)
-    x = hidden[token_idx]  # [n, H]
+    y = expert_mlp(hidden[token_idx], gate_up, down, act, serial)  # [n, H]
+    return token_idx, y * top_k_weights[token_idx, pos, None]
 
+
+def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
+               serial: bool = False) -> torch.Tensor:
+    """One expert's MLP over x [n, H]: one GEMM per projection, or (`serial`) one GEMV per row."""
     def mlp(v):
         return nn.functional.linear(act(nn.functional.linear(v, gate_up)), down)
 
     if serial:
-        y = torch.cat([mlp(x[i:i + 1]) for i in range(len(x))]) if len(x) else x
-    else:
-        y = mlp(x)  # [n, H]
-    return token_idx, y * top_k_weights[token_idx, pos, None]
+        return torch.cat([mlp(x[i:i + 1]) for i in range(len(x))]) if len(x) else x
+    return mlp(x)
 
 
 def sum_in_expert_order(hidden: torch.Tensor, outs: dict, experts: list[int]) -> torch.Tensor:
