@@ -192,3 +192,30 @@ def test_host_compute_on_cuda_runs_on_the_host_thread_beside_the_gpu(system):
     print(f"{system} on cuda: {differ} of {total} tokens differ from resident")
     assert gens[0].stats["host_experts"] > 0 and gens[0].stats["host_busy_ms"] > 0
     assert differ <= total // 4
+
+
+def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arithmetic():
+    """Beside a GPU the host computes from converted (fp32) copies. Forced here on the CPU with
+    float64 copies: specter_hybrid's plans convert the predicted experts they could not load
+    on the host thread during the draft, verification's host jobs find them converted, and
+    the tokens equal those of the same run converting on demand (no lookahead)."""
+    import torch
+
+    from specter.offload.hostweights import HostWeights
+
+    def run(lookahead: bool):
+        engine, lm = engine_for("tiny_deepseek", "specter_hybrid", hardware=dict(SLOW, clock="emulated"))
+        rt = engine.runtime
+        rt.host_weights = HostWeights(rt.cache.store, torch.float64, capacity=64)
+        if not lookahead:
+            rt.prepare_host = lambda l, experts: 0
+        engine.reset()
+        gens = engine.generate_batch(prompts(lm.tokenizer, 2), 12)
+        rt.link.close()
+        return [g.tokens for g in gens], gens[0].stats
+
+    ahead, stats = run(True)
+    assert stats["host_prepares"] > 0 and stats["host_ready_hits"] > 0 and stats["host_experts"] > 0
+    on_demand, plain = run(False)
+    assert plain["host_prepares"] == 0
+    assert ahead == on_demand

@@ -71,7 +71,7 @@ class GreedyEngine:
                                    self.timing.link, self.stop, self.memory, self._before_forward)
         shared = {}
         if self.runtime is not None:
-            shared.update(self.runtime.stats.as_record())
+            shared.update(self.runtime.as_record())
         shared.update(self.timing.link_record())
         if self.prefetcher is not None:
             shared.update(self.prefetcher.as_record())
@@ -137,7 +137,7 @@ class SpeculativeEngine:
                                  after_draft_step=self.window.after_draft_step,
                                  on_window=lambda _stats: self.window.end_window(),
                                  depth=self.depth, **sampling)
-        shared = {**self.runtime.stats.as_record(), **self.timing.link_record(),
+        shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), "k_source": self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,

@@ -24,6 +24,7 @@ from torch import nn
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import CostModel
+from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
 
@@ -142,6 +143,7 @@ class OffloadRuntime:
     def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
                  prefetcher: LayerPrefetcher | None = None):
         self.model, self.cache, self.link, self.cost = model, cache, link, cost
+        self.device = next(model.parameters()).device
         self.prefetcher = prefetcher
         self.stats = DemandStats()
         self.record_demand = True  # False during prefill (hit rate excludes it)
@@ -157,6 +159,7 @@ class OffloadRuntime:
         # virtual clock's, or on a real clock a profile's rates, never charged).
         self.host_compute = False
         self.rates = cost
+        self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -172,6 +175,8 @@ class OffloadRuntime:
     def reset(self) -> None:
         self.cache.reset()
         self.stats = DemandStats()
+        if self.host_weights is not None:
+            self.host_weights.reset_stats()
         self.last_needed, self.last_counts = {}, {}
         self.link.reset_stats()
 
@@ -282,17 +287,47 @@ class OffloadRuntime:
         the model's dtype on a CPU run (the same arithmetic as the device: lossless) and in
         fp32 beside a GPU (CPUs lack fast fp16/bf16 kernels; the tokens may then differ)."""
         pos, token_idx = torch.where(top_k_index.T == e)
-        cpu = torch.device("cpu")
-        dtype = hidden.dtype if hidden.device.type == "cpu" else torch.float32
-        x = hidden[token_idx].to(cpu, dtype)  # beside a GPU: the activations' D2H (a sync)
-        w = top_k_weights[token_idx, pos, None].to(cpu, dtype)
-        gate_up, down = self.cache.store.layout.views(self.cache.store.flat[l][e])
+        cpu, weights = torch.device("cpu"), self.host_weights_for()
+        x = hidden[token_idx].to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
+        w = top_k_weights[token_idx, pos, None].to(cpu, weights.dtype)
         act, serial = module._apply_gate, self.serial
 
         def job() -> torch.Tensor:
-            return expert_mlp(x, gate_up.to(dtype), down.to(dtype), act, serial) * w
+            return expert_mlp(x, *weights.get(l, e), act, serial) * w
 
         return token_idx, self.link.host(job, self.rates.host_expert_job_s(token_idx.numel()))
+
+    def as_record(self) -> dict:
+        """This request's demand statistics, and the host's converted copies when it had some
+        (`host_ready_hits`: host jobs that found their expert converted already;
+        `host_prepares`: conversions the draft's lookahead queued)."""
+        rec = self.stats.as_record()
+        w = self.host_weights
+        rec["host_ready_hits"] = w.ready_hits if w is not None and not w.same else 0
+        rec["host_prepares"] = w.prepares if w is not None and not w.same else 0
+        return rec
+
+    def host_weights_for(self) -> HostWeights:
+        """The host's compute copies: the model's dtype on a CPU run, fp32 beside a GPU (made
+        once; converted copies kept for up to 4 experts per MoE layer: for DeepSeek-V2-Lite
+        104 fp32 experts, 3.6 GB of host memory)."""
+        if self.host_weights is None:
+            store = self.cache.store
+            dtype = store.layout.dtype if self.device.type == "cpu" else torch.float32
+            self.host_weights = HostWeights(store, dtype, 4 * len(self.modules))
+        return self.host_weights
+
+    def prepare_host(self, l: int, experts) -> int:
+        """The draft's lookahead: experts of MoE layer `l` the draft predicts that will not be
+        resident are converted to the host's compute dtype now, on the host thread, so a host
+        job for them at verification skips that pass (nothing to do on a CPU run)."""
+        weights = self.host_weights_for()
+        if weights.same:
+            return 0
+        # one read of the half-precision copy and one write of the fp32 one
+        seconds = 3 * self.cache.store.layout.nbytes / self.rates.hw.host_mem_bandwidth_Bps
+        return sum(weights.prepare(self.link, l, e, seconds) for e in experts
+                   if not self.cache.resident(l, e))
 
     def _issue(self, l: int, experts: list[int]) -> list[int]:
         """Load `experts` in order while a slot can be freed; returns those left waiting."""

@@ -9,6 +9,10 @@ Does not own: the counters (elb.py), the rules (planner.py), eviction (cache.py 
 the verification's own demand loading (offload/runtime.py: the target router stays
 authoritative; a layer's pins are released as soon as its verification starts).
 
+With host-computed misses on (`specter_hybrid`), each plan also hands the host the predicted
+experts it could not load (`runtime.prepare_host`): beside a GPU their fp32 copies are made
+on the host thread during the draft (hostweights.py), not on verification's critical path.
+
 Hooks, wired by the engine: `on_draft_experts(layer, top_k_index)` from the draft instance,
 `on_forward(phase)` before every forward, `after_draft_step(i, k_eff)` after each draft token,
 `end_window()` after each verification, `reset()` before each request.
@@ -211,6 +215,10 @@ class Orchestrator(WindowPrefetcher):
                 n += 1
         self.stats.loads += n
         self.stats.boundaries += 1
+        if self.runtime.host_compute:  # the host starts on what the plan could not load
+            for l, c in enumerate(counts):
+                self.runtime.prepare_host(l, [e for e, n_e in enumerate(c)
+                                              if n_e >= 1 and e not in self.planned[l]])
         return planner.batch_seconds(n, self.expert_bytes, self.bandwidth.value, self.latency_s)
 
     def _measure_bandwidth(self) -> None:
