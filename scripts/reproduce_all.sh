@@ -152,10 +152,21 @@ if want batch; then
   # Its own workload (32 interleaved prompts; the profile's workload.items would cut them).
   "$PY" run.py -m experiment=batch out_dir="$OUT/batch" progress=false "${BATCH[@]}" "${EXTRA[@]}"
 fi
-if want hybrid && [[ "$PROFILE" != full ]]; then  # host-computed misses: virtual clock only so far
+if want hybrid; then  # host-computed misses
   header "hybrid: host-computed misses (specter_hybrid, lru_hybrid) beside specter, lru, specmoeoff"
   HW_ALL=("${HW[@]}"); [[ "$PROFILE" == quick ]] && HW=("${HW1[@]}")
-  run hybrid
+  if [[ "$PROFILE" == full ]]; then
+    # real CUDA time; the host's and the link's rates decide: the host beside this GPU measured
+    # now (conf/host/measured.yaml), the GPU's profile from scripts/calibrate_gpu.py
+    "$PY" -m experiments.host_rate --write
+    HW=("hardware=${HYBRID_PROFILE:-h200_measured}" hardware.clock=wall host=measured)
+    for m in "${MOE[@]}"; do
+      # shellcheck disable=SC2086
+      run hybrid model=$m
+    done
+  else
+    run hybrid
+  fi
   HW=("${HW_ALL[@]}")
 fi
 if want fidelity; then
