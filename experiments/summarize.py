@@ -30,10 +30,10 @@ METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate"
 def variant(row: pd.Series) -> str:
     """What sets a run apart from its system's defaults: system knobs and a fixed spec.k."""
     cls = config_class(str(row.get("system")))
-    defaults = cls(name="-")
+    defaults = cls(name=str(row.get("system")))
     parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(cls)
              if f.name != "name" and f"cfg.system.{f.name}" in row
-             and not _same(row[f"cfg.system.{f.name}"], getattr(defaults, f.name))]
+             and not _same(row[f"cfg.system.{f.name}"], _default(defaults, f.name))]
     staging = row.get("budget_staging")
     if isinstance(staging, (int, float)) and not math.isnan(staging) and staging > 0:
         parts.append(f"staging={int(staging)}")
@@ -41,6 +41,15 @@ def variant(row: pd.Series) -> str:
     if k is not None and not (isinstance(k, float) and math.isnan(k)):
         parts.append(f"k={k}")
     return ",".join(parts) or "-"
+
+
+def _default(defaults, knob: str):
+    """A knob's default for this system (host_compute's None means "by the system's name")."""
+    if knob == "host_compute":
+        from specter.system import host_compute_on
+
+        return host_compute_on(defaults)
+    return getattr(defaults, knob)
 
 
 def _same(value, default) -> bool:

@@ -260,6 +260,8 @@ class OffloadRuntime:
         jobs) would end before its copy (after the copies queued) lands and computes.
         Seconds from `rates` (the virtual clock's cost model, or a real clock's profile),
         scaled to the link's clock; on a real clock the queues are the link's estimates."""
+        if not misses and not any(t is not None for t in (late or {}).values()):
+            return []  # nothing to decide (and, on a GPU, no clock read: that synchronizes)
         rates, link = self.rates, self.link
         scale = link.time_scale
         now = link.now()
