@@ -341,6 +341,7 @@ class _Cache:
 class _Runtime:
     def __init__(self, cache):
         self.cache, self.last_needed = cache, {}
+        self.host_compute = False  # the orchestrator hands the host nothing
 
 
 def _drive(orch, link, routing, step_s):
