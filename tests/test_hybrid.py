@@ -219,3 +219,23 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
     on_demand, plain = run(False)
     assert plain["host_prepares"] == 0
     assert ahead == on_demand
+
+
+def test_a_real_link_estimates_its_copy_queue_and_forgets_finished_copies():
+    import torch
+
+    from specter.offload.link import LinkProfile, make_link
+
+    link = make_link("wall", LinkProfile(bandwidth_Bps=1e6, latency_s=0.0), CPU)
+    try:
+        src, dst = torch.zeros(5_000), torch.empty(5_000)  # 20 kB: 20 ms at 1 MB/s
+        t = link.copy(dst, src)
+        ahead = link.copy_engine_free() - link.now()
+        assert 0 < ahead <= 0.02 + 1e-3  # the profile's time for the bytes not yet landed
+        link.wait(t)
+        assert link.copy_engine_free() - link.now() <= 1e-3 and not link._pending
+        for _ in range(3):
+            link.wait(link.copy(dst, src))
+        assert len(link._pending) <= 1  # finished copies are dropped as new ones are issued
+    finally:
+        link.close()

@@ -188,8 +188,13 @@ class Link(ABC):
         transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes))
         self._transfers.append(transfer)
         if self.kind != "virtual":
+            self._prune_pending()
             self._pending.append(transfer)
         return transfer
+
+    def _prune_pending(self) -> None:
+        while self._pending and self._pending[0].done():  # one FIFO engine: in order
+            self._pending.popleft()
 
     @abstractmethod
     def now(self) -> float:
@@ -221,6 +226,7 @@ class Link(ABC):
     def reset_stats(self) -> None:
         self._transfers = []
         self._waits = []
+        self._prune_pending()
         self.host_busy_s = self.host_wait_s = 0.0
 
     # --- the host CPU's expert jobs (host-computed misses) ----------------------------------
@@ -259,8 +265,7 @@ class Link(ABC):
     def copy_engine_free(self) -> float:
         """When the copy engine's queue is empty (real links: now plus the profile's time for
         the bytes of the copies not finished: an estimate, the clock is real)."""
-        while self._pending and self._pending[0].done():
-            self._pending.popleft()
+        self._prune_pending()
         return self.now() + sum(self.profile.transfer_s(t.nbytes) for t in self._pending)
 
     def close(self) -> None:
