@@ -13,6 +13,10 @@ CAL_BUDGET_S="${CAL_BUDGET_S:-420}"
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
+# Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
+# been measured first, e.g. STAGES=tests,hybrid).
+STAGES=",${STAGES:-calibration,tests,h2d,bench,hybrid},"
+want() { [[ "$STAGES" == *",$1,"* ]]; }
 [ -x "$PY" ] || PY=python3
 status=0
 
@@ -25,15 +29,20 @@ status=0
 # First, so its results exist even if a later stage runs out of device time: the measured
 # hardware profile (launch, pinned H2D, HBM, GEMM, eager layer costs at the real shapes) and
 # the virtual clock's error against real CUDA time (scripts/calibrate_gpu.py; --budget-s).
+if want calibration; then
 echo "== calibration: measured hardware profile, virtual clock vs real CUDA time" | tee "$OUT/calibration.txt"
 timeout -k 20 $((CAL_BUDGET_S + 60)) "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" \
   --budget-s "$CAL_BUDGET_S" 2>&1 | tee -a "$OUT/calibration.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
+if want tests; then
 echo "== CUDA-marked tests" | tee "$OUT/tests.txt"
-timeout -k 10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -m cuda tests 2>&1 | tee -a "$OUT/tests.txt"
+timeout -k 10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -m cuda -rA tests 2>&1 | tee -a "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
 
+if want h2d; then
 echo "== pinned H2D bandwidth" | tee "$OUT/h2d.txt"
 "$PY" - <<'PY' 2>&1 | tee -a "$OUT/h2d.txt"
 import torch, time
@@ -47,7 +56,9 @@ for mb in (17, 64, 256):
     torch.cuda.synchronize()
     print(f"{mb} MiB pinned H2D: {10 * (mb << 20) / (time.perf_counter() - t) / 1e9:.2f} GB/s")
 PY
+fi
 
+if want bench; then
 echo "== short benchmark: resident, lru, mo_sm, transformers, lru_s, specmoeoff, specter, sp_e on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
 timeout -k 10 "$BENCH_TIMEOUT_S" "$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff,specter,sp_e hardware=cuda dataset=gsm8k \
   workload.items=2 workload.repeats=2 workload.max_new_tokens=64 \
@@ -60,7 +71,9 @@ df = records.load(sys.argv[1] + "/records")
 if len(df):
     print(summarize.table(df).to_string(index=False))
 PY
+fi
 
+if want hybrid; then
 # Host-computed misses beside a real GPU: this machine's host CPU rates (conf/host/measured.yaml
 # in this copy), then resident, lru, lru_hybrid, specter, specter_hybrid in real CUDA time with
 # the measured profile's rates deciding (hardware.clock=wall), and the tokens that differ from
@@ -82,4 +95,5 @@ for d in hybrid hybrid_forced; do
   { echo "-- $d"; "$PY" -m experiments.summarize "$OUT/$d" --short
     "$PY" -m experiments.summarize "$OUT/$d" --agreement; } 2>&1 | tee -a "$OUT/hybrid.txt"
 done
+fi
 exit $status
