@@ -239,3 +239,18 @@ def test_a_real_link_estimates_its_copy_queue_and_forgets_finished_copies():
         assert len(link._pending) <= 1  # finished copies are dropped as new ones are issued
     finally:
         link.close()
+
+
+def test_a_dropped_real_link_stops_its_host_thread():
+    import gc
+
+    from specter.offload.link import LinkProfile, make_link
+
+    link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU)
+    link.wait_host(link.host(lambda: None, 0.0))
+    thread = link._host._thread
+    assert thread.is_alive() and link.host_busy_s >= 0
+    del link
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()  # sweeps build many engines and close none of their links

@@ -101,14 +101,15 @@ class HostJob(Transfer):
 class _HostThread:
     """The host CPU's FIFO of expert jobs on a real clock: one daemon thread runs each job's
     function (torch releases the GIL in its kernels, so it overlaps the launching thread),
-    holding it to at least its `estimate_s` when the link's clock is emulated."""
+    holding it to at least its `estimate_s` when the link's clock is emulated. The thread
+    gets the queue and a counter, not the link, so a dropped link can be collected."""
 
-    def __init__(self, link: Link) -> None:
+    def __init__(self, hold: bool) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: deque[HostJob] = deque()
-        self._link_stats = link  # host_busy_s is added here (the only writer)
-        self._hold = link.time_scale != 1.0
-        self._thread = threading.Thread(target=self._loop, name="specter-host-experts", daemon=True)
+        self.busy = [0.0]  # seconds the thread spent on jobs (written by the thread only)
+        self._thread = threading.Thread(target=_host_loop, args=(self._jobs, hold, self.busy),
+                                        name="specter-host-experts", daemon=True)
         self._thread.start()
 
     def submit(self, job: HostJob, fn) -> None:
@@ -120,26 +121,28 @@ class _HostThread:
             self._queued.popleft()
         return sum(j.estimate_s for j in self._queued)
 
-    def stop(self) -> None:
+    def stop(self, join: bool = True) -> None:
         self._jobs.put(None)
-        self._thread.join()
+        if join:
+            self._thread.join()
 
-    def _loop(self) -> None:
-        while (item := self._jobs.get()) is not None:
-            job, fn = item
-            item = None
-            job.start = time.perf_counter()
-            try:
-                job.value = fn()
-            except Exception as exc:  # surfaced to the caller by wait_host
-                job.error = exc
-            fn = None
-            if self._hold:
-                _sleep_until(job.start + job.estimate_s)
-            job.end = time.perf_counter()
-            self._link_stats.host_busy_s += job.end - job.start
-            job.finished.set()
-            job = None
+
+def _host_loop(jobs: queue.SimpleQueue, hold: bool, busy: list[float]) -> None:
+    while (item := jobs.get()) is not None:
+        job, fn = item
+        item = None
+        job.start = time.perf_counter()
+        try:
+            job.value = fn()
+        except Exception as exc:  # surfaced to the caller by wait_host
+            job.error = exc
+        fn = None
+        if hold:
+            _sleep_until(job.start + job.estimate_s)
+        job.end = time.perf_counter()
+        busy[0] += job.end - job.start
+        job.finished.set()
+        job = None
 
 
 def _copy_data(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
@@ -180,6 +183,8 @@ class Link(ABC):
         self._waits: list[Interval] = []
         self._pending: deque[Transfer] = deque()  # real links: copies maybe not finished
         self._host: _HostThread | None = None
+        self._host_busy = 0.0  # virtual: modelled busy seconds since the last reset
+        self._host_busy_base = 0.0  # real: the host thread's busy seconds at the last reset
         self.host_busy_s = self.host_wait_s = 0.0
 
     # --- the interface -------------------------------------------------------------------
@@ -229,6 +234,17 @@ class Link(ABC):
         self._prune_pending()
         self.host_busy_s = self.host_wait_s = 0.0
 
+    @property
+    def host_busy_s(self) -> float:
+        """Seconds the host spent on expert jobs since the last reset."""
+        thread = self._host.busy[0] - self._host_busy_base if self._host is not None else 0.0
+        return self._host_busy + thread
+
+    @host_busy_s.setter
+    def host_busy_s(self, value: float) -> None:
+        self._host_busy = value
+        self._host_busy_base = self._host.busy[0] if self._host is not None else 0.0
+
     # --- the host CPU's expert jobs (host-computed misses) ----------------------------------
     # One FIFO queue of jobs beside the copy engine. Virtual: a job's function runs at issue
     # and its modelled seconds go on the host's own timeline. Real (wall, cuda): a host thread
@@ -240,7 +256,7 @@ class Link(ABC):
         """Queue `fn()` on the host CPU, modelled to take `seconds`; `wait_host` returns its value."""
         _check_compute(seconds)
         if self._host is None:
-            self._host = _HostThread(self)
+            self._host = _HostThread(hold=self.time_scale != 1.0)
         job = HostJob(seconds * self.time_scale)
         self._host.submit(job, fn)
         return job
@@ -273,6 +289,13 @@ class Link(ABC):
         if self._host is not None:
             self._host.stop()
             self._host = None
+
+    def __del__(self) -> None:
+        # a link dropped without close() still stops its host thread (without joining it)
+        host = getattr(self, "_host", None)
+        if host is not None:
+            self._host = None
+            host.stop(join=False)
 
     def __enter__(self) -> Link:
         return self
@@ -477,7 +500,8 @@ class WallLink(Link):
             self._thread.join()
 
     def __del__(self) -> None:
-        # a link dropped without close() still stops its thread (without joining it)
+        # a link dropped without close() still stops its threads (without joining them)
+        super().__del__()
         if not getattr(self, "_closed", True):
             self._closed = True
             self._jobs.put(None)
