@@ -228,14 +228,16 @@ def test_a_real_link_estimates_its_copy_queue_and_forgets_finished_copies():
 
     link = make_link("wall", LinkProfile(bandwidth_Bps=1e6, latency_s=0.0), CPU)
     try:
-        src, dst = torch.zeros(5_000), torch.empty(5_000)  # 20 kB: 20 ms at 1 MB/s
+        src, dst = torch.zeros(50_000), torch.empty(50_000)  # 200 kB: 200 ms at 1 MB/s
+        t0 = link.now()
         t = link.copy(dst, src)
-        ahead = link.copy_engine_free() - link.now()
-        assert 0 < ahead <= 0.02 + 1e-3  # the profile's time for the bytes not yet landed
+        free = link.copy_engine_free()
+        assert t0 + 0.1 < free <= link.now() + 0.2  # the profile's time for the bytes not landed
         link.wait(t)
         assert link.copy_engine_free() - link.now() <= 1e-3 and not link._pending
+        small = torch.zeros(10), torch.empty(10)
         for _ in range(3):
-            link.wait(link.copy(dst, src))
+            link.wait(link.copy(small[1], small[0]))
         assert len(link._pending) <= 1  # finished copies are dropped as new ones are issued
     finally:
         link.close()
