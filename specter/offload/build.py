@@ -8,6 +8,7 @@ building an `OffloadRuntime` for a model and budget. Systems call `timing_for` a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -73,8 +74,12 @@ class Timing:
         return rec
 
 
+def has_device_profile(hw: HardwareConfig) -> bool:
+    return hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0
+
+
 def profile_of(hw: HardwareConfig) -> HardwareProfile:
-    if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
+    if not has_device_profile(hw):
         raise UserError(f"hardware={hw.name} has no device profile (matrix_flops, "
                         "mem_bandwidth_Bps, h2d_bandwidth_Bps) for the "
                         f"{hw.clock} clock; use a GPU profile: hardware=a100_pcie4_hf, a100_pcie4_ideal, h200_hf, h200_ideal or h200_measured.")
@@ -118,15 +123,15 @@ def timing_for(ctx) -> Timing:
     """The clock and link a system runs under, from the run's hardware config."""
     hw, device = ctx.cfg.hardware, ctx.device
     if hw.clock == "wall":
-        if not (hw.matrix_flops > 0 and hw.mem_bandwidth_Bps > 0 and hw.h2d_bandwidth_Bps > 0):
+        if not has_device_profile(hw):
             return Timing.wall(device)
         profile = profile_of(hw)  # real time; the profile's rates inform decisions only
         kind = "cuda" if device.type == "cuda" else "wall"
         link = make_link(kind, LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps,
                                            latency_s=profile.h2d_latency_s), device)
-        elem = next(ctx.loaded.model.parameters()).element_size()
-        rates = CostModel(profile, charged_sizes(ctx.loaded.model, f"own:{ctx.cfg.model.name}", elem))
-        return Timing(link=link, cost=None, clock=kind, rates=rates)
+        own = sizes_for(ctx.loaded.model, dataclasses.replace(hw, charge="own"),
+                        ctx.cfg.model.name, ctx.cfg.model.stands_for)
+        return Timing(link=link, cost=None, clock=kind, rates=CostModel(profile, own))
     profile = profile_of(hw)
     sizes = sizes_for(ctx.loaded.model, hw, ctx.cfg.model.name, ctx.cfg.model.stands_for)
     cost = CostModel(profile, sizes)

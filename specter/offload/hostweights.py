@@ -58,7 +58,11 @@ class HostWeights:
                 return False
             self._queued.add((l, e))
         self.prepares += 1
-        link.host(lambda: self.get(l, e) and None, seconds)
+
+        def convert() -> None:
+            self.get(l, e)
+
+        link.host(convert, seconds)
         return True
 
     def reset_stats(self) -> None:

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import math
 import queue
-from collections import deque
 import threading
 import time
 import warnings
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -104,11 +104,10 @@ class _HostThread:
     holding it to at least its `estimate_s` when the link's clock is emulated. The thread
     gets the queue and a counter, not the link, so a dropped link can be collected."""
 
-    def __init__(self, hold: bool) -> None:
+    def __init__(self, hold: bool, busy: list[float]) -> None:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queued: deque[HostJob] = deque()
-        self.busy = [0.0]  # seconds the thread spent on jobs (written by the thread only)
-        self._thread = threading.Thread(target=_host_loop, args=(self._jobs, hold, self.busy),
+        self._thread = threading.Thread(target=_host_loop, args=(self._jobs, hold, busy),
                                         name="specter-host-experts", daemon=True)
         self._thread.start()
 
@@ -183,9 +182,10 @@ class Link(ABC):
         self._waits: list[Interval] = []
         self._pending: deque[Transfer] = deque()  # real links: copies maybe not finished
         self._host: _HostThread | None = None
-        self._host_busy = 0.0  # virtual: modelled busy seconds since the last reset
-        self._host_busy_base = 0.0  # real: the host thread's busy seconds at the last reset
-        self.host_busy_s = self.host_wait_s = 0.0
+        # the host's busy seconds (modelled on the virtual clock, added by the host thread on
+        # real ones) and their total at the last reset
+        self._host_busy, self._host_busy_base = [0.0], 0.0
+        self.host_wait_s = 0.0
 
     # --- the interface -------------------------------------------------------------------
     def copy(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> Transfer:
@@ -232,18 +232,12 @@ class Link(ABC):
         self._transfers = []
         self._waits = []
         self._prune_pending()
-        self.host_busy_s = self.host_wait_s = 0.0
+        self._host_busy_base, self.host_wait_s = self._host_busy[0], 0.0
 
     @property
     def host_busy_s(self) -> float:
         """Seconds the host spent on expert jobs since the last reset."""
-        thread = self._host.busy[0] - self._host_busy_base if self._host is not None else 0.0
-        return self._host_busy + thread
-
-    @host_busy_s.setter
-    def host_busy_s(self, value: float) -> None:
-        self._host_busy = value
-        self._host_busy_base = self._host.busy[0] if self._host is not None else 0.0
+        return self._host_busy[0] - self._host_busy_base
 
     # --- the host CPU's expert jobs (host-computed misses) ----------------------------------
     # One FIFO queue of jobs beside the copy engine. Virtual: a job's function runs at issue
@@ -256,7 +250,7 @@ class Link(ABC):
         """Queue `fn()` on the host CPU, modelled to take `seconds`; `wait_host` returns its value."""
         _check_compute(seconds)
         if self._host is None:
-            self._host = _HostThread(hold=self.time_scale != 1.0)
+            self._host = _HostThread(hold=self.time_scale != 1.0, busy=self._host_busy)
         job = HostJob(seconds * self.time_scale)
         self._host.submit(job, fn)
         return job
@@ -355,7 +349,7 @@ class VirtualLink(Link):
         job = HostJob(seconds)
         job.start = max(self._tc, self._th)
         job.end = self._th = job.start + seconds
-        self.host_busy_s += seconds
+        self._host_busy[0] += seconds
         job.value = fn()
         job.finished.set()
         return job
