@@ -31,7 +31,9 @@ def _order(values, order) -> list:
 
 
 def _col(df: pd.DataFrame, name: str, default) -> pd.Series:
-    return df[name] if name in df else pd.Series(default, index=df.index)
+    col = df[name] if name in df else pd.Series(default, index=df.index)
+    # a text default into a numeric or all-missing column: object first (pandas 4 refuses it)
+    return col.astype(object) if isinstance(default, str) and col.dtype != object else col
 
 
 def normalise(df: pd.DataFrame) -> pd.DataFrame:
