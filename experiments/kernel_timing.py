@@ -7,12 +7,12 @@ synchronize), the --quick per-case time budget, percentiles, and the device's na
 from __future__ import annotations
 
 import math
-import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from specter.models.zoo import cpu_name
 
 
 # ----------------------------------------------------------------------------------- cases
@@ -94,10 +94,4 @@ def _percentile(values: list[float], q: float) -> float:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
+    return cpu_name()

@@ -127,4 +127,5 @@ def checkpoint_record(checkpoint) -> dict:
     return {"model.ws_1": one, "model.ws_17": seventeen, "model.ws_growth": seventeen / one,
             "model.reuse": r.get("reuse", math.nan),
             "model.load_entropy": r.get("load_entropy", math.nan),
-            "model.router_balance": build.get("router_balance", math.nan)}
+            "model.router_balance": build.get("router_balance", math.nan),
+            "model.built_on": build.get("cpu", math.nan)}  # the CPU that trained it

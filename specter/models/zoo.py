@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import shutil
 import time
 from dataclasses import asdict, replace
@@ -44,6 +45,18 @@ def _every_expert_forward(self, hidden_states, top_k_index, top_k_weights):
     up = (hidden_states @ self.gate_up_proj.reshape(e * two_i, h).T).reshape(t * e, two_i)
     act = self._apply_gate(up).reshape(t, e, -1) * w[..., None]  # [T, E, I]
     return torch.einsum("tei,ehi->th", act, self.down_proj)
+
+
+def cpu_name() -> str:
+    """This machine's CPU model (a build records it: float rounding differs between CPU kernel
+    families, so the same recipe trains slightly different weights on another CPU)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "cpu"
 
 
 def default_cache_dir() -> Path:
@@ -172,7 +185,7 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
                 loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
                 routing_load_entropy=load_entropy, routing_benchmark=routing,
                 build_seconds=round(time.time() - t0, 1),
-                torch=torch.__version__)
+                torch=torch.__version__, cpu=cpu_name())
     (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
 
 
