@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specter.models.zoo import cpu_name
+from specter.hermetic import cpu_name
 
 
 # ----------------------------------------------------------------------------------- cases

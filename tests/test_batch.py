@@ -152,21 +152,74 @@ def test_batch_cache_holes_keep_each_row_its_own():
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(c[1], b[1], atol=1e-5)
 
 
+def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]], vocab: int,
+                  plan) -> dict[int, list[int]]:
+    """Make every draft proposal a planned one, whatever the weights: the draft still runs each
+    step (its KV, routing and prefetches are real), but row r's token at step i is the
+    target's own next token (`reference`: resident's rows for `batch`), except at step
+    `plan(request, window)`, where it is a token the target does not emit there. Greedy
+    verification then accepts exactly min(plan, proposals) tokens of each window. Returns
+    request -> the accepted lengths the plan implies, filled as the run goes (a window that
+    drafts nothing, the last of a row one token short of its limit, never reaches the draft:
+    it accepts 0)."""
+    import inspect
+
+    from specter.decoding import loop
+
+    real = loop.draft_steps
+    expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
+
+    def caller_state():  # the decoding loop's committed tokens and live rows
+        frame = inspect.currentframe()
+        while frame.f_code.co_name != "speculative_batch":
+            frame = frame.f_back
+        return frame.f_locals["seqs"], frame.f_locals["live"]
+
+    def steered(kv, feeds, k_effs, pick, tell, stop, after_step=None):
+        seqs, live = caller_state()
+        step = [0] * len(feeds)
+        wrong = {}
+
+        def choose(r, row):
+            pick(r, row)  # the draft's own choice, made and discarded
+            b, i = live[r], step[r]
+            step[r] += 1
+            done = len(seqs[b]) - len(batch[b])  # committed tokens, the pending one included
+            ref = reference[b]
+            tok = ref[done + i] if done + i < len(ref) else ref[-1]
+            if i == plan(b, len(expected[b])):
+                tok = (tok + 1) % vocab
+                wrong[r] = i
+            return tok
+
+        out = real(kv, feeds, k_effs, choose, tell, stop, after_step)
+        for r, props in enumerate(out):
+            expected[live[r]].append(min(wrong.get(r, len(props)), len(props)))
+        return out
+
+    monkeypatch.setattr(loop, "draft_steps", steered)
+    return expected
+
+
 @pytest.mark.parametrize("system", ["specter", "specmoeoff", "sp_e"])
 @pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
-def test_rejections_leave_holes_not_errors(name, system, references):
-    """A draft made wrong on purpose (its routed experts' output scaled by -6) is rejected often,
-    at different positions in different rows: each row commits its own prefix, the rejected
-    positions become holes, and every row still equals resident's."""
-    batches, eos, rows, _ = references(name)
+def test_rejections_leave_holes_not_errors(name, system, references, monkeypatch):
+    """Rejections planned at different positions in different rows (`steered_draft`: row b's
+    window w is wrong at step (b + w) mod 3, so windows accept 0, 1 or 2 of 3): each row
+    commits its own prefix, the rejected positions become holes, and every row still equals
+    resident's. The plan does not depend on the weights, so the case always occurs."""
+    batches, eos, rows, loaded = references(name)
     engine, _ = engine_for(name, system, eos)
-    part = engine.draft.self_draft or engine.draft.instance
-    part.draft_layers = [lambda h, i, w, f=f: -6 * f(h, i, w) for f in part.draft_layers]
+    expected = steered_draft(monkeypatch, batches[5], rows[5], loaded.model.config.vocab_size,
+                             lambda b, w: (b + w) % 3)
     engine.reset()
     gens = engine.generate_batch(batches[5], N_NEW)
     assert [g.tokens for g in gens] == rows[5]
-    lens = [tuple(g.stats["accepted_lens"]) for g in gens]
-    assert len(set(lens)) > 1 and any(0 < n < 3 for row in lens for n in row)
+    lens = [list(g.stats["accepted_lens"]) for g in gens]
+    for b, row in enumerate(lens):  # exactly the planned rejections
+        assert row[:len(expected[b])] == expected[b] and set(row[len(expected[b]):]) <= {0}
+        assert len(row) - len(expected[b]) <= 1
+    assert len({tuple(row) for row in lens}) > 1 and any(0 < n < 3 for row in lens for n in row)
 
 
 def test_sampled_batch_rows_draw_as_single_requests(references):

@@ -5,6 +5,8 @@ structure of the model it scales down, and `resident` greedy decoding equals Hug
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,13 +68,34 @@ def test_resident_stops_at_eos_like_generate(tiny_models):
 
 
 @pytest.mark.slow
-def test_build_is_deterministic_and_cached(tmp_path):
-    # OLMoE: its training was thread-order dependent before deterministic kernels were forced.
+def test_build_is_hermetic_and_cached(tmp_path):
+    """The same recipe gives bit-identical weights whatever the caller's thread count: one
+    build here on 1 thread, one in another process that asked for 2 threads (and another hash
+    seed). The builder trains on its own fixed count and gives the caller's back."""
+    import subprocess
+    import sys
+
+    from specter import hermetic
+
+    torch.set_num_threads(1)
     a = zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a", progress=False)
-    b = zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "b", progress=False)
+    assert torch.get_num_threads() == 1  # restored
+    code = ("import pathlib, torch; torch.set_num_threads(2); from specter.models import zoo; "
+            "zoo.ensure_project_model('tiny_olmoe', seed=3, "
+            f"cache_dir=pathlib.Path({str(tmp_path / 'b')!r}), "
+            "progress=False); assert torch.get_num_threads() == 2")
+    env = dict(os.environ, OMP_NUM_THREADS="2", PYTHONHASHSEED="7")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          cwd=str(Path(__file__).resolve().parent.parent), timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    b = zoo.checkpoint_dir("tiny_olmoe", 3, tmp_path / "b")
+    meta_a, meta_b = (json.loads((d / "specter_build.json").read_text()) for d in (a, b))
+    assert meta_a["weights_sha256"] == meta_b["weights_sha256"] == hermetic.checkpoint_checksum(b)
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert wa.keys() == wb.keys()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert meta_a["threads"] == meta_b["threads"] == hermetic.BUILD_THREADS
+    assert meta_a["cpu"] == zoo.cpu_name() and meta_a["cpu_capability"] and meta_a["torch"]
     mtime = (a / "model.safetensors").stat().st_mtime
     assert zoo.ensure_project_model("tiny_olmoe", seed=3, cache_dir=tmp_path / "a") == a
     assert (a / "model.safetensors").stat().st_mtime == mtime  # reused, not rebuilt
@@ -89,6 +112,35 @@ def test_build_is_deterministic_and_cached(tmp_path):
     assert rec["model.ws_growth"] == pytest.approx(routing["working_set"]["17"] / 8.0)
     assert rec["model.built_on"] == zoo.cpu_name() != ""  # weights depend on the CPU's kernels
     assert all(v != v for v in checkpoint_record(tmp_path).values())  # no record: nan
+
+
+def test_train_seed_offset_moves_every_project_model(tmp_path, monkeypatch):
+    """`$SPECTER_TRAIN_SEED_OFFSET` trains other weights from the same recipes: it adds to the
+    seed, so it names another cache folder; a bad value is one sentence."""
+    from specter import hermetic
+    from specter.errors import UserError
+
+    monkeypatch.delenv(hermetic.SEED_OFFSET_ENV, raising=False)
+    plain = {s: zoo.checkpoint_dir("tiny_qwen", s, tmp_path) for s in (0, 3)}
+    monkeypatch.setenv(hermetic.SEED_OFFSET_ENV, "3")
+    assert zoo.checkpoint_dir("tiny_qwen", 0, tmp_path) == plain[3] != plain[0]
+    assert zoo._recipe("tiny_qwen", 0)["seed"] == 3
+    for bad in ("x", "-1", "1.5", str(2**64)):
+        monkeypatch.setenv(hermetic.SEED_OFFSET_ENV, bad)
+        with pytest.raises(UserError, match="SPECTER_TRAIN_SEED_OFFSET"):
+            zoo.checkpoint_dir("tiny_qwen", 0, tmp_path)
+
+
+def test_build_threads_restore_the_callers_count():
+    from specter import hermetic
+
+    before = torch.get_num_threads()
+    with hermetic.build_threads(3):
+        assert torch.get_num_threads() == 3
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), hermetic.build_threads(3):
+        raise RuntimeError("a failed build")
+    assert torch.get_num_threads() == before
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -64,9 +64,12 @@ def test_report_on_a_tiny_model():
                     progress=False)
     r = rr.model_report(lm.model, lm.tokenizer, "deepseek", items=1, tokens=18)
     ws = r["working_set"]
-    assert ws[1] == pytest.approx(r["top_k"])  # one token needs exactly top-k experts
-    assert all(ws[a] <= ws[b] + 1e-9 for a, b in zip(range(1, 17), range(2, 18)))
-    assert ws[17] <= r["random_working_set"][17] * 1.2
+    k, e = r["top_k"], r["experts"]
+    assert ws[1] == pytest.approx(k)  # one token needs exactly top-k experts
+    # What the metric guarantees on any weights: a window of n tokens needs at least the k of
+    # one token and at most n k, or all E. (It is not monotone in n: windows do not overlap,
+    # so n = 9 averages two windows of 18 positions and n = 10 one.)
+    assert all(k - 1e-9 <= ws[n] <= min(e, n * k) + 1e-9 for n in range(1, 18))
     assert 0 <= r["reuse"] <= 1 and 0 < r["load_entropy"] <= 1 and 0 < r["distinct_4"] <= 1
     assert 0 < r["fidelity_topk"] <= 1 and 0 <= r["draft_token_match"] <= 1
     assert set(r["acceptance"]) == set(rr.ACCEPT_KS)

@@ -128,4 +128,6 @@ def checkpoint_record(checkpoint) -> dict:
             "model.reuse": r.get("reuse", math.nan),
             "model.load_entropy": r.get("load_entropy", math.nan),
             "model.router_balance": build.get("router_balance", math.nan),
-            "model.built_on": build.get("cpu", math.nan)}  # the CPU that trained it
+            "model.built_on": build.get("cpu", math.nan),  # the CPU that trained it
+            "model.train_seed": build.get("seed", math.nan),  # with $SPECTER_TRAIN_SEED_OFFSET
+            "model.weights_sha256": (build.get("weights_sha256") or "")[:16] or math.nan}

@@ -8,8 +8,10 @@ Does not own: what each architecture is (archs.py: configs, sizes, the real mode
 for); loading, devices, dtypes (loading.py); anything about offloading.
 
 Sizes: `tiny_*` are for tests (built in seconds), `small_*` for benchmarks (minutes, once).
-Everything is deterministic for a seed on a given machine and Python release (the stdlib
-text is part of the training data; its digest is stored with the checkpoint).
+A build is the same for a seed whatever the caller's thread count or core count (it trains on
+`hermetic.BUILD_THREADS` threads) on a given CPU kernel family, torch and Python release (the
+stdlib text is part of the training data; its digest is stored with the checkpoint);
+specter_build.json records all of these and the weights' checksum (`weights_sha256`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import shutil
 import time
 from dataclasses import asdict, replace
@@ -26,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from specter import hermetic
+from specter.hermetic import cpu_name  # noqa: F401  (re-exported: builds record it)
 from specter.models import corpus
 from specter.models.archs import (ARCHS, DENSE_ARCHS, ROUTER_BALANCE, SIZES,
                                   TOKENIZER_CORPUS_BYTES, TOKENIZER_VOCAB, ModelShape, Training,
@@ -47,25 +50,15 @@ def _every_expert_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.einsum("tei,ehi->th", act, self.down_proj)
 
 
-def cpu_name() -> str:
-    """This machine's CPU model (a build records it: float rounding differs between CPU kernel
-    families, so the same recipe trains slightly different weights on another CPU)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def default_cache_dir() -> Path:
     return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
 
 
 def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
     """The build recipe (hashed into the cache key). `router_balance` overrides the model's
-    ROUTER_BALANCE coefficient (the sweep in experiments.routing_report uses it)."""
+    ROUTER_BALANCE coefficient (the sweep in experiments.routing_report uses it). The seed is
+    `seed` plus `$SPECTER_TRAIN_SEED_OFFSET` (hermetic.py): the seed the weights are trained
+    from. Everything else that changes the weights is fixed (`build_threads`) or recorded."""
     size, arch = parse_name(name)
     balance = ROUTER_BALANCE.get(name) if router_balance is None else router_balance
     shape, training = SIZES[size]
@@ -73,9 +66,10 @@ def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
         # Every block active makes a training step ~10x a MoE step on the CPU: fewer steps
         # (the same batches otherwise); its loss is in specter_build.json beside the MoE's.
         training = replace(training, steps=300)
-    return {"name": name, "arch": arch, "size": size, "seed": seed, "shape": asdict(shape),
-            "training": asdict(training), "tokenizer_vocab": TOKENIZER_VOCAB,
-            "recipe_version": 3,
+    return {"name": name, "arch": arch, "size": size, "seed": seed + hermetic.train_seed_offset(),
+            "shape": asdict(shape), "training": asdict(training),
+            "tokenizer_vocab": TOKENIZER_VOCAB, "build_threads": hermetic.BUILD_THREADS,
+            "recipe_version": 4,
             **({"router_balance": balance} if balance is not None else {}),
             **({"train_experts_forward": EVERY_EXPERT_IMPL} if arch in DENSE_ARCHS else {})}
 
@@ -85,7 +79,7 @@ def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None,
     """Where the checkpoint for (name, seed) lives; the folder name hashes the recipe."""
     recipe = _recipe(name, seed, router_balance)
     digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
-    return (cache_dir or default_cache_dir()) / "models" / f"{name}-s{seed}-{digest}"
+    return (cache_dir or default_cache_dir()) / "models" / f"{name}-s{recipe['seed']}-{digest}"
 
 
 def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None,
@@ -102,7 +96,9 @@ def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None
             return out
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        _build(_recipe(name, seed, router_balance), tmp, cache_dir or default_cache_dir(), progress)
+        with hermetic.build_threads():  # the caller's thread count is restored afterwards
+            _build(_recipe(name, seed, router_balance), tmp, cache_dir or default_cache_dir(),
+                   progress)
         os.replace(tmp, out)
     return out
 
@@ -184,8 +180,8 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
                 parameters=sum(p.numel() for p in model.parameters()),
                 loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
                 routing_load_entropy=load_entropy, routing_benchmark=routing,
-                build_seconds=round(time.time() - t0, 1),
-                torch=torch.__version__, cpu=cpu_name())
+                build_seconds=round(time.time() - t0, 1), **hermetic.environment(),
+                weights_sha256=hermetic.checkpoint_checksum(out))
     (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specter import hermetic
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum
@@ -211,18 +212,24 @@ def ensure_quantized(model: nn.Module, tokenizer, spec: QuantSpec, cache_dir: Pa
     (same source checksum and spec), else made and saved. Returns (experts, path, reused)."""
     from filelock import FileLock
 
-    out = cache_dir / "quant" / f"{source_checksum(model)}-{spec.tag}-{_spec_digest(spec)}"
+    out = cache_dir / "quant" / f"{source_checksum(model)}-{spec.tag}-{_spec_digest(spec, device)}"
     out.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(str(out) + ".lock"):
         if (out / "quant.json").exists():
             return load(out), out, True
         windows = calibration_windows(tokenizer, spec, data_dir) if spec.method == "gptq" else None
-        qe = quantize_experts(model, spec, windows, device, progress)
+        with hermetic.build_threads():  # on the CPU the Hessians' sums depend on the threads
+            qe = quantize_experts(model, spec, windows, device, progress)
+            qe.meta["environment"] = dict(hermetic.environment(), device=str(device))
         save(qe, out)
     return qe, out, False
 
 
-def _spec_digest(spec: QuantSpec) -> str:
+def _spec_digest(spec: QuantSpec, device: torch.device) -> str:
+    """The spec and, for a CPU quantization, the fixed thread count it ran on (a cache made
+    under another count would be other codes)."""
     import hashlib
 
-    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:8]
+    key = dict(asdict(spec), **({"build_threads": hermetic.BUILD_THREADS}
+                                if torch.device(device).type == "cpu" else {}))
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
