@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, TINY
+from steering import steered_draft
 from experiments.registry import SYSTEMS, BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
@@ -28,12 +29,14 @@ A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge
         "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6,
         "host_matrix_flops": 2e12, "host_mem_bandwidth_Bps": 100e9}
 N_NEW = 14
+TEXTS = PROMPTS + ["The history of the city begins with a small market by the river, where",
+                   "Question: what is the capital of France, and which river runs through it?\nAnswer:"]
 BATCHED = [s for s in SYSTEMS if s != "fidelity"]  # fidelity measures one sequence at a time
 
 
 def prompts(tokenizer, n: int) -> list[list[int]]:
-    """`n` prompts of unequal lengths (6, 9, 12, ... tokens)."""
-    texts = (PROMPTS * 3)[:n]
+    """`n` prompts of unequal lengths (6, 9, 12, ... tokens), five texts in turn."""
+    texts = (TEXTS * 2)[:n]
     return [tokenizer(t)["input_ids"][:6 + 3 * i] for i, t in enumerate(texts)]
 
 
@@ -68,14 +71,19 @@ def hf_generate_batch(model, batch: list[list[int]], n: int, eos: int) -> list[l
 
 
 def mid_batch_eos(engine, batch: list[list[int]]) -> int:
-    """A token row 1 emits early (5th if it can) that some other row never emits: with it as
-    the stop token, row 1 stops early while another row runs to the token limit."""
+    """A stop token that ends one row early while another runs to the token limit: a token
+    some row emits for the first time at step p (4 <= p < N_NEW - 2 preferred, so the stop
+    falls inside a window) that some other row never emits. Only a batch whose rows all emit
+    the same set of tokens has none."""
     engine.stop = set()
     free = [g.tokens for g in engine.generate_batch(batch, N_NEW)]
-    for cand in free[1][4:N_NEW - 2] + free[1][:4]:
-        if any(cand not in row for row in free):
-            return cand
-    raise AssertionError("no token stops one row and not another")
+    found = []
+    for r, row in enumerate(free):
+        for p, tok in enumerate(row[:N_NEW - 1]):
+            if tok not in row[:p] and any(tok not in other for other in free):
+                found.append((0 if 4 <= p < N_NEW - 2 else 1 if p else 2, r, p, tok))
+    assert found, f"premise: every row emits the same tokens, no stop can split them: {free}"
+    return min(found)[3]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +111,8 @@ def test_resident_batch_equals_hf_generate(name, references):
         ref = hf_generate_batch(loaded.model, batch, N_NEW, eos)
         assert rows[b] == ref, f"{name} B={b}"
     lengths = [len(r) for r in rows[5]]
-    assert min(lengths) < N_NEW and max(lengths) == N_NEW  # an EOS inside the batch
-    assert len({tuple(r) for r in rows[5]}) >= 3  # not one output five times
+    # an EOS inside the batch (so, too, not one output five times)
+    assert min(lengths) < N_NEW and max(lengths) == N_NEW
 
 
 @pytest.mark.parametrize("name", TINY)
@@ -150,55 +158,6 @@ def test_batch_cache_holes_keep_each_row_its_own():
         b = holed.forward([[ids[8]], [ids[6]]])
         c = plain.forward([[ids[9]], [ids[6]]])
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(c[1], b[1], atol=1e-5)
-
-
-def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]], vocab: int,
-                  plan) -> dict[int, list[int]]:
-    """Make every draft proposal a planned one, whatever the weights: the draft still runs each
-    step (its KV, routing and prefetches are real), but row r's token at step i is the
-    target's own next token (`reference`: resident's rows for `batch`), except at step
-    `plan(request, window)`, where it is a token the target does not emit there. Greedy
-    verification then accepts exactly min(plan, proposals) tokens of each window. Returns
-    request -> the accepted lengths the plan implies, filled as the run goes (a window that
-    drafts nothing, the last of a row one token short of its limit, never reaches the draft:
-    it accepts 0)."""
-    import inspect
-
-    from specter.decoding import loop
-
-    real = loop.draft_steps
-    expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
-
-    def caller_state():  # the decoding loop's committed tokens and live rows
-        frame = inspect.currentframe()
-        while frame.f_code.co_name != "speculative_batch":
-            frame = frame.f_back
-        return frame.f_locals["seqs"], frame.f_locals["live"]
-
-    def steered(kv, feeds, k_effs, pick, tell, stop, after_step=None):
-        seqs, live = caller_state()
-        step = [0] * len(feeds)
-        wrong = {}
-
-        def choose(r, row):
-            pick(r, row)  # the draft's own choice, made and discarded
-            b, i = live[r], step[r]
-            step[r] += 1
-            done = len(seqs[b]) - len(batch[b])  # committed tokens, the pending one included
-            ref = reference[b]
-            tok = ref[done + i] if done + i < len(ref) else ref[-1]
-            if i == plan(b, len(expected[b])):
-                tok = (tok + 1) % vocab
-                wrong[r] = i
-            return tok
-
-        out = real(kv, feeds, k_effs, choose, tell, stop, after_step)
-        for r, props in enumerate(out):
-            expected[live[r]].append(min(wrong.get(r, len(props)), len(props)))
-        return out
-
-    monkeypatch.setattr(loop, "draft_steps", steered)
-    return expected
 
 
 @pytest.mark.parametrize("system", ["specter", "specmoeoff", "sp_e"])

@@ -17,6 +17,7 @@ from specter.offload.build import Timing
 from specter.quant import calibrate
 from specter.decoding.loop import speculative_greedy
 from specter.decoding.self_draft import SelfDraft
+from steering import steered_draft
 from test_offload import A100
 
 CPU = torch.device("cpu")
@@ -421,7 +422,7 @@ def test_adaptive_depth_rule_against_hand_arithmetic():
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_adaptive_k_is_lossless_and_records_each_windows_k(name):
+def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
     """spec.k=adaptive on offloaded experts: resident's tokens; the K of every window recorded;
     a draft made wrong on purpose drives K down to the shallowest windows."""
     from experiments.registry import BuildContext, build_engine
@@ -431,7 +432,8 @@ def test_adaptive_k_is_lossless_and_records_each_windows_k(name):
 
     lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
-    ref = resident_engine(lm.model, CPU).generate(ids, 40).tokens
+    # No stop at EOS: 40 tokens, so enough windows for K to move, whatever the weights emit.
+    ref = resident_engine(lm.model, CPU, stop_on_eos=False).generate(ids, 40).tokens
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project"}, "budget": {"name": "high"},
         "system": {"name": "specter"}, "dataset": {"name": "gsm8k"},
@@ -441,13 +443,15 @@ def test_adaptive_k_is_lossless_and_records_each_windows_k(name):
         lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
         engine = build_engine(BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU))
         assert engine.depth is not None and "adaptive" in engine.k_source
-        if wrong:
-            sd = engine.draft.self_draft
-            sd.draft_layers = [lambda h, i, w, f=f: -6 * f(h, i, w) for f in sd.draft_layers]
+        engine.stop = set()
+        if wrong:  # every window's first proposal is one the target does not emit
+            expected = steered_draft(monkeypatch, [ids], [ref], lm.model.config.vocab_size,
+                                     lambda b, w: 0)
         engine.reset()
         gen = engine.generate(ids, 40)
         assert gen.tokens == ref
         ks = gen.stats["k_windows"]
         assert len(ks) == gen.stats["windows"] and all(1 <= k <= 8 for k in ks)
-        if wrong:  # rejected often: the windows shrink to the shallowest
+        if wrong:  # every draft rejected: the windows shrink to the shallowest
+            assert set(expected[0]) == {0} == set(gen.stats["accepted_lens"])
             assert ks[-1] < ks[0] and ks[-1] <= 2

@@ -79,9 +79,11 @@ def test_a_killed_writers_temp_files_are_removed_when_the_case_runs_again(tmp_pa
 
 
 # -- Ctrl-C and kill -9 ---------------------------------------------------------------------
+# Every row decodes its 48 tokens (no stop at EOS): how long the run lasts after its first row
+# must not depend on when the trained model happens to emit its EOS.
 LONG_RUN = ["model=tiny_deepseek", "system=resident", "hardware=cpu", "dataset=gsm8k",
-            "workload.items=3", "workload.repeats=20", "workload.max_new_tokens=32",
-            "progress=false"]
+            "workload.items=3", "workload.repeats=20", "workload.max_new_tokens=48",
+            "workload.stop_on_eos=false", "progress=false"]
 
 
 def _start_and_signal(tmp_path, sig):

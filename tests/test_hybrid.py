@@ -16,6 +16,7 @@ from specter.config import RunConfig
 from specter.errors import UserError
 from specter.models import archs
 from specter.models.loading import load_model
+from steering import exact_draft_layers
 from test_batch import A100, CPU, prompts
 
 SLOW = dict(A100, h2d_bandwidth_Bps=0.5e9)  # copies dear against the host: misses go there
@@ -207,6 +208,9 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
         engine, lm = engine_for("tiny_deepseek", "specter_hybrid", hardware=dict(SLOW, clock="emulated"))
         rt = engine.runtime
         rt.host_weights = HostWeights(rt.cache.store, torch.float64, capacity=64)
+        # a draft that routes as verification will: its predictions are the experts the host
+        # is then asked for, whatever the trained weights
+        engine.draft.self_draft.draft_layers = exact_draft_layers(lm.model, rt.cache.store)
         if not lookahead:
             rt.prepare_host = lambda l, experts: 0
         engine.reset()

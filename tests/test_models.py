@@ -31,7 +31,8 @@ def test_tiny_checkpoint_is_an_ordinary_hf_folder(name, tiny_models):
     assert not any(f.endswith(".bin") for f in files)
     meta = json.loads((lm.checkpoint / "specter_build.json").read_text())
     assert meta["loss_last"] < meta["loss_first"] - 1.0  # it was trained
-    assert 0.3 < meta["routing_load_entropy"] < 1.0  # routing is data-dependent, not collapsed
+    # routing is not collapsed onto a few experts (a wide margin: trained builds give 0.8-0.99)
+    assert 0.3 < meta["routing_load_entropy"] <= 1.0
     spec = lm.spec
     assert (spec.num_experts, spec.top_k, spec.shared_experts) == EXPECTED[name]
     assert spec.num_moe_layers >= 2

@@ -85,11 +85,17 @@ def test_default_vectors_are_measured_once_and_equal_a_direct_recomputation(tiny
         shared = model.model.layers[decoder].mlp.shared_experts(hidden).mean(0)
     assert torch.allclose(dv.default[l, e], direct, atol=1e-5)
     assert torch.allclose(dv.shared[l], shared, atol=1e-5)
-    unrouted = counts == 0  # 512 tokens leave some of the 64 experts unrouted
-    assert unrouted.any()
-    layer_mean = (dv.default[l] * counts[:, None]).sum(0) / counts.sum()
-    assert torch.allclose(dv.default[l][unrouted], layer_mean.expand(int(unrouted.sum()), -1),
-                          atol=1e-5)
+    # An expert no calibration token routed to gets the layer's mean output. 10 tokens of
+    # top-6 reach at most 60 of the 64 experts, so every layer has such experts, on any weights.
+    few, _, _ = qh.ensure_default_vectors(model, loaded.tokenizer, QuantSpec(calib_tokens=10),
+                                          tmp_path, cpu)
+    for l in range(s.num_moe_layers):
+        counts = few.counts[l]
+        unrouted = counts == 0
+        assert unrouted.sum() >= s.num_experts - 10 * s.top_k
+        layer_mean = (few.default[l] * counts[:, None]).sum(0) / counts.sum()
+        assert torch.allclose(few.default[l][unrouted],
+                              layer_mean.expand(int(unrouted.sum()), -1), atol=1e-5)
 
 
 class RouterOnExpertInput(qh.QuasiHiddenPrefetch):
@@ -126,7 +132,12 @@ def guess_precision(name: str, make_prefetch) -> tuple[float, float]:
     return hits / guessed, loaded.spec.top_k / loaded.spec.num_experts
 
 
-def test_quasi_hidden_guess_beats_chance_and_mo_sm_and_a_broken_state_does_not():
+def test_quasi_hidden_guess_beats_chance_and_a_broken_state_does_not():
+    """The guess is far above chance (3x chance is 0.28; trained builds measure 0.7-0.8) and a
+    state made of noise falls to near chance. Whether it beats MO-SM's guess is a measured
+    comparison, not a property: the two are within a guess of each other on the tiny model
+    and flipped order between builds, so it is reported (printed here, and as both systems'
+    prefetch_precision in scripts/bench_offload.sh) rather than asserted."""
     torch.manual_seed(0)
     zero = lambda dv: qh.DefaultVectors(  # noqa: E731
         torch.zeros_like(dv.default), torch.zeros_like(dv.shared), dv.counts)
@@ -136,7 +147,4 @@ def test_quasi_hidden_guess_beats_chance_and_mo_sm_and_a_broken_state_does_not()
     print(f"tiny_deepseek next-layer precision: quasi-hidden {precision:.3f}, MO-SM {mo_sm:.3f}, "
           f"broken {broken:.3f}, chance {chance:.3f}")
     assert precision > 3 * chance
-    # "no worse than MO-SM's guess": on tiny_deepseek the two are within one guess of 342 and a
-    # fresh build on another CPU's kernels flipped their order (0.775 vs 0.778), so a 2% margin
-    assert precision >= mo_sm - 0.02
     assert broken < (chance + precision) / 2

@@ -161,10 +161,8 @@ def test_full_width_draft_is_the_target_computed_on_the_host(tiny_models):
     # many windows there are and how short the last ones get, so per window is no measure).
     def draft_ms_per_token(gens):
         ms = sum(g.stats["draft_ms_per_window"] * g.stats["windows"] for g in gens)
-        drafted = sum(sum(g.stats["accepted_lens"]) / g.stats["acceptance_rate"] for g in gens)
-        return ms / drafted
+        return ms / sum(g.stats["drafted"] for g in gens)
 
-    assert acceptance(gens_half) > 0
     assert draft_ms_per_token(gens_half) < draft_ms_per_token(gens_full)
 
 

@@ -54,7 +54,7 @@ class SpecStats:
 
     def as_record(self) -> dict:
         mean = lambda v: sum(v) / len(v) if v else float("nan")  # noqa: E731
-        return {"k": self.k, "windows": self.windows,
+        return {"k": self.k, "windows": self.windows, "drafted": self.drafted,
                 "draft_ms_per_window": mean(self.draft_s) * 1e3,
                 "verify_ms_per_window": mean(self.verify_s) * 1e3,
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else float("nan"),
