@@ -30,7 +30,7 @@ from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import (load_model, load_tokenizer, read_max_positions, read_moe_shape,
-                                    resolve_checkpoint)
+                                    remote_code_note, resolve_checkpoint)
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
@@ -236,6 +236,9 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     workload = _workload(cfg)
     check_writable(cfg)
     checkpoint = resolve_checkpoint(cfg.model, cache_dir, cfg.model_seed, cfg.progress)
+    note = remote_code_note(checkpoint)
+    if note:
+        log(f"[specter] {note}")
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
     preflight(cfg, checkpoint, device, n_experts)
     w = cfg.workload  # the device holds the KV of a whole batch

@@ -196,7 +196,11 @@ def bytes_spec(model: ModelConfig, checkpoint) -> tuple[MoESpec, str]:
     real = REAL_CONFIGS.get(model.stands_for or "") if model.source == "project" else None
     if real is not None:
         return fp16_spec(AutoConfig.for_model(**real)), f"real:{real['_name_or_path']} (FP16)"
-    cfg = AutoConfig.from_pretrained(str(checkpoint), trust_remote_code=False)
+    from pathlib import Path
+
+    from specter.models.loading import native_classes
+
+    cfg, _ = native_classes(Path(checkpoint))  # never the folder's own code (auto_map)
     return fp16_spec(cfg), f"own:{model.name} (FP16)"
 
 

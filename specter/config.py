@@ -9,6 +9,7 @@ model's expert count (budget slots) happens in `budget.py`.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -218,6 +219,18 @@ class RunConfig:
         for key in ("seed", "model_seed"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0 (got {getattr(self, key)}).")
+        m, q = self.model, self.quant
+        for key, value in [("model.paper_k", m.paper_k), ("quant.group", q.group),
+                           ("quant.calib_tokens", q.calib_tokens),
+                           *((f"model.budget_slots.{n}", v) for n, v in m.budget_slots.items())]:
+            if value is not None and value < 1:
+                raise UserError(f"{key} must be at least 1 (got {value}).")
+        for key, value in [("quant.damp", q.damp),
+                           *((f"model.budget_gb.{n}", v) for n, v in m.budget_gb.items())]:
+            if not value > 0:
+                raise UserError(f"{key} must be a positive number (got {value}).")
+        if q.bits not in (2, 3, 4, 8):
+            raise UserError(f"quant.bits must be 2, 3, 4 or 8 (got {q.bits}).")
         if self.quant.backend not in ("auto", "reference", "cpu_int4", "triton"):
             raise UserError(f"unknown quant.backend '{self.quant.backend}'; choose one of: "
                             "auto, reference, cpu_int4, triton.")
@@ -290,20 +303,47 @@ def _build(cls, d: Any, prefix: str):
 
 
 _SCALARS = {"int": (int,), "str": (str,), "bool": (bool,), "float": (int, float)}
+INT_LIMIT = 2**63  # every integer setting fits a signed 64-bit integer (torch's, for seeds)
 
 
 def _check(f, value: Any, prefix: str) -> Any:
-    """Reject a value of the wrong scalar type (annotations are strings here)."""
+    """Reject a value of the wrong scalar type (annotations are strings here), and a number
+    no setting accepts (`check_number`); lists and mappings of numbers are checked by entry."""
     kinds = [k.strip() for k in str(f.type).split("|")]
+    name = f"{prefix}{f.name}"
     if value is None and "None" in kinds:
         return value
+    if isinstance(value, (list, tuple)) and "int" in str(f.type):
+        for v in value:
+            check_number(name, v, integer=True)
+    if isinstance(value, dict) and ("int" in str(f.type) or "float" in str(f.type)):
+        for k, v in value.items():
+            check_number(f"{name}.{k}", v, integer="float" not in str(f.type))
     for k in kinds:
         ok = _SCALARS.get(k)
         if ok and isinstance(value, ok) and not (k == "int" and isinstance(value, bool)):
+            if k in ("int", "float"):
+                check_number(name, value, integer=k == "int")
             return value
     if any(k in _SCALARS for k in kinds):
-        raise UserError(f"{prefix}{f.name} must be {f.type} (got {value!r}).")
+        raise UserError(f"{name} must be {f.type} (got {value!r}).")
     return value
+
+
+def check_number(name: str, value: Any, integer: bool) -> None:
+    """What every numeric setting of this project shares: a number (a whole one where an
+    integer is meant), finite, not negative, and for integers below 2**63. A setting's own
+    range beyond that is checked by its section's `validate`."""
+    kind = "a whole number" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (integer and not isinstance(value, int)):
+        raise UserError(f"{name} must be {kind} (got {value!r}).")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise UserError(f"{name} must be a finite number (got {value!r}).")
+    if value < 0:
+        raise UserError(f"{name} must be >= 0 (got {value!r}).")
+    if integer and value >= INT_LIMIT:
+        raise UserError(f"{name} = {value} is too large (at most {INT_LIMIT - 1}).")
 
 
 def hardware_from_dict(d: dict[str, Any]) -> HardwareConfig:

@@ -56,7 +56,8 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
 
 @pytest.mark.parametrize("knob,value,text", [
     ("cold_start_round", "round", "system.cold_start_round must be floor or ceil"),
-    ("bandwidth_prior_Bps", -1.0, "system.bandwidth_prior_Bps must be a positive number"),
+    ("bandwidth_prior_Bps", -1.0, "system.bandwidth_prior_Bps must be >= 0"),
+    ("bandwidth_prior_Bps", 0.0, "system.bandwidth_prior_Bps must be a positive number"),
     ("step_prior_s", 0.0, "system.step_prior_s must be a positive number"),
     ("final_plan", "yes", "system.final_plan must be bool"),
 ])
@@ -85,3 +86,79 @@ def test_system_settings_on_the_command_line_are_one_sentence_when_wrong(tmp_pat
         assert res.returncode == 2 and text in res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
     assert not tmp_path.joinpath("records").exists()
+
+
+# -- every numeric setting, probed past what any consumer accepts ------------------------------
+ZERO_MEANS = {  # numeric settings where 0 is a meaning, not an error
+    "seed", "model_seed", "budget.staging", "budget.reserve_gb", "workload.temperature",
+    "quant.min_tokens", "system.prefetch_noise",
+    # a hardware profile's 0: "not modelled" (a wall-clock profile has no device rates; a
+    # public-fit profile no fitted framework costs)
+    *(f"hardware.{f}" for f in ("matrix_flops", "mem_bandwidth_Bps", "launch_overhead_s",
+                                "layer_overhead_s", "expert_overhead_s", "draft_overhead_s",
+                                "offload_layer_overhead_s", "h2d_bandwidth_Bps",
+                                "h2d_latency_s", "host_matrix_flops",
+                                "host_mem_bandwidth_Bps")),
+}
+
+
+def numeric_settings():
+    """(dotted key, system name, is-integer) of every numeric field of the typed config,
+    the systems' own knobs included."""
+    import dataclasses
+
+    from experiments.registry import SYSTEMS
+    from specter.config import RunConfig, section_classes, system_config_class
+
+    out, seen = [], set()
+    classes = [(f"{name}.", cls, None) for name, cls in section_classes().items()
+               if name != "system"]
+    classes += [("", RunConfig, None)]
+    classes += [("system.", system_config_class(s), s) for s in SYSTEMS]
+    for prefix, cls, system in classes:
+        for f in dataclasses.fields(cls):
+            t = str(f.type)
+            if prefix == "" and f.name in section_classes():
+                continue
+            if ("int" in t or "float" in t) and (prefix + f.name) not in seen:
+                seen.add(prefix + f.name)
+                out.append((prefix + f.name, system, "float" not in t))
+    return out
+
+
+def _with(key: str, value, system: str | None) -> dict:
+    from test_offload import A100
+
+    d = {"model": {"name": "tiny_qwen", "source": "project"}, "budget": {"name": "high"},
+         "system": {"name": system or "specter"}, "dataset": {"name": "gsm8k"},
+         "hardware": dict(A100), "workload": {}, "progress": False}
+    section, _, field = key.rpartition(".")
+    if not section:
+        d[field] = value
+    elif key.startswith("model.budget_"):  # a mapping of numbers: one entry
+        d["model"][field] = {"high": value}
+    else:
+        d.setdefault(section, {})[field] = value
+    return d
+
+
+NUMERIC = numeric_settings()
+
+
+@pytest.mark.parametrize("key,system,integer", NUMERIC, ids=[k for k, _, _ in NUMERIC])
+def test_every_numeric_setting_refuses_what_no_consumer_accepts(key, system, integer):
+    """Negative, not finite, or, where a whole number is meant, past 64 bits or not whole: one
+    sentence before anything loads; zero too, unless zero means something for that key."""
+    from specter.config import RunConfig
+
+    bad = [-1, float("nan"), float("inf")] + ([2**64, 1.5] if integer else [])
+    if key not in ZERO_MEANS:
+        bad.append(0)
+    if key == "spec.profile_ks":
+        bad = [[v] for v in bad]
+    for value in bad:
+        with pytest.raises(UserError) as err:
+            RunConfig.from_dict(_with(key, value, system))
+        assert "\n" not in str(err.value) and key.split(".")[-1] in str(err.value), (key, value)
+    good = {"spec.profile_ks": [1], "quant.bits": 4}.get(key, 1)
+    RunConfig.from_dict(_with(key, good, system))

@@ -310,7 +310,9 @@ BAD_CHECKPOINTS = {
     "malformed config.json": (_break_config("{not json"), "config.json is not valid JSON"),
     "no model_type": (_edit_config(model_type=None), "names no model_type"),
     "unknown model_type": (_edit_config(model_type="gpt9"), "model_type 'gpt9' is not an architecture"),
-    "auto_map (remote code)": (_edit_config(auto_map={"AutoConfig": "x.Y"}), "asks for remote code"),
+    "auto_map of an unknown architecture": (
+        _edit_config(model_type="gpt9", auto_map={"AutoConfig": "x.Y"}),
+        "ships its own code \\(auto_map\\)"),
     "no routed-expert count": (_edit_config(n_routed_experts=None),
                                "names no routed-expert count"),
     "truncated safetensors": (_truncate_weights, "is truncated"),

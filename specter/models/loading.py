@@ -55,8 +55,9 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
 
 def check_checkpoint(path: Path) -> None:
     """The checkpoint folder can be loaded without running anything it ships: config.json is
-    JSON naming a model_type transformers knows, asks for no remote code, and every
-    safetensors file is whole (its header's tensors fit the file). One sentence otherwise."""
+    JSON naming a model_type transformers implements itself (a folder that also ships code,
+    `auto_map`, loads that native class: `native_classes`), and every safetensors file is whole
+    (its header's tensors fit the file). One sentence otherwise."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     config = path / "config.json"
@@ -66,15 +67,14 @@ def check_checkpoint(path: Path) -> None:
         raise UserError(f"{config} is not valid JSON ({e.msg} at line {e.lineno}).") from None
     if not isinstance(raw, dict) or not raw.get("model_type"):
         raise UserError(f"{config} names no model_type; is this a Hugging Face checkpoint?")
-    if raw.get("auto_map"):
-        raise UserError(f"{config} asks for remote code (auto_map); this project never runs "
-                        "code shipped with a checkpoint: use one whose model_type transformers "
-                        "supports natively.")
     if raw["model_type"] not in CONFIG_MAPPING_NAMES:
         import transformers
 
+        ships = (" It ships its own code (auto_map), which this project never runs; use a "
+                 "checkpoint of an architecture transformers supports natively."
+                 if raw.get("auto_map") else "")
         raise UserError(f"{config}: model_type '{raw['model_type']}' is not an architecture "
-                        f"transformers {transformers.__version__} knows.")
+                        f"transformers {transformers.__version__} knows.{ships}")
     for weights in sorted(path.glob("*.safetensors")):
         problem = _safetensors_problem(weights)
         if problem:
@@ -127,16 +127,51 @@ def pick_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return DTYPES[cfg.dtype]
 
 
+def native_classes(path: Path):
+    """(config, causal-LM class) of transformers' own implementation of the checkpoint's
+    model_type, chosen by model_type alone: config.json's `auto_map` (code shipped in the
+    folder) and its `architectures` spelling (Phi-3.5-MoE's `PhiMoEForCausalLM` for the native
+    `PhimoeForCausalLM`) are never consulted, so nothing in the folder is imported."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    raw = json.loads((path / "config.json").read_text())
+    config_class = CONFIG_MAPPING[raw["model_type"]]
+    config = config_class.from_pretrained(str(path))
+    if hasattr(config, "auto_map"):
+        del config.auto_map
+    try:
+        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[config_class]
+    except KeyError:
+        raise UserError(f"{path}: transformers has no causal-LM class for model_type "
+                        f"'{raw['model_type']}'.") from None
+    return config, model_class
+
+
+def remote_code_note(path: Path) -> str | None:
+    """One line for a checkpoint that ships its own code (auto_map): which native class runs
+    instead. None when it ships none."""
+    raw = json.loads((path / "config.json").read_text())
+    shipped = raw.get("auto_map") or {}
+    if not shipped:
+        return None
+    _, model_class = native_classes(path)
+    their = shipped.get("AutoModelForCausalLM") or next(iter(shipped.values()))
+    return (f"{path.name}/config.json ships its own code ({their}); loading transformers' native "
+            f"{model_class.__name__} for model_type '{raw['model_type']}' instead (nothing in "
+            "the folder is imported).")
+
+
 def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = None,
                seed: int = 0, progress: bool = True) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
     path = resolve_checkpoint(cfg, cache_dir, seed, progress)
     dtype = pick_dtype(cfg, device)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=dtype, use_safetensors=True, trust_remote_code=False)
+    config, model_class = native_classes(path)
+    model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
+                                        use_safetensors=True, trust_remote_code=False)
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model), checkpoint=path,
                        device=device)
