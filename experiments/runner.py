@@ -31,6 +31,7 @@ from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.loading import (load_model, load_tokenizer, read_max_positions, read_moe_shape,
                                     remote_code_note, resolve_checkpoint)
+from specter.models.checkpoint_bytes import size_text
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
@@ -182,6 +183,56 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
                         "hardware=a100_pcie4_hf hardware.clock=emulated.")
 
 
+def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log):
+    """From the safetensors headers alone, before any weight loads: the routed experts' bytes
+    (host memory, for a system that offloads them) and the rest's (the device), each checked
+    against what holds it; one sentence when they cannot fit."""
+    from specter.models.checkpoint_bytes import check_fits, checkpoint_bytes, host_memory_bytes
+    from specter.models.loading import pick_dtype
+
+    elem = torch.finfo(pick_dtype(cfg.model, device)).bits // 8
+    b = checkpoint_bytes(checkpoint, elem)
+    offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
+    if device.type == "cuda":
+        check_fits(cfg.model.name, b, offloads, torch.cuda.get_device_properties(device).total_memory)
+    else:  # the device is the host: it holds everything (offloading keeps the host copy too)
+        check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
+    log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
+        f"({'host' if offloads else 'device'}), the rest {size_text(b.non_expert_bytes)} "
+        f"(device), from {b.tensors} tensors' headers")
+    return b
+
+
+class LoadMeter:
+    """Load time and the peaks from before loading to the first request: the CUDA allocator's
+    peak on CUDA (on the CPU, the bytes of the parameters placed on the device: every tensor
+    the loader put there), and the process's peak resident memory (the host). `load_s`: the
+    weights; `setup_s`: to the first request (the draft's quantization or its reuse, the
+    offloading's host store)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.t0 = device, time.perf_counter()
+        self.device_bytes = 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def placed(self, model) -> None:
+        self.load_s = time.perf_counter() - self.t0
+        self.device_bytes = max(self.device_bytes, sum(
+            p.numel() * p.element_size() for p in model.parameters()
+            if p.device.type == self.device.type))
+
+    def done(self) -> dict:
+        import resource
+
+        cuda = self.device.type == "cuda"
+        peak = torch.cuda.max_memory_allocated(self.device) if cuda else self.device_bytes
+        return {"load_s": self.load_s, "setup_s": time.perf_counter() - self.t0,
+                "load_peak_device_bytes": int(peak),
+                "load_peak_device_source": "cuda_allocator" if cuda else "device_tensors",
+                "load_peak_host_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def check_batch(cfg: RunConfig) -> None:
     """workload.batch > 1 needs a system that decodes requests together."""
     if cfg.workload.batch > 1 and not getattr(recipe(cfg.system.name).ENGINE, "batches", False):
@@ -241,6 +292,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         log(f"[specter] {note}")
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
     preflight(cfg, checkpoint, device, n_experts)
+    ckpt_bytes = checkpoint_fits(cfg, checkpoint, device, log)
     w = cfg.workload  # the device holds the KV of a whole batch
     budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
                                 footprint(cfg.system),
@@ -252,7 +304,9 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     prompts = [truncate_prompt(tokenizer, t, cfg.workload.prompt_tokens) for t in workload.texts]
 
     # 2. Load the model and account its device bytes.
+    load = LoadMeter(device)
     loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress)
+    load.placed(loaded.model)
     spec = loaded.spec
     kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
     acct = budget_mod.account(spec, budget.slots, kv_tokens)
@@ -268,6 +322,11 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
 
     # 3. Decode every (request, repeat) that is not recorded yet.
     engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device))
+    load_rec = load.done()
+    log(f"[specter] loaded in {load_rec['load_s']:.1f} s (ready in {load_rec['setup_s']:.1f} s): "
+        f"device peak {size_text(load_rec['load_peak_device_bytes'])} "
+        f"({load_rec['load_peak_device_source']}), host peak "
+        f"{size_text(load_rec['load_peak_host_bytes'])} (process RSS)")
     case = case_of(cfg, budget.slots)
     if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
         case["model_build"] = checkpoint.name  # with another recipe is another case
@@ -282,7 +341,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "experiment": cfg.experiment, "seed": cfg.seed, "checkpoint": str(checkpoint),
         "acct_non_expert_bytes": acct.non_expert_bytes,
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
-        "acct_kv_bytes": acct.kv_bytes, **checkpoint_record(checkpoint),
+        "acct_kv_bytes": acct.kv_bytes, **ckpt_bytes.as_record(), **load_rec,
+        **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }
     jobs = batches(cfg, len(prompts))

@@ -68,3 +68,45 @@ def test_auto_map_of_an_unknown_architecture_is_one_sentence(tmp_path, tiny_mode
                                         "transformers .* knows. It ships its own code"):
         loading.resolve_checkpoint(ModelConfig(name="x", source="hf", path=str(folder)), None, 0)
     assert not mark.exists()
+
+
+# -- what a checkpoint needs, from its headers alone -------------------------------------------
+@pytest.mark.parametrize("name,routed", [
+    ("model.layers.1.mlp.experts.0.gate_proj.weight", True),  # DeepSeek, Qwen, OLMoE, GLM
+    ("model.layers.3.block_sparse_moe.experts.7.w2.weight", True),  # Mixtral, Phi
+    ("model.layers.0.mlp.experts.gate_up_proj_blocks", True),  # gpt-oss (fused, MXFP4)
+    ("model.layers.0.mlp.experts.down_proj_bias", True),
+    ("model.layers.1.mlp.shared_experts.gate_proj.weight", False),  # DeepSeek's shared
+    ("model.layers.1.mlp.shared_expert.up_proj.weight", False),  # Qwen1.5-MoE's shared
+    ("model.layers.1.mlp.shared_expert_gate.weight", False),
+    ("model.layers.1.mlp.gate.weight", False),  # routers
+    ("model.layers.1.block_sparse_moe.gate.weight", False),
+    ("model.layers.0.mlp.router.weight", False),
+    ("model.layers.0.mlp.gate_proj.weight", False),  # a dense first layer
+])
+def test_routed_expert_tensors_are_known_by_name(name, routed):
+    from specter.models.checkpoint_bytes import is_routed_expert
+
+    assert is_routed_expert(name) == routed
+
+
+def test_header_bytes_equal_the_loaded_model_and_refusals_are_one_sentence(tiny_models):
+    from specter.models.checkpoint_bytes import GiB, CheckpointBytes, check_fits, checkpoint_bytes
+    from specter.models.introspect import experts_modules
+
+    lm = tiny_models("tiny_qwen")
+    b = checkpoint_bytes(lm.checkpoint, element_size=2)  # as if loaded in half precision
+    experts = sum(t.numel() * 2 for _, m in experts_modules(lm.model)
+                  for t in (m.gate_up_proj, m.down_proj))
+    total = sum(p.numel() * 2 for p in lm.model.parameters())
+    assert b.expert_bytes == experts and b.non_expert_bytes == total - experts
+    phi = CheckpointBytes(expert_bytes=int(78.1 * GiB), non_expert_bytes=int(3.2 * GiB),
+                          tensors=1, expert_tensors=1)
+    with pytest.raises(UserError, match=r"^model=phi needs 78.1 GiB of host memory for its "
+                                        r"routed experts; this machine has 23.4 GiB.$"):
+        check_fits("phi", phi, True, device_bytes=None, host_bytes=int(23.4 * GiB))
+    with pytest.raises(UserError, match=r"needs 3.2 GiB of device memory for its non-expert"):
+        check_fits("phi", phi, True, device_bytes=2 * GiB, host_bytes=128 * GiB)
+    with pytest.raises(UserError, match=r"needs 81.3 GiB of device memory for all its weights"):
+        check_fits("phi", phi, False, device_bytes=40 * GiB, host_bytes=128 * GiB)
+    check_fits("phi", phi, True, device_bytes=40 * GiB, host_bytes=128 * GiB)  # offloaded: fits
