@@ -27,12 +27,13 @@ def rows(context: int) -> list[dict]:
 
     from specter.budget import fp16_spec, resolve_slots
     from specter.config import BudgetConfig, ModelConfig
-    from specter.models.real_configs import REAL_CONFIGS
+    from specter.models.real_configs import PAPER_MODELS, REAL_CONFIGS
     from specter.decoding.self_draft import account_model
 
     out = []
     conf = Path(__file__).resolve().parents[1] / "conf" / "model"
-    for name, real in REAL_CONFIGS.items():
+    for name in PAPER_MODELS:  # the paper's table
+        real = REAL_CONFIGS[name]
         spec = fp16_spec(AutoConfig.for_model(**real))
         mcfg = ModelConfig(**yaml.safe_load((conf / f"{name}.yaml").read_text()))
         for budget in ("high", "low"):

@@ -12,7 +12,9 @@ Does not own: which experts occupy the slots (the residency policy of the offloa
 The paper's budgets are per-layer slot counts (docs/paper-notes.md); models without a paper entry
 use the same proportions as DeepSeek-V2-Lite and Qwen1.5-MoE: high = E/4, low = E/8, rounded
 up, never below top-k. `xhigh` = E/2 is the largest budget of the hit-rate study (our reading
-of DeepSeek-V2-Lite at 32 GB: twice the 24 GB case's slots).
+of DeepSeek-V2-Lite at 32 GB: twice the 24 GB case's slots). A real model no paper gives slots
+for (Mixtral, Qwen3, OLMoE, GLM: conf/model/ names its budgets in GiB only) resolves a named
+budget by the byte accounting, as `budget.gb` does.
 """
 
 from __future__ import annotations
@@ -214,7 +216,10 @@ def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: i
         raise UserError("budget=gb needs the device memory: add budget.gb=N (GiB), e.g. budget.gb=24.")
     ref_gb = budget.gb if budget.gb is not None else \
         None if budget.slots is not None else model.budget_gb.get(budget.name)
-    if budget.gb is None and not footprint.whole_layers:
+    # A model no paper gives slots for (model.budget_slots empty) names its budgets in GiB
+    # only: those resolve by the byte accounting, as budget.gb does.
+    by_gb = budget.gb is not None or (ref_gb is not None and not model.budget_slots)
+    if not by_gb and not footprint.whole_layers:
         r = resolve_slots(budget, model, num_experts, top_k)
         return dataclasses.replace(r, gb=ref_gb, staging=budget.staging)
     if ref_gb is None:  # accelerate with no GiB to size its map from: the slots' bytes, as layers
