@@ -100,7 +100,9 @@ def test_impossible_gb_budgets_are_one_sentence():
     base = {"model": {"name": "x", "source": "project"}, "system": {"name": "lru"},
             "dataset": {"name": "gsm8k"}, "hardware": {"name": "cpu"}, "workload": {}}
     for budget, msg in (({"name": "gb", "gb": 24, "slots": 8}, "not both"),
-                        ({"name": "gb", "gb": -1}, "positive"), ({"name": "high", "staging": -1}, "staging")):
+                        ({"name": "gb", "gb": -1}, "budget.gb must be >= 0"),
+                        ({"name": "gb", "gb": 0}, "positive"),
+                        ({"name": "high", "staging": -1}, "staging")):
         with pytest.raises(UserError, match=msg):
             RunConfig.from_dict({**base, "budget": budget})
 

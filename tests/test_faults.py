@@ -86,6 +86,17 @@ LONG_RUN = ["model=tiny_deepseek", "system=resident", "hardware=cpu", "dataset=g
             "workload.stop_on_eos=false", "progress=false"]
 
 
+def _as_from_a_terminal():
+    """In the child before exec: Ctrl-C's default disposition, unblocked, as a shell gives a
+    command. A child inherits ignored and blocked signals, and the suite's own process may
+    have SIGINT ignored or blocked by then (loky's resource tracker, started by the joblib
+    launcher tests, blocks it while it spawns): the run would then never see the Ctrl-C."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _start_and_signal(tmp_path, sig):
     """Start a 60-row run, send `sig` once its first row is on disk; (returncode, stderr)."""
     import subprocess
@@ -94,13 +105,19 @@ def _start_and_signal(tmp_path, sig):
     from conftest import REPO
 
     proc = subprocess.Popen([sys.executable, str(REPO / "run.py"), *LONG_RUN,
-                             f"out_dir={tmp_path}"], cwd=REPO,
+                             f"out_dir={tmp_path}"], cwd=REPO, preexec_fn=_as_from_a_terminal,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not _rows(tmp_path) and time.time() < deadline:
+    t0 = time.time()
+    deadline = t0 + 120
+    while not _rows(tmp_path) and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
+    seen = f"{len(_rows(tmp_path))} row(s) on disk after {time.time() - t0:.1f} s"
+    ended = proc.poll()  # a run that ended before the signal was sent: say so
     proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
+    if ended is not None:
+        err = (f"[the run had ended (exit {ended}) before the signal: {seen}]\n{err}\n"
+               f"{out[-1500:]}")
     return proc.returncode, err
 
 

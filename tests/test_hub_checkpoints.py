@@ -195,3 +195,49 @@ def test_hub_layouts_decode_as_plain_generate(key, hub_folder, tmp_path):
             ref = ref_model.generate(ids, max_new_tokens=8, do_sample=False,
                                      pad_token_id=ours.tokenizer.pad_token_id or 0)
             assert list(row["output_tokens"]) == ref[0, ids.shape[1]:].tolist(), (key, system)
+
+
+@pytest.mark.slow
+def test_deepseek_v2_lite_at_its_real_widths(tmp_path):
+    """DeepSeek-V2-Lite's layout at its real widths (hidden 2048, 64 experts of 1408, MLA,
+    vocab 102400; a dense first layer and one MoE layer: 1.09 B parameters, 2 GiB in bf16):
+    lru and specter (an RTN draft: GPTQ at these widths is minutes on 2 cores) give plain
+    generate's tokens; the header accounting matches the loaded model. One model in memory at
+    a time (fp32 on the CPU: 4.4 GB)."""
+    import gc
+
+    import hub_fixtures
+    from transformers import AutoModelForCausalLM
+
+    from experiments import records, runner
+    from specter.models.checkpoint_bytes import checkpoint_bytes
+
+    folder = hub_fixtures.write_fixture("deepseek", tmp_path / "ds", layers=2)
+    ref_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
+                                                     trust_remote_code=False)
+    ref_model.generation_config.eos_token_id = None
+    b = checkpoint_bytes(folder, element_size=4)
+    assert b.expert_bytes == 64 * 3 * 1408 * 2048 * 4
+    assert b.expert_bytes + b.non_expert_bytes == 4 * sum(p.numel() for p in ref_model.parameters())
+    refs = {}
+    for system in ("lru", "specter"):
+        cfg = _hub_run_cfg("deepseek", folder, system, tmp_path / system, 7)
+        cfg.quant.method, cfg.workload.items, cfg.workload.max_new_tokens = "rtn", 1, 6
+        if not refs:  # the prompts the runner will decode: the workload's first item
+            from experiments.runner import _workload
+            from specter.workloads import truncate_prompt
+
+            tok = loading.load_tokenizer(folder)
+            for text in _workload(cfg).texts[:1]:
+                ids = truncate_prompt(tok, text, cfg.workload.prompt_tokens)
+                out = ref_model.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False,
+                                         pad_token_id=tok.pad_token_id or 0)
+                refs[tuple(ids)] = out[0, len(ids):].tolist()
+            del ref_model
+            gc.collect()
+        runner.run(cfg, log=lambda *_: None)
+        df = records.load(tmp_path / system)
+        for _, row in df.iterrows():
+            assert list(row["output_tokens"]) == refs[tuple(row["prompt_tokens"])], system
+        assert row["ckpt_expert_bytes"] == b.expert_bytes and row["load_s"] > 0
+        gc.collect()
