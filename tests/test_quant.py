@@ -246,3 +246,40 @@ def test_fidelity_experiment_records_routing_agreement_by_bits(tmp_path):
     table = subprocess.run([sys.executable, "-m", "experiments.fidelity_table", str(out)],
                            cwd=REPO, capture_output=True, text=True)
     assert table.returncode == 0 and "SUMMARY" in table.stdout, table.stderr
+
+
+def test_gptq_saves_each_layer_and_resumes_where_it_was_interrupted(tiny_models, tmp_path,
+                                                                    monkeypatch):
+    """A quantization stopped inside its second MoE layer keeps the first, saved whole; the
+    rerun quantizes only what is left and gives what one uninterrupted run gives."""
+    lm = tiny_models("tiny_deepseek")
+    cpu = torch.device("cpu")
+    spec = calibrate.QuantSpec(calib_tokens=256, group=32)
+    windows = calibrate.calibration_windows(lm.tokenizer, spec)
+    whole = calibrate.quantize_experts(lm.model, spec, windows, cpu)
+    partial, real, calls = tmp_path / "partial", calibrate._quantize_layer, []
+
+    def counted(m, spec_, hess, bar):
+        calls.append(m)
+        if len(calls) == 2 and stop:
+            raise KeyboardInterrupt  # the user's Ctrl-C, inside layer 2
+        return real(m, spec_, hess, bar)
+
+    monkeypatch.setattr(calibrate, "_quantize_layer", counted)
+    stop = True
+    with pytest.raises(KeyboardInterrupt):
+        calibrate.quantize_experts(lm.model, spec, windows, cpu, partial=partial)
+    assert (partial / "layer0.safetensors").is_file()
+    assert not (partial / "layer1.safetensors").exists()
+    stop, calls[:] = False, []
+    again = calibrate.quantize_experts(lm.model, spec, windows, cpu, partial=partial)
+    n_layers = len(whole.gate_up)
+    assert again.meta["resumed_layers"] == 1 and len(calls) == n_layers - 1
+    for a, b in zip(whole.gate_up + whole.down, again.gate_up + again.down):
+        assert all(torch.equal(x.codes, y.codes) and torch.equal(x.scales, y.scales)
+                   for x, y in zip(a, b))
+    assert again.meta["rtn_fallback"] == whole.meta["rtn_fallback"]
+    other = calibrate.QuantSpec(calib_tokens=256, group=64)  # another spec: nothing reused
+    calls[:] = []
+    assert calibrate.quantize_experts(lm.model, other, windows, cpu,
+                                      partial=partial).meta["resumed_layers"] == 0

@@ -97,8 +97,9 @@ def calibration_windows(tokenizer, spec: QuantSpec, data_dir: Path | None = None
 # -- per-expert Hessians -------------------------------------------------------------------
 @torch.no_grad()
 def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor],
-                   device: torch.device) -> tuple[list[Hessian], list[Hessian]]:
-    """Hessians of every expert of one MoE layer from the tokens routed to it."""
+                   device: torch.device, on_window=None) -> tuple[list[Hessian], list[Hessian]]:
+    """Hessians of every expert of one MoE layer from the tokens routed to it;
+    `on_window(i)` after each calibration window's forward."""
     _, module = experts_modules(model)[moe_layer]
     n_exp, two_i, hid = module.gate_up_proj.shape
     h_gu = [Hessian(hid, device) for _ in range(n_exp)]
@@ -114,49 +115,110 @@ def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor]
 
     handle = module.register_forward_pre_hook(hook)
     try:
-        for w in windows:
+        for i, w in enumerate(windows):
             model(input_ids=w.to(device), use_cache=False)
+            if on_window is not None:
+                on_window(i)
     finally:
         handle.remove()
     return h_gu, h_dn
 
 
 def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tensor] | None,
-                     device: torch.device, progress: bool = False) -> QuantizedExperts:
-    """Quantize every routed expert of `model` (weights left untouched)."""
+                     device: torch.device, progress: bool = False,
+                     partial: Path | None = None) -> QuantizedExperts:
+    """Quantize every routed expert of `model` (weights left untouched). `partial`: a folder
+    where each finished MoE layer is saved as it completes, and from which an interrupted run
+    resumes (layers made for another source or spec are not reused). The progress bar moves
+    per expert (GPTQ of one real-width expert takes seconds), after each layer's calibration
+    forwards."""
     from tqdm import tqdm
 
     mods = [m for _, m in experts_modules(model)]
     if spec.method == "gptq" and not windows:
         raise UserError("GPTQ needs calibration windows; none were given.")
+    key = {"spec": asdict(spec), "source_checksum": source_checksum(model),
+           "calib_windows": len(windows or [])}
+    n_exp = mods[0].gate_up_proj.shape[0]
+    bar = tqdm(total=len(mods) * n_exp, desc=f"quantizing experts ({spec.tag})",
+               disable=not progress, leave=False, unit="expert")
     gate_up, down, tokens, fallback = [], [], [], []
-    for l in tqdm(range(len(mods)), desc=f"quantizing experts ({spec.tag})", disable=not progress,
-                  leave=False):
-        m = mods[l]
-        n_exp = m.gate_up_proj.shape[0]
-        hess = layer_hessians(model, l, windows, device) if spec.method == "gptq" else None
-        gu_l, dn_l, tok_l, fb_l = [], [], [], []
-        for e in range(n_exp):
-            w_gu, w_dn = m.gate_up_proj[e].detach(), m.down_proj[e].detach()
-            n = hess[0][e].n if hess else 0
-            use_rtn = hess is None or n < spec.min_tokens
-            if use_rtn:
-                gu_l.append(rtn_quantize(w_gu, spec.bits, spec.group))
-                dn_l.append(rtn_quantize(w_dn, spec.bits, spec.group))
-            else:
-                gu_l.append(gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp))
-                dn_l.append(gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp))
-            tok_l.append(n)
-            fb_l.append(bool(use_rtn and spec.method == "gptq"))
-        gate_up.append(gu_l)
-        down.append(dn_l)
-        tokens.append(tok_l)
-        fallback.append(fb_l)
-    meta = {"spec": asdict(spec), "source_checksum": source_checksum(model),
-            "calib_tokens_per_expert": tokens, "rtn_fallback": fallback,
-            "calib_windows": len(windows or []),
-            "calibration": "full-precision inputs, one MoE layer at a time (not sequential)"}
+    resumed = 0
+    for l, m in enumerate(mods):
+        done = _load_layer(partial, l, key) if partial is not None else None
+        if done is not None:
+            resumed += 1
+            bar.update(n_exp)
+        else:
+            where = f"layer {l + 1}/{len(mods)}"
+            hess = layer_hessians(
+                model, l, windows, device,
+                lambda i: bar.set_postfix_str(f"{where}: calibration window {i + 1}/{len(windows)}")
+            ) if spec.method == "gptq" else None
+            bar.set_postfix_str(where)
+            done = _quantize_layer(m, spec, hess, bar)
+            if partial is not None:
+                _save_layer(partial, l, key, *done)
+        for out, part in zip((gate_up, down, tokens, fallback), done):
+            out.append(part)
+    bar.close()
+    meta = {**key, "calib_tokens_per_expert": tokens, "rtn_fallback": fallback,
+            "calibration": "full-precision inputs, one MoE layer at a time (not sequential)",
+            "resumed_layers": resumed}
     return QuantizedExperts(spec, gate_up, down, meta)
+
+
+def _quantize_layer(m: nn.Module, spec: QuantSpec, hess, bar):
+    """(gate_up, down, calibration tokens, RTN fallback) of one MoE layer, expert by expert."""
+    gu_l, dn_l, tok_l, fb_l = [], [], [], []
+    for e in range(m.gate_up_proj.shape[0]):
+        w_gu, w_dn = m.gate_up_proj[e].detach(), m.down_proj[e].detach()
+        n = hess[0][e].n if hess else 0
+        use_rtn = hess is None or n < spec.min_tokens
+        if use_rtn:
+            gu_l.append(rtn_quantize(w_gu, spec.bits, spec.group))
+            dn_l.append(rtn_quantize(w_dn, spec.bits, spec.group))
+        else:
+            gu_l.append(gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp))
+            dn_l.append(gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp))
+        tok_l.append(n)
+        fb_l.append(bool(use_rtn and spec.method == "gptq"))
+        bar.update(1)
+    return gu_l, dn_l, tok_l, fb_l
+
+
+def _save_layer(partial: Path, l: int, key: dict, gu: list, dn: list, tok: list, fb: list) -> None:
+    """One finished MoE layer, written whole (temp file, then renamed)."""
+    from safetensors.torch import save_file
+
+    partial.mkdir(parents=True, exist_ok=True)
+    tensors = {f"{name}.{part}": torch.stack([getattr(q, part) for q in layer]).contiguous().cpu()
+               for name, layer in (("gate_up", gu), ("down", dn)) for part in ("codes", "scales")}
+    meta = dict(key, tokens=tok, fallback=fb,
+                shapes={"gate_up": list(gu[0].shape), "down": list(dn[0].shape)},
+                groups={"gate_up": gu[0].group, "down": dn[0].group})
+    tmp = partial / f".layer{l}.tmp{os.getpid()}.safetensors"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, partial / f"layer{l}.safetensors")
+    (partial / f"layer{l}.json").write_text(json.dumps(meta))
+
+
+def _load_layer(partial: Path, l: int, key: dict):
+    """A layer an earlier, interrupted run finished for the same source and spec, or None."""
+    from safetensors.torch import load_file
+
+    meta_path, data = partial / f"layer{l}.json", partial / f"layer{l}.safetensors"
+    if not (meta_path.is_file() and data.is_file()):
+        return None
+    meta = json.loads(meta_path.read_text())
+    if any(meta.get(k) != v for k, v in key.items()):
+        return None
+    t = load_file(str(data))
+    bits = key["spec"]["bits"]
+    layers = [[QuantizedMatrix(t[f"{name}.codes"][e], t[f"{name}.scales"][e], bits,
+                               meta["groups"][name], tuple(meta["shapes"][name]))
+               for e in range(t[f"{name}.codes"].shape[0])] for name in ("gate_up", "down")]
+    return layers[0], layers[1], meta["tokens"], meta["fallback"]
 
 
 def source_checksum(model: nn.Module) -> str:
@@ -218,10 +280,12 @@ def ensure_quantized(model: nn.Module, tokenizer, spec: QuantSpec, cache_dir: Pa
         if (out / "quant.json").exists():
             return load(out), out, True
         windows = calibration_windows(tokenizer, spec, data_dir) if spec.method == "gptq" else None
+        partial = out.with_name(out.name + ".partial")  # finished layers: a rerun resumes
         with hermetic.build_threads():  # on the CPU the Hessians' sums depend on the threads
-            qe = quantize_experts(model, spec, windows, device, progress)
+            qe = quantize_experts(model, spec, windows, device, progress, partial)
             qe.meta["environment"] = dict(hermetic.environment(), device=str(device))
         save(qe, out)
+        shutil.rmtree(partial, ignore_errors=True)
     return qe, out, False
 
 
