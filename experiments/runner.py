@@ -110,6 +110,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
     d["resolved_slots"] = slots
     if d["workload"]["batch"] == 1:  # one request at a time: the case of runs before batching
         del d["workload"]["batch"]
+    if d["quant"]["path"] is None:  # quantized here: the case of runs before imports
+        del d["quant"]["path"]
     return d
 
 

@@ -147,6 +147,7 @@ class QuantConfig:
     min_tokens: int = 32  # experts seeing fewer calibration tokens fall back to RTN
     calib_tokens: int = 8192
     backend: str = "auto"  # auto | reference | cpu_int4 | triton
+    path: str | None = None  # a GPTQ checkpoint (GPTQModel / AutoGPTQ layout) to import as is
 
 
 @dataclass

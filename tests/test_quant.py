@@ -3,6 +3,8 @@ saved quantizations (the self-draft that runs them: test_decoding.py)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -283,3 +285,87 @@ def test_gptq_saves_each_layer_and_resumes_where_it_was_interrupted(tiny_models,
     calls[:] = []
     assert calibrate.quantize_experts(lm.model, other, windows, cpu,
                                       partial=partial).meta["resumed_layers"] == 0
+
+
+def _gptq_pack(codes: torch.Tensor, zero: int, scales: torch.Tensor, group: int) -> dict:
+    """One linear in the AutoGPTQ / GPTQModel layout, packed as their published format packs
+    it (4 bits, 8 codes per int32, lowest bits first): `qweight` [in / 8, out] packed along
+    the input, `qzeros` [groups, out / 8] holding zero - 1 ("gptq" v1 checkpoints), `scales`
+    [groups, out] in fp16, `g_idx` [in] (no act-order: input column i is in group i // g)."""
+    out_f, in_f = codes.shape
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    q = codes.T.to(torch.int64).reshape(in_f // 8, 8, out_f)  # [in/8, 8, out]
+    qweight = (q << shifts.view(1, 8, 1)).sum(1)
+    z = torch.full((in_f // group, out_f), zero - 1, dtype=torch.int64).reshape(-1, out_f // 8, 8)
+    qzeros = (z << shifts.view(1, 1, 8)).sum(-1)
+    as_int32 = lambda t: (t & 0xFFFFFFFF).to(torch.int64).where(  # noqa: E731
+        t < 2**31, t - 2**32).to(torch.int32)
+    return {"qweight": as_int32(qweight), "qzeros": as_int32(qzeros),
+            "scales": scales.T.contiguous().to(torch.float16),
+            "g_idx": (torch.arange(in_f) // group).to(torch.int32)}
+
+
+def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_path, monkeypatch):
+    """`quant.path`: a GPTQ INT4 checkpoint in the GPTQModel / AutoGPTQ layout (per-expert
+    qweight / qzeros / scales / g_idx, the settings in config.json's quantization_config) is
+    the draft as it is: its weights dequantize to (q - 8) x scale, nothing is calibrated, and
+    Specter with it is lossless."""
+    from safetensors.torch import save_file
+
+    from experiments.registry import BuildContext, build_engine
+    from specter.budget import ResolvedBudget
+    from specter.config import RunConfig
+    from specter.models.introspect import experts_modules
+    from test_offload import A100
+
+    lm = tiny_models("tiny_deepseek")
+    g = torch.Generator().manual_seed(0)
+    tensors, truth = {}, {}
+    for layer, mod in experts_modules(lm.model):
+        n_exp, two_i, hidden = mod.gate_up_proj.shape
+        for e in range(n_exp):
+            for name, shape in (("gate_proj", (two_i // 2, hidden)), ("up_proj", (two_i // 2, hidden)),
+                                ("down_proj", (hidden, two_i // 2))):
+                codes = torch.randint(0, 16, shape, generator=g)
+                scales = (torch.rand(shape[0], shape[1] // 32, generator=g) + 0.5) / 100
+                prefix = f"model.layers.{layer}.mlp.experts.{e}.{name}"
+                tensors.update({f"{prefix}.{k}": v for k, v in
+                                _gptq_pack(codes, 8, scales, 32).items()})
+                # (q - 8) x scale, in the checkpoint's fp16 as the importer keeps its scales
+                truth[prefix] = ((codes - 8).half() * scales.half().repeat_interleave(32, 1)).float()
+    folder = tmp_path / "gptq"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    cfg = json.loads((lm.checkpoint / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
+                                  "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+    called = []
+    monkeypatch.setattr(calibrate, "quantize_experts", lambda *a, **k: called.append(1))
+    run = RunConfig.from_dict({
+        "model": {"name": "tiny_deepseek", "source": "project"}, "budget": {"name": "high"},
+        "system": {"name": "specter"}, "dataset": {"name": "gsm8k"}, "hardware": A100,
+        "workload": {}, "quant": {"path": str(folder), "backend": "reference"},
+        "spec": {"k": 3}, "progress": False})
+    from specter.quant.build import draft_for
+
+    draft = draft_for(BuildContext(run, lm, ResolvedBudget("high", 8, "test"), torch.device("cpu")))
+    assert not called and draft.reused and draft.path == folder
+    for l, (layer, mod) in enumerate(experts_modules(lm.model)):
+        for e in (0, 5):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            want = torch.cat([truth[f"{p}.gate_proj"], truth[f"{p}.up_proj"]])
+            assert torch.allclose(draft.experts.gate_up[l][e].dequantize(torch.float32), want)
+            assert torch.allclose(draft.experts.down[l][e].dequantize(torch.float32),
+                                  truth[f"{p}.down_proj"])
+    from conftest import PROMPTS
+    from specter.decoding.engines import resident_engine
+
+    ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
+    ref = resident_engine(lm.model, torch.device("cpu")).generate(ids, 16).tokens
+    fresh = _tiny("tiny_deepseek")  # offloading mutates a model: a fresh one
+    engine = build_engine(BuildContext(run, fresh, ResolvedBudget("high", 8, "test"),
+                                       torch.device("cpu")))
+    assert not called
+    assert engine.generate(ids, 16).tokens == ref

@@ -61,7 +61,16 @@ def draft_for(ctx) -> Draft:
     spec = spec_of(q)
     cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
     data_dir = Path(ctx.cfg.data_dir) if ctx.cfg.data_dir else None
-    if q.method == "gptqmodel":
+    if q.path:  # a shipped GPTQ draft: imported, nothing quantized
+        from specter.quant.gptq_import import import_gptq
+
+        path = Path(q.path).expanduser()
+        if not path.is_dir():
+            raise UserError(f"quant.path={q.path} is not a folder; point it at a GPTQ checkpoint "
+                            "(qweight/qzeros/scales safetensors and its quantization config).")
+        experts = import_gptq(path, model)
+        reused = True
+    elif q.method == "gptqmodel":
         from specter.quant.gptq_import import import_gptq, quantize_with_gptqmodel
 
         if q.bits != 4:

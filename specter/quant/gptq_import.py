@@ -67,14 +67,25 @@ def _fuse(gate: QuantizedMatrix, up: QuantizedMatrix) -> QuantizedMatrix:
                            gate.bits, gate.group, (gate.shape[0] + up.shape[0], gate.shape[1]))
 
 
+def quantization_config(checkpoint: Path) -> dict:
+    """The GPTQ settings of a checkpoint: AutoGPTQ's quantize_config.json, or the
+    `quantization_config` of its config.json (GPTQModel and transformers write it there)."""
+    qcfg_path, cfg_path = checkpoint / "quantize_config.json", checkpoint / "config.json"
+    if qcfg_path.is_file():
+        return json.loads(qcfg_path.read_text())
+    if cfg_path.is_file():
+        qcfg = json.loads(cfg_path.read_text()).get("quantization_config") or {}
+        if qcfg.get("quant_method", "gptq") == "gptq" and "bits" in qcfg:
+            return qcfg
+    raise UserError(f"{checkpoint} has neither quantize_config.json nor a GPTQ "
+                    "quantization_config in config.json: not a GPTQ checkpoint.")
+
+
 def import_gptq(checkpoint: Path, model: nn.Module, dtype: torch.dtype | None = None) -> QuantizedExperts:
     """The routed experts of a GPTQ checkpoint of `model`'s architecture."""
     from safetensors.torch import load_file
 
-    qcfg_path = checkpoint / "quantize_config.json"
-    if not qcfg_path.exists():
-        raise UserError(f"{checkpoint} has no quantize_config.json: not a GPTQ checkpoint.")
-    qcfg = json.loads(qcfg_path.read_text())
+    qcfg = quantization_config(checkpoint)
     bits, group = int(qcfg["bits"]), int(qcfg["group_size"])
     if bits != 4:
         raise UserError(f"only 4-bit GPTQ checkpoints import into the INT4 layout (got {bits}).")
@@ -99,6 +110,13 @@ def import_gptq(checkpoint: Path, model: nn.Module, dtype: torch.dtype | None = 
             g, u, d = (gptq_matrix(tensors, f"{base}.experts.{e}.{n}", bits, group, zero_offset)
                        for n in names)
             fused = _fuse(g, u)
+            if fused.shape != tuple(module.gate_up_proj.shape[1:]) or \
+                    d.shape != tuple(module.down_proj.shape[1:]):
+                raise UserError(f"{checkpoint}: expert {e} of decoder layer {layer_idx} is "
+                                f"{fused.shape[0] // 2}x{fused.shape[1]}, this model's "
+                                f"{module.gate_up_proj.shape[1] // 2}x"
+                                f"{module.gate_up_proj.shape[2]}: a GPTQ checkpoint of "
+                                "another model.")
             if dtype is not None:
                 fused.scales, d.scales = fused.scales.to(dtype), d.scales.to(dtype)
             gl.append(fused)
