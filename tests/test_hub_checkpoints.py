@@ -241,3 +241,11 @@ def test_deepseek_v2_lite_at_its_real_widths(tmp_path):
             assert list(row["output_tokens"]) == refs[tuple(row["prompt_tokens"])], system
         assert row["ckpt_expert_bytes"] == b.expert_bytes and row["load_s"] > 0
         gc.collect()
+
+
+def test_gpt_oss_is_refused_in_one_sentence_that_says_why(tmp_path, tiny_models):
+    folder, _ = shipped_code_folder(tmp_path, tiny_models, model_type="gpt_oss")
+    with pytest.raises(UserError, match=r"model_type 'gpt_oss' is not supported: its experts "
+                                        r"are fused across experts") as err:
+        loading.resolve_checkpoint(ModelConfig(name="x", source="hf", path=str(folder)), None, 0)
+    assert "\n" not in str(err.value)

@@ -53,6 +53,14 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
     return path
 
 
+# Architectures transformers knows that this project's offloading cannot run, and why.
+UNSUPPORTED = {
+    "gpt_oss": "its experts are fused across experts ([E, H, 2I], gate and up interleaved, with "
+               "biases) and shipped MXFP4-packed, while the expert store, the cache slots and the "
+               "INT4 draft take one expert's [2I, H] gate/up and [H, I] down matrices at a time.",
+}
+
+
 def check_checkpoint(path: Path) -> None:
     """The checkpoint folder can be loaded without running anything it ships: config.json is
     JSON naming a model_type transformers implements itself (a folder that also ships code,
@@ -75,6 +83,9 @@ def check_checkpoint(path: Path) -> None:
                  if raw.get("auto_map") else "")
         raise UserError(f"{config}: model_type '{raw['model_type']}' is not an architecture "
                         f"transformers {transformers.__version__} knows.{ships}")
+    if raw["model_type"] in UNSUPPORTED:
+        raise UserError(f"{config}: model_type '{raw['model_type']}' is not supported: "
+                        f"{UNSUPPORTED[raw['model_type']]}")
     for weights in sorted(path.glob("*.safetensors")):
         problem = _safetensors_problem(weights)
         if problem:
