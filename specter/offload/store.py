@@ -51,8 +51,8 @@ class HostExpertStore:
                                   dtype=mod.gate_up_proj.dtype)
             assert self.layout in (None, layout), "all MoE layers must share one expert layout"
             self.layout = layout
-            gate_up = mod.gate_up_proj.detach().to("cpu")
-            down = mod.down_proj.detach().to("cpu")
+            gate_up = mod.gate_up_proj.detach()
+            down = mod.down_proj.detach()
             buffers = []
             for j in range(e):
                 flat = torch.empty(layout.numel, dtype=layout.dtype, pin_memory=pin)
@@ -62,6 +62,15 @@ class HostExpertStore:
                 buffers.append(flat)
             self.layers.append(layer_idx)
             self.flat.append(buffers)
+            # The layer's fused copies go as soon as the store holds it: the host (or the
+            # device) keeps one copy of the experts, plus at most one layer while converting.
+            del gate_up, down
+            mod._specter_moe_layer = len(self.flat) - 1  # still an experts module, by its tag
+            for name in ("gate_up_proj", "down_proj"):
+                old = getattr(mod, name)
+                setattr(mod, name, nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device),
+                                                requires_grad=False))
+                del old
 
     @property
     def num_moe_layers(self) -> int:
