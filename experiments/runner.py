@@ -195,8 +195,9 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     elem = torch.finfo(pick_dtype(cfg.model, device)).bits // 8
     b = checkpoint_bytes(checkpoint, elem)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
-    if device.type == "cuda":
-        check_fits(cfg.model.name, b, offloads, torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "cuda":  # load_model still moves the whole model to the device first
+        check_fits(cfg.model.name, b, offloads,
+                   torch.cuda.get_device_properties(device).total_memory, loads_whole=True)
     else:  # the device is the host: it holds everything (offloading keeps the host copy too)
         check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "

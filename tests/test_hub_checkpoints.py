@@ -110,6 +110,10 @@ def test_header_bytes_equal_the_loaded_model_and_refusals_are_one_sentence(tiny_
     with pytest.raises(UserError, match=r"needs 81.3 GiB of device memory for all its weights"):
         check_fits("phi", phi, False, device_bytes=40 * GiB, host_bytes=128 * GiB)
     check_fits("phi", phi, True, device_bytes=40 * GiB, host_bytes=128 * GiB)  # offloaded: fits
+    with pytest.raises(UserError, match=r"needs 81.3 GiB of device memory for all its weights "
+                                        r"while loading"):  # today's CUDA loader
+        check_fits("phi", phi, True, device_bytes=40 * GiB, host_bytes=128 * GiB,
+                   loads_whole=True)
 
 
 # -- the seed models' hub layouts, as shipped ---------------------------------------------------

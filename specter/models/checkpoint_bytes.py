@@ -84,19 +84,26 @@ def host_memory_bytes() -> int:
 
 
 def check_fits(model_name: str, b: CheckpointBytes, experts_on_host: bool,
-               device_bytes: int | None, host_bytes: int | None = None) -> None:
+               device_bytes: int | None, host_bytes: int | None = None,
+               loads_whole: bool = False) -> None:
     """One sentence when the host cannot hold the routed experts (offloading: every expert's
     one copy lives there) or the device cannot hold what it must (offloading: the non-expert
     weights; resident: everything). `device_bytes`: the device's memory or the run's budget;
-    None: not checked (the CPU, where the device is the host)."""
+    None: not checked (the CPU, where the device is the host). `loads_whole`: the loader puts
+    the whole model on the device before the experts move to the host, so the device must
+    hold everything once even for an offloading system."""
     host = host_memory_bytes() if host_bytes is None else host_bytes
     on_host = b.expert_bytes if experts_on_host else 0
     if experts_on_host and on_host > host:
         raise UserError(f"model={model_name} needs {on_host / GiB:.1f} GiB of host memory for "
                         f"its routed experts; this machine has {host / GiB:.1f} GiB.")
     if device_bytes is not None:
-        need = b.non_expert_bytes + (0 if experts_on_host else b.expert_bytes)
-        what = "its non-expert weights" if experts_on_host else "all its weights (resident)"
+        whole = loads_whole or not experts_on_host
+        need = b.non_expert_bytes + (b.expert_bytes if whole else 0)
+        what = ("its non-expert weights" if not whole else
+                "all its weights (resident)" if not experts_on_host else
+                "all its weights while loading (the loader places the whole model on the device "
+                "before the experts move to host memory)")
         if need > device_bytes:
             raise UserError(f"model={model_name} needs {need / GiB:.1f} GiB of device memory "
                             f"for {what}; the device has {device_bytes / GiB:.1f} GiB.")
