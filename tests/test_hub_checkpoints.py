@@ -253,3 +253,24 @@ def test_gpt_oss_is_refused_in_one_sentence_that_says_why(tmp_path, tiny_models)
                                         r"are fused across experts") as err:
         loading.resolve_checkpoint(ModelConfig(name="x", source="hf", path=str(folder)), None, 0)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_a_new_model_runs_from_the_command_line_on_its_gib_budget(hub_folder, tmp_path):
+    """`python run.py model=mixtral model.path=DIR budget=high`: the conf entry composes, the
+    budget (device GiB, no paper slots) resolves by the byte accounting, the run writes its
+    rows; without the folder, one sentence says how to get the weights."""
+    from conftest import run_cli
+
+    from experiments import records
+
+    folder = hub_folder("mixtral")
+    done = run_cli("model=mixtral", f"model.path={folder}", "budget=high", "system=lru",
+                   "workload.items=1", "workload.max_new_tokens=4", "workload.repeats=1",
+                   f"out_dir={tmp_path / 'res'}", "progress=false")
+    assert done.returncode == 0, done.stderr[-2000:]
+    row = records.load(tmp_path / "res").iloc[0]
+    assert row["budget_gb"] == 80 and row["budget_rule"] == "budget.gb=80 (byte accounting)"
+    missing = run_cli("model=glm", f"model.path={tmp_path / 'nowhere'}", "system=lru",
+                      f"out_dir={tmp_path / 'x'}", "progress=false")
+    assert missing.returncode == 2 and "hf download zai-org/GLM-4.7-Flash" in missing.stderr
