@@ -165,11 +165,8 @@ class OffloadRuntime:
         for l, m in enumerate(self.modules):
             m._specter_runtime = self
             m._specter_moe_layer = l
-            # The fused device copies are gone: the store holds every expert on the host.
-            m.gate_up_proj = nn.Parameter(torch.empty(0, dtype=m.gate_up_proj.dtype,
-                                                      device=m.gate_up_proj.device), requires_grad=False)
-            m.down_proj = nn.Parameter(torch.empty(0, dtype=m.down_proj.dtype,
-                                                   device=m.down_proj.device), requires_grad=False)
+            # The fused copies are already gone: the store (store.py) took every expert.
+            assert m.gate_up_proj.numel() == 0, "build the HostExpertStore before the runtime"
         model.config._experts_implementation = IMPL_NAME
 
     def reset(self) -> None:

@@ -192,11 +192,9 @@ def _save_layer(partial: Path, l: int, key: dict, gu: list, dn: list, tok: list,
     from safetensors.torch import save_file
 
     partial.mkdir(parents=True, exist_ok=True)
-    tensors = {f"{name}.{part}": torch.stack([getattr(q, part) for q in layer]).contiguous().cpu()
-               for name, layer in (("gate_up", gu), ("down", dn)) for part in ("codes", "scales")}
-    meta = dict(key, tokens=tok, fallback=fb,
-                shapes={"gate_up": list(gu[0].shape), "down": list(dn[0].shape)},
-                groups={"gate_up": gu[0].group, "down": dn[0].group})
+    tensors = {f"{name}.{part}": t for name, layer in (("gate_up", gu), ("down", dn))
+               for part, t in _stacked(layer).items()}
+    meta = dict(key, tokens=tok, fallback=fb, **_layout(gu, dn))
     tmp = partial / f".layer{l}.tmp{os.getpid()}.safetensors"
     save_file(tensors, str(tmp))
     os.replace(tmp, partial / f"layer{l}.safetensors")
@@ -227,17 +225,25 @@ def source_checksum(model: nn.Module) -> str:
 
 
 # -- saving and reuse ----------------------------------------------------------------------
+def _stacked(layer: list[QuantizedMatrix]) -> dict[str, torch.Tensor]:
+    """One layer's experts as two tensors: codes [E, ...] and scales [E, ...], on the host."""
+    return {part: torch.stack([getattr(q, part) for q in layer]).contiguous().cpu()
+            for part in ("codes", "scales")}
+
+
+def _layout(gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix]) -> dict:
+    """The matrix shapes and groups a saved layer is read back with."""
+    return {"shapes": {"gate_up": list(gate_up[0].shape), "down": list(down[0].shape)},
+            "groups": {"gate_up": gate_up[0].group, "down": down[0].group}}
+
+
 def save(qe: QuantizedExperts, out: Path) -> None:
     from safetensors.torch import save_file
 
-    tensors = {}
-    for name, layers in (("gate_up", qe.gate_up), ("down", qe.down)):
-        for l, layer in enumerate(layers):
-            tensors[f"{name}.{l}.codes"] = torch.stack([m.codes for m in layer]).contiguous().cpu()
-            tensors[f"{name}.{l}.scales"] = torch.stack([m.scales for m in layer]).contiguous().cpu()
-    meta = dict(qe.meta, shapes={"gate_up": list(qe.gate_up[0][0].shape),
-                                 "down": list(qe.down[0][0].shape)},
-                groups={"gate_up": qe.gate_up[0][0].group, "down": qe.down[0][0].group})
+    tensors = {f"{name}.{l}.{part}": t
+               for name, layers in (("gate_up", qe.gate_up), ("down", qe.down))
+               for l, layer in enumerate(layers) for part, t in _stacked(layer).items()}
+    meta = dict(qe.meta, **_layout(qe.gate_up[0], qe.down[0]))
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
