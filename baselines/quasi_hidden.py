@@ -46,6 +46,7 @@ from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.models.zoo import default_cache_dir
 from specter.offload.prefetch import LayerPrefetcher
+from specter.offload.store import expert_layout, expert_weights
 from specter.quant.calibrate import QuantSpec, calibration_windows, source_checksum
 
 ENGINE = GreedyEngine
@@ -72,7 +73,8 @@ def measure_default_vectors(model: nn.Module, windows: list[torch.Tensor],
         raise UserError("quasi_hidden measures default vectors on calibration text, but none "
                         "was found; set quant.calib_tokens to at least 1.")
     mods = experts_modules(model)
-    n_exp, _, hid = mods[0][1].gate_up_proj.shape
+    layout = expert_layout(model)
+    n_exp, hid = layout.num_experts, layout.hidden
     sums = torch.zeros(len(mods), n_exp, hid, dtype=torch.float64, device=device)
     counts = torch.zeros(len(mods), n_exp, dtype=torch.int64, device=device)
     shared_sum = torch.zeros(len(mods), hid, dtype=torch.float64, device=device)
@@ -83,8 +85,9 @@ def measure_default_vectors(model: nn.Module, windows: list[torch.Tensor],
         hidden, top_k_index, _ = args  # [T, H], [T, k]
         for e in torch.unique(top_k_index).tolist():  # host sync: calibration only
             token_idx = (top_k_index == e).any(dim=-1).nonzero().squeeze(-1)
-            h = m._apply_gate(nn.functional.linear(hidden[token_idx], m.gate_up_proj[e]))  # [n, I]
-            sums[l, e] += nn.functional.linear(h, m.down_proj[e]).double().sum(0)
+            gate_up, down = expert_weights(model, l, e, hidden.device)
+            h = m._apply_gate(nn.functional.linear(hidden[token_idx], gate_up))  # [n, I]
+            sums[l, e] += nn.functional.linear(h, down).double().sum(0)
             counts[l, e] += token_idx.numel()
         routed[l] = out
 

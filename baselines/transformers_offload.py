@@ -260,3 +260,6 @@ def build(ctx) -> TransformersOffloadEngine:
 
 ENGINE = TransformersOffloadEngine
 FOOTPRINT = Footprint(whole_layers=True)  # accelerate's device map: whole experts modules
+# accelerate offloads whole layers of a model loaded whole (its own path, as a user of
+# transformers would run it): the device holds every expert while loading.
+LOADS_EXPERTS = "device"

@@ -195,15 +195,27 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     elem = torch.finfo(pick_dtype(cfg.model, device)).bits // 8
     b = checkpoint_bytes(checkpoint, elem)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
-    if device.type == "cuda":  # load_model still moves the whole model to the device first
+    if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
-                   torch.cuda.get_device_properties(device).total_memory, loads_whole=True)
+                   torch.cuda.get_device_properties(device).total_memory,
+                   loads_whole=experts_at_load(cfg) == "device")
     else:  # the device is the host: it holds everything (offloading keeps the host copy too)
         check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
         f"({'host' if offloads else 'device'}), the rest {size_text(b.non_expert_bytes)} "
         f"(device), from {b.tensors} tensors' headers")
     return b
+
+
+def experts_at_load(cfg: RunConfig) -> str:
+    """Where the loader puts the routed experts for this system: "host" (read from the
+    safetensors files into the host store, the device never holding them) for a system that
+    offloads them, "device" for a resident one and for one that offloads from a model
+    loaded whole (the transformers baseline: accelerate's hooks, `LOADS_EXPERTS`)."""
+    r = recipe(cfg.system.name)
+    if not getattr(r, "OFFLOADS", True):
+        return "device"
+    return getattr(r, "LOADS_EXPERTS", "host")
 
 
 class LoadMeter:
@@ -219,11 +231,14 @@ class LoadMeter:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    def placed(self, model) -> None:
+    def placed(self, loaded) -> None:
         self.load_s = time.perf_counter() - self.t0
-        self.device_bytes = max(self.device_bytes, sum(
-            p.numel() * p.element_size() for p in model.parameters()
-            if p.device.type == self.device.type))
+        if loaded.placement is not None:  # the loader's own account, tensor by tensor
+            placed = loaded.placement.device_bytes
+        else:
+            placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters()
+                         if p.device.type == self.device.type)
+        self.device_bytes = max(self.device_bytes, placed)
 
     def done(self) -> dict:
         import resource
@@ -308,8 +323,9 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
 
     # 2. Load the model and account its device bytes.
     load = LoadMeter(device)
-    loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress)
-    load.placed(loaded.model)
+    loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress,
+                        experts=experts_at_load(cfg))
+    load.placed(loaded)
     spec = loaded.spec
     kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
     acct = budget_mod.account(spec, budget.slots, kv_tokens)

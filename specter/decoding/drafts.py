@@ -28,6 +28,7 @@ from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.offload.build import Timing
+from specter.offload.store import release_fused
 from specter.quant.build import Draft
 
 
@@ -87,14 +88,12 @@ class SelfInt4Draft(DraftPart):
 
 def load_separate_draft_model(ctx):
     """The same checkpoint loaded a second time as a stand-alone draft: its routed experts
-    will be the INT4 copy only (its full-precision expert tensors are dropped)."""
+    will be the INT4 copy only (their full-precision tensors are never read)."""
     cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
     second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
-                        progress=False).model
+                        progress=False, experts="none").model
     for _, m in experts_modules(second):
-        m.gate_up_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
-        m.down_proj = torch.nn.Parameter(torch.empty(0, device=ctx.device), requires_grad=False)
-        m._specter_moe_layer = -1  # still an experts module for introspection
+        release_fused(m, -1)  # still an experts module for introspection
     return second
 
 

@@ -31,6 +31,7 @@ class LoadedModel:
     spec: MoESpec
     checkpoint: Path
     device: torch.device
+    placement: object = None  # host_load.Placement when the experts were read to the host
 
 
 def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
@@ -173,19 +174,44 @@ def remote_code_note(path: Path) -> str | None:
             "the folder is imported).")
 
 
+EXPERTS_AT_LOAD = ("device", "host", "none")
+
+
 def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = None,
-               seed: int = 0, progress: bool = True) -> LoadedModel:
+               seed: int = 0, progress: bool = True, experts: str = "device") -> LoadedModel:
+    """The model on `device`. `experts`: where its routed experts go. "device": everything
+    on the device (transformers' own loading: a resident model, or one offloaded afterwards);
+    "host": read from the safetensors files straight into a host store, the device receiving
+    only the non-expert weights (models/host_load.py: a model larger than the device);
+    "none": not loaded (a second instance whose experts are an INT4 copy)."""
     from transformers.utils import logging as hf_logging
 
+    if experts not in EXPERTS_AT_LOAD:
+        raise ValueError(f"experts={experts!r}: one of {EXPERTS_AT_LOAD}")
     hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
     path = resolve_checkpoint(cfg, cache_dir, seed, progress)
     dtype = pick_dtype(cfg, device)
     config, model_class = native_classes(path)
-    model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
-                                        use_safetensors=True, trust_remote_code=False)
-    model.to(device).eval()
-    return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model), checkpoint=path,
-                       device=device)
+    if experts == "device":
+        model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
+                                            use_safetensors=True, trust_remote_code=False)
+        model.to(device).eval()
+        placement = None
+    else:
+        from specter.models.host_load import load_split
+
+        model, placement = load_split(path, model_class, config, dtype, device, experts)
+        _generation_config(model, path)
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model),
+                       checkpoint=path, device=device, placement=placement)
+
+
+def _generation_config(model, path: Path) -> None:
+    """The folder's generation_config.json, as `from_pretrained` reads it (its EOS ids)."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
 
 
 def load_tokenizer(checkpoint: Path):

@@ -24,7 +24,7 @@ from specter.offload.link import Link, LinkProfile, make_link
 from specter.offload.policy import POLICIES
 from specter.offload.prefetch import LayerPrefetcher
 from specter.offload.runtime import Charger, OffloadRuntime
-from specter.offload.store import HostExpertStore
+from specter.offload.store import HostExpertStore, host_store
 
 NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing
 
@@ -182,7 +182,11 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
         raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
                         "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
     model, device = ctx.loaded.model, ctx.device
-    store = HostExpertStore(model, pin=device.type == "cuda")
+    store = host_store(model)  # loaded straight into host memory (models/host_load.py)
+    if store is not None:
+        store.adopt(model)
+    else:  # loaded whole: the fused parameters move out layer by layer
+        store = HostExpertStore.from_model(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
     cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
                         transfer_bytes=transfer_bytes, staging=ctx.budget.staging)

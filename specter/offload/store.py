@@ -1,8 +1,12 @@
 """Host-side expert store: every routed expert of every MoE layer as one flat buffer.
 
-Owns: moving a model's routed-expert weights out of its fused 3D parameters into one
-contiguous host buffer per (layer, expert) (pinned on CUDA so a copy is one async DMA), and
-viewing a flat buffer, host or device, as that expert's (gate_up [2I, H], down [H, I]).
+Owns: the one host copy of the routed experts, one contiguous buffer per (layer, expert)
+(pinned on CUDA so a copy is one async DMA), filled either from a loaded model's fused 3D
+parameters (`from_model`, freeing each layer's fused copy as it goes) or tensor by tensor
+from the checkpoint's safetensors files (models/host_load.py, so the experts never pass
+through the device); viewing a flat buffer, host or device, as that expert's (gate_up
+[2I, H], down [H, I]); and `expert_weights`, how any code reads one expert's full-precision
+weights wherever they live.
 Does not own: the device slots or what is resident (cache.py), timing (link.py).
 """
 
@@ -14,6 +18,8 @@ import torch
 from torch import nn
 
 from specter.models.introspect import experts_modules
+
+STORE_ATTR = "_specter_host_store"  # the model's HostExpertStore, once its experts are in one
 
 
 @dataclass(frozen=True)
@@ -37,40 +43,50 @@ class ExpertLayout:
         return (flat[:split].view(2 * self.inter, self.hidden),
                 flat[split:].view(self.hidden, self.inter))
 
+    @classmethod
+    def of(cls, module: nn.Module, dtype: torch.dtype | None = None) -> "ExpertLayout":
+        """The layout of an experts module's fused parameters (their shapes: real or meta)."""
+        e, two_i, h = module.gate_up_proj.shape
+        return cls(num_experts=e, inter=two_i // 2, hidden=h,
+                   dtype=dtype or module.gate_up_proj.dtype)
+
 
 class HostExpertStore:
-    """flat[l][e]: the host copy of expert e of MoE layer l (l counts MoE layers only)."""
+    """flat[l][e]: the host copy of expert e of MoE layer l (l counts MoE layers only);
+    `layers[l]`: that MoE layer's decoder-layer index. Made empty (`__init__`), then filled."""
 
-    def __init__(self, model: nn.Module, pin: bool):
-        self.layers: list[int] = []  # decoder-layer index of each MoE layer
-        self.flat: list[list[torch.Tensor]] = []
-        self.layout: ExpertLayout | None = None
-        for layer_idx, mod in experts_modules(model):
-            e, two_i, h = mod.gate_up_proj.shape
-            layout = ExpertLayout(num_experts=e, inter=two_i // 2, hidden=h,
-                                  dtype=mod.gate_up_proj.dtype)
-            assert self.layout in (None, layout), "all MoE layers must share one expert layout"
-            self.layout = layout
-            gate_up = mod.gate_up_proj.detach()
-            down = mod.down_proj.detach()
-            buffers = []
-            for j in range(e):
-                flat = torch.empty(layout.numel, dtype=layout.dtype, pin_memory=pin)
-                g, d = layout.views(flat)
-                g.copy_(gate_up[j])
-                d.copy_(down[j])
-                buffers.append(flat)
-            self.layers.append(layer_idx)
-            self.flat.append(buffers)
-            # The layer's fused copies go as soon as the store holds it: the host (or the
-            # device) keeps one copy of the experts, plus at most one layer while converting.
+    def __init__(self, layers: list[int], layout: ExpertLayout, pin: bool):
+        self.layers, self.layout = list(layers), layout
+        self.flat: list[list[torch.Tensor]] = [
+            [torch.empty(layout.numel, dtype=layout.dtype, pin_memory=pin)
+             for _ in range(layout.num_experts)] for _ in layers]
+
+    @classmethod
+    def from_model(cls, model: nn.Module, pin: bool) -> "HostExpertStore":
+        """The store of a model loaded with its experts in fused parameters: each layer is
+        copied in and its fused copies freed at once, so the process holds one copy of the
+        experts plus at most one layer while converting."""
+        mods = experts_modules(model)
+        layouts = {ExpertLayout.of(m) for _, m in mods}
+        assert len(layouts) == 1, "all MoE layers must share one expert layout"
+        store = cls([i for i, _ in mods], layouts.pop(), pin)
+        for l, (_, mod) in enumerate(mods):
+            gate_up, down = mod.gate_up_proj.detach(), mod.down_proj.detach()
+            for e, flat in enumerate(store.flat[l]):
+                g, d = store.layout.views(flat)
+                g.copy_(gate_up[e])
+                d.copy_(down[e])
             del gate_up, down
-            mod._specter_moe_layer = len(self.flat) - 1  # still an experts module, by its tag
-            for name in ("gate_up_proj", "down_proj"):
-                old = getattr(mod, name)
-                setattr(mod, name, nn.Parameter(torch.empty(0, dtype=old.dtype, device=old.device),
-                                                requires_grad=False))
-                del old
+            release_fused(mod, l)
+        setattr(model, STORE_ATTR, store)
+        return store
+
+    def adopt(self, model: nn.Module) -> None:
+        """Take over a model whose experts modules hold meta tensors of the fused shapes (a
+        model loaded with its experts straight into this store): tag each with its MoE layer
+        and leave it empty, as `from_model` leaves a model it copied."""
+        for l, (_, mod) in enumerate(experts_modules(model)):
+            release_fused(mod, l)
 
     @property
     def num_moe_layers(self) -> int:
@@ -78,3 +94,41 @@ class HostExpertStore:
 
     def expert(self, moe_layer: int, expert: int) -> torch.Tensor:
         return self.flat[moe_layer][expert]
+
+
+def release_fused(mod: nn.Module, moe_layer: int) -> None:
+    """Empty an experts module's fused parameters; it stays an experts module by its tag."""
+    mod._specter_moe_layer = moe_layer
+    for name in ("gate_up_proj", "down_proj"):
+        old = getattr(mod, name)
+        device = old.device if old.device.type != "meta" else torch.device("cpu")
+        setattr(mod, name, nn.Parameter(torch.empty(0, dtype=old.dtype, device=device),
+                                        requires_grad=False))
+        del old
+
+
+def host_store(model: nn.Module) -> HostExpertStore | None:
+    """The store holding the model's routed experts, or None while they are its parameters."""
+    return getattr(model, STORE_ATTR, None)
+
+
+def expert_weights(model: nn.Module, moe_layer: int, expert: int,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [2I, H], down [H, I]) of one routed expert at full precision: views of the
+    model's fused parameters, or of its host store's buffer (copied to `device` when given:
+    a GPU reading an expert that lives in host memory)."""
+    store = host_store(model)
+    if store is not None:
+        gate_up, down = store.layout.views(store.expert(moe_layer, expert))
+    else:
+        _, mod = experts_modules(model)[moe_layer]
+        gate_up, down = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
+    if device is not None:
+        gate_up, down = gate_up.to(device), down.to(device)
+    return gate_up, down
+
+
+def expert_layout(model: nn.Module) -> ExpertLayout:
+    """The routed experts' layout, wherever they live."""
+    store = host_store(model)
+    return store.layout if store is not None else ExpertLayout.of(experts_modules(model)[0][1])

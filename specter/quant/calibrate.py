@@ -28,7 +28,8 @@ from torch import nn
 from specter import hermetic
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum
+from specter.offload.store import expert_layout, expert_weights, host_store
+from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum, weights_checksum_parts
 from specter.quant.gptq import Hessian, gptq_quantize
 
 METHODS = ("gptq", "rtn", "gptqmodel")  # gptqmodel: imported from its checkpoint
@@ -111,7 +112,8 @@ def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor]
             token_idx = (top_k_index == e).any(dim=-1).nonzero().squeeze(-1)
             x = hidden[token_idx]
             h_gu[e].add(x)
-            h_dn[e].add(m._apply_gate(nn.functional.linear(x, m.gate_up_proj[e])))
+            gate_up, _ = expert_weights(model, moe_layer, e, x.device)
+            h_dn[e].add(m._apply_gate(nn.functional.linear(x, gate_up)))
 
     handle = module.register_forward_pre_hook(hook)
     try:
@@ -156,7 +158,7 @@ def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tens
                 lambda i: bar.set_postfix_str(f"{where}: calibration window {i + 1}/{len(windows)}")
             ) if spec.method == "gptq" else None
             bar.set_postfix_str(where)
-            done = _quantize_layer(m, spec, hess, bar)
+            done = _quantize_layer(model, l, spec, hess, bar, device)
             if partial is not None:
                 _save_layer(partial, l, key, *done)
         for out, part in zip((gate_up, down, tokens, fallback), done):
@@ -168,11 +170,13 @@ def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tens
     return QuantizedExperts(spec, gate_up, down, meta)
 
 
-def _quantize_layer(m: nn.Module, spec: QuantSpec, hess, bar):
-    """(gate_up, down, calibration tokens, RTN fallback) of one MoE layer, expert by expert."""
+def _quantize_layer(model: nn.Module, l: int, spec: QuantSpec, hess, bar,
+                    device: torch.device):
+    """(gate_up, down, calibration tokens, RTN fallback) of MoE layer `l`, expert by expert
+    (each read to `device`, wherever it lives)."""
     gu_l, dn_l, tok_l, fb_l = [], [], [], []
-    for e in range(m.gate_up_proj.shape[0]):
-        w_gu, w_dn = m.gate_up_proj[e].detach(), m.down_proj[e].detach()
+    for e in range(expert_layout(model).num_experts):
+        w_gu, w_dn = expert_weights(model, l, e, device)
         n = hess[0][e].n if hess else 0
         use_rtn = hess is None or n < spec.min_tokens
         if use_rtn:
@@ -220,8 +224,18 @@ def _load_layer(partial: Path, l: int, key: dict):
 
 
 def source_checksum(model: nn.Module) -> str:
-    return weights_checksum([t for _, m in experts_modules(model)
-                             for t in (m.gate_up_proj, m.down_proj)])
+    """Identifies the full-precision experts a quantization is made from: each MoE layer's
+    fused gate_up [E, 2I, H] and down [E, H, I], the same digest whether they are the
+    model's parameters or its host store's per-expert buffers."""
+    store = host_store(model)
+    if store is None:
+        return weights_checksum([t for _, m in experts_modules(model)
+                                 for t in (m.gate_up_proj, m.down_proj)])
+    lay = store.layout
+    shapes = ((lay.num_experts, 2 * lay.inter, lay.hidden), (lay.num_experts, lay.hidden, lay.inter))
+    return weights_checksum_parts(
+        [(shape, [lay.views(flat)[part] for flat in layer])
+         for layer in store.flat for part, shape in enumerate(shapes)])
 
 
 # -- saving and reuse ----------------------------------------------------------------------

@@ -127,8 +127,15 @@ def rtn_quantize(w: torch.Tensor, bits: int, group: int) -> QuantizedMatrix:
 
 def weights_checksum(tensors: list[torch.Tensor]) -> str:
     """Identifies the source weights a quantization was made from."""
+    return weights_checksum_parts([(tuple(t.shape), [t]) for t in tensors])
+
+
+def weights_checksum_parts(tensors: list[tuple[tuple[int, ...], list[torch.Tensor]]]) -> str:
+    """`weights_checksum` of tensors given in pieces: (shape, the pieces whose bytes, in
+    order, are the tensor's), e.g. a fused [E, 2I, H] parameter as E per-expert buffers."""
     h = hashlib.sha256()
-    for t in tensors:
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    for shape, pieces in tensors:
+        h.update(str(tuple(shape)).encode())
+        for t in pieces:
+            h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]

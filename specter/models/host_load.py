@@ -1,0 +1,220 @@
+"""Load a checkpoint with its routed experts straight into host memory, never on the device.
+
+Owns: building the model's skeleton without weights (parameters on `meta`; buffers such as
+RoPE's `inv_freq` computed by the modules themselves), reading the checkpoint's safetensors
+files tensor by tensor, placing each non-expert tensor on the device under the name
+transformers' own checkpoint conversion gives it (`get_model_conversion_mapping`:
+Mixtral's and Phi's `block_sparse_moe` -> `mlp`, Phi's `gate` -> `router`, ...), and copying
+each routed expert's tensors (per-expert `experts.N.{gate,up,down}_proj` / `w1,w3,w2`, or
+fused `experts.{gate_up_proj,down_proj}`) into its `HostExpertStore` buffer (pinned beside a
+GPU), so the host holds one copy of the experts and the device at most the non-expert
+weights. The experts modules keep meta tensors of their fused shapes (what introspection
+reads) until the offloading runtime adopts them; meanwhile the model runs its experts from
+the store (offload/streamed.py). `experts="none"` loads no expert at all (a second instance
+whose experts are only an INT4 copy).
+Does not own: finding or checking the folder (loading.py), the device slots (offload/).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specter.errors import UserError
+from specter.models.checkpoint_bytes import is_routed_expert
+from specter.models.introspect import experts_modules
+from specter.offload.store import STORE_ATTR, ExpertLayout, HostExpertStore
+
+_PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\."
+                         r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+_FUSED = re.compile(r"^(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
+_PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down",
+         "w2": "down", "gate_up_proj": "gate_up"}
+
+
+@dataclass
+class Placement:
+    """Where the loader put every tensor: bytes placed on the device (tensor by tensor: on a
+    CPU run the device is the host, so this is the only account of what went "to the
+    device"), bytes copied into the host store, and the checkpoint names of each."""
+
+    device_bytes: int = 0
+    host_bytes: int = 0
+    device_names: list[str] = field(default_factory=list)
+    host_names: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # experts="none", and keys the model lacks
+
+
+def skeleton(model_class, config, dtype: torch.dtype) -> nn.Module:
+    """The model with every parameter on `meta` (no memory, no initialisation) and its
+    buffers real, as its modules compute them."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        model = model_class._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _fp32_names(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Name patterns transformers keeps in fp32 when loading at `dtype` (DeepSeek-V2's
+    router `gate.weight`, GLM's `e_score_correction_bias`)."""
+    keep = list(getattr(model, "_keep_in_fp32_modules_strict", None) or []) \
+        if dtype in (torch.float16, torch.bfloat16) else []
+    if dtype == torch.float16:
+        keep += list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    return keep
+
+
+def _conversions(model: nn.Module):
+    """(renamings, converters) transformers applies to this model's checkpoint keys."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return renamings, converters
+
+
+def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+    else:
+        module._buffers[leaf] = value
+
+
+class _ExpertFiller:
+    """Copies routed-expert tensors into the store, checking each (layer, expert) gets every
+    part exactly once."""
+
+    def __init__(self, model: nn.Module, store: HostExpertStore | None):
+        names = {id(m): n for n, m in model.named_modules()}
+        self.moe_layer = {names[id(m)]: l for l, (_, m) in enumerate(experts_modules(model))}
+        self.store = store
+        self.filled: dict[tuple[int, int], set[str]] = {}
+
+    def target(self, renamed: str) -> tuple[int, int | None, str] | None:
+        """(MoE layer, expert or None for a fused tensor, part) of a renamed checkpoint key."""
+        m = _PER_EXPERT.match(renamed) or _FUSED.match(renamed)
+        if m is None or m.group("module") not in self.moe_layer:
+            return None
+        e = int(m.group("e")) if "e" in m.groupdict() else None
+        return self.moe_layer[m.group("module")], e, _PART[m.group("proj")]
+
+    def fill(self, key: str, where: tuple[int, int | None, str], read) -> int:
+        """Copy one checkpoint tensor (`read()` gives it, or `read(e)` one expert's slice of a
+        fused one) into the store; returns the bytes copied."""
+        l, e, part = where
+        layout = self.store.layout
+        experts = [e] if e is not None else range(layout.num_experts)
+        copied = 0
+        for j in experts:
+            src = read() if e is not None else read(j)
+            gate_up, down = layout.views(self.store.expert(l, j))
+            i = layout.inter
+            dst = {"gate": gate_up[:i], "up": gate_up[i:], "gate_up": gate_up, "down": down}[part]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise UserError(f"checkpoint tensor {key} has shape {tuple(src.shape)}; the "
+                                f"model's config makes it {tuple(dst.shape)}.")
+            dst.copy_(src)
+            copied += dst.numel() * dst.element_size()
+            parts = self.filled.setdefault((l, j), set())
+            new = {"gate", "up"} if part == "gate_up" else {part}
+            if parts & new:
+                raise UserError(f"checkpoint tensor {key} fills expert {j} of MoE layer {l} "
+                                "a second time.")
+            parts |= new
+        return copied
+
+    def check_complete(self, folder: Path) -> None:
+        layout = self.store.layout
+        for l in range(self.store.num_moe_layers):
+            for e in range(layout.num_experts):
+                missing = {"gate", "up", "down"} - self.filled.get((l, e), set())
+                if missing:
+                    raise UserError(f"{folder}: the checkpoint has no {'/'.join(sorted(missing))} "
+                                    f"weights for routed expert {e} of MoE layer {l}.")
+
+
+def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: torch.device,
+               experts: str = "host") -> tuple[nn.Module, Placement]:
+    """The model of checkpoint `folder`: non-expert weights on `device`; routed experts in a
+    host store attached to the model (`experts="host"`, pinned beside a GPU) or not loaded
+    (`"none"`)."""
+    from safetensors import safe_open
+
+    model = skeleton(model_class, config, dtype)
+    mods = experts_modules(model)
+    if not mods:
+        raise UserError(f"{folder}: the model has no routed-experts modules to keep in host memory.")
+    store = None
+    if experts == "host":
+        store = HostExpertStore([i for i, _ in mods], ExpertLayout.of(mods[0][1], dtype),
+                                pin=device.type == "cuda")
+    filler = _ExpertFiller(model, store)
+    renamings, converters = _conversions(model)
+    from transformers.core_model_loading import rename_source_key
+
+    meta = model.state_dict()
+    fp32 = _fp32_names(model, dtype)
+    place = Placement()
+    loaded: set[str] = set()
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for key in f.keys():
+                if is_routed_expert(key):
+                    renamed, _ = rename_source_key(key, renamings, [])
+                    where = filler.target(renamed)
+                    if where is None:
+                        raise UserError(f"{file.name}: {key} looks like a routed expert's tensor "
+                                        "but matches no experts module of the model.")
+                    if store is None:
+                        place.skipped.append(key)
+                        continue
+                    sliced = f.get_slice(key)
+                    place.host_bytes += filler.fill(
+                        key, where, lambda j=None, k=key: f.get_tensor(k) if j is None else sliced[j])
+                    place.host_names.append(key)
+                    continue
+                target, converter = rename_source_key(key, renamings, converters,
+                                                      model.base_model_prefix, meta)
+                if converter is not None:
+                    raise UserError(f"{file.name}: {key} needs transformers' weight conversion "
+                                    f"({converter}), which this loader applies to routed experts only.")
+                if target not in meta:
+                    place.skipped.append(key)
+                    continue
+                value = f.get_tensor(key)
+                if value.is_floating_point():
+                    keep = any(p in target for p in fp32)
+                    value = value.to(torch.float32 if keep else dtype)
+                value = value.to(device)
+                _set(model, target, value)
+                loaded.add(target)
+                place.device_bytes += value.numel() * value.element_size()
+                place.device_names.append(key)
+    if store is not None:
+        filler.check_complete(folder)
+    model.tie_weights()
+    expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
+    missing = [n for n, p in model.named_parameters()
+               if n not in loaded and id(p) not in expert_params]
+    if missing:
+        raise UserError(f"{folder}: the checkpoint has no weights for {len(missing)} parameter(s) "
+                        f"of {model_class.__name__}, e.g. {missing[0]}.")
+    for name, buf in list(model.named_buffers()):  # computed on the CPU by their modules
+        if buf.device != device:
+            _set(model, name, buf.to(device))
+            place.device_bytes += buf.numel() * buf.element_size()
+    if store is not None:
+        setattr(model, STORE_ATTR, store)
+        from specter.offload.streamed import stream_from
+
+        stream_from(model, store)
+    return model, place
