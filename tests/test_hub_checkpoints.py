@@ -194,6 +194,14 @@ def test_hub_layouts_decode_as_plain_generate(key, hub_folder, tmp_path):
         assert len(emitted) >= 4, (key, "a trivial comparison: the outputs are constant")
         if system != "resident":  # experts really moved
             assert df["demand_misses"].sum() > 0, (key, system)
+        row0 = df.iloc[0]  # the loader's account of the device: the non-expert weights only
+        non_expert, experts = row0["ckpt_non_expert_bytes"], row0["ckpt_expert_bytes"]
+        peak = row0["load_peak_device_bytes"]
+        if system == "resident":
+            # (GLM's e_score_correction_bias: a buffer, in the headers, not a parameter)
+            assert peak >= non_expert + experts - 4096, (key, system, peak, non_expert, experts)
+        else:  # (+ the modules' own buffers: RoPE tables)
+            assert non_expert <= peak < non_expert + min(2**20, experts // 8), (key, system, peak)
         for _, row in df.iterrows():
             ids = torch.tensor([list(row["prompt_tokens"])])
             ref = ref_model.generate(ids, max_new_tokens=8, do_sample=False,

@@ -1,0 +1,139 @@
+"""Routed experts loaded straight into host memory (models/host_load.py): the device receives
+the non-expert weights only, the host one copy of the experts, and the result is the model
+transformers itself loads from the same folder, tensor for tensor, on every hub layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specter.config import ModelConfig
+from specter.errors import UserError
+from specter.models import loading
+from specter.models.checkpoint_bytes import checkpoint_bytes, header, is_routed_expert
+from specter.models.introspect import experts_modules
+from specter.offload.store import expert_weights, host_store
+
+CPU = torch.device("cpu")
+KEYS = ["deepseek", "phi", "qwen", "mixtral", "qwen3", "olmoe", "glm"]
+
+
+@pytest.fixture(scope="module")
+def hub_folder(tmp_path_factory):
+    import hub_fixtures
+
+    made = {}
+
+    def get(key: str):
+        if key not in made:
+            made[key] = hub_fixtures.write_fixture(key, tmp_path_factory.mktemp(f"hl-{key}"),
+                                                   layers=2, narrow=hub_fixtures.NARROW[key])
+        return made[key]
+    return get
+
+
+def _reference(folder, dtype):
+    """transformers' own load of the folder (its native class, every tensor used)."""
+    config, model_class = loading.native_classes(folder)
+    model, info = model_class.from_pretrained(str(folder), config=config, dtype=dtype,
+                                              trust_remote_code=False, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    model.config._experts_implementation = "eager"  # the loop the store's experts sum like
+    return model.eval()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("key", KEYS)
+def test_host_load_is_transformers_load(key, dtype, hub_folder):
+    """Every non-expert parameter and buffer equals transformers' (value and dtype: the
+    routers DeepSeek and GLM keep in fp32 included), every expert in the store equals its slice
+    of transformers' fused parameters, the draft's source checksum is the same, and so are the
+    logits."""
+    from specter.quant.calibrate import source_checksum
+
+    folder = hub_folder(key)
+    ref = _reference(folder, getattr(torch, dtype))
+    ours = loading.load_model(ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype),
+                              CPU, progress=False, experts="host")
+    model = ours.model
+    assert type(model) is type(ref)
+    expert_ids = {id(p) for _, m in experts_modules(ref) for p in m.parameters(recurse=False)}
+    theirs = dict(ref.named_parameters())
+    mine = dict(model.named_parameters())
+    for name, p in theirs.items():
+        if id(p) in expert_ids:
+            assert mine[name].device.type == "meta", name  # a shape, never weights
+            continue
+        assert mine[name].dtype == p.dtype and torch.equal(mine[name], p), name
+    for name, b in ref.named_buffers():
+        assert torch.equal(model.get_buffer(name), b), name
+    for l in range(len(experts_modules(ref))):
+        for e in range(ours.spec.num_experts):
+            for a, b in zip(expert_weights(model, l, e), expert_weights(ref, l, e)):
+                assert a.dtype == b.dtype and torch.equal(a, b), (l, e)
+    assert ours.spec == loading.load_model(
+        ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype), CPU,
+        progress=False).spec
+    assert source_checksum(model) == source_checksum(ref)  # the quantized draft's cache key
+    ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2, 29]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+def test_no_routed_expert_reaches_the_device(hub_folder):
+    """With the device played by `meta` (a tensor placed there keeps its shape and loses its
+    values): every parameter of the loaded model is on the device and none holds a value, yet
+    the store holds every expert's exact weights, so they went from the files to the host
+    without passing through the device. The loader's account names every checkpoint tensor
+    once: the routed ones to the host, the rest to the device."""
+    folder = hub_folder("deepseek")
+    ref = _reference(folder, torch.float32)
+    ours = loading.load_model(ModelConfig(name="deepseek", source="hf", path=str(folder),
+                                          dtype="float32"), torch.device("meta"),
+                              progress=False, experts="host")
+    assert {p.device.type for p in ours.model.parameters()} == {"meta"}
+    store = host_store(ours.model)
+    assert {t.device.type for layer in store.flat for t in layer} == {"cpu"}
+    for l in range(store.num_moe_layers):
+        for e in range(store.layout.num_experts):
+            for a, b in zip(expert_weights(ours.model, l, e), expert_weights(ref, l, e)):
+                assert torch.equal(a, b)
+    names = {n for f in folder.glob("*.safetensors") for n in header(f)}
+    place = ours.placement
+    assert set(place.host_names) == {n for n in names if is_routed_expert(n)}
+    assert set(place.device_names) == {n for n in names if not is_routed_expert(n)}
+    assert not place.skipped
+    b = checkpoint_bytes(folder, element_size=4)
+    assert place.host_bytes == b.expert_bytes
+    buffers = sum(t.numel() * t.element_size() for t in ref.buffers())
+    assert place.device_bytes == b.non_expert_bytes + buffers
+
+
+def test_a_second_instance_loads_no_expert(hub_folder):
+    folder = hub_folder("qwen")
+    ours = loading.load_model(ModelConfig(name="qwen", source="hf", path=str(folder)), CPU,
+                              progress=False, experts="none")
+    assert host_store(ours.model) is None and not ours.placement.host_names
+    assert set(ours.placement.skipped) == {n for f in folder.glob("*.safetensors")
+                                           for n in header(f) if is_routed_expert(n)}
+
+
+def test_a_checkpoint_missing_an_expert_is_one_sentence(hub_folder, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = hub_folder("olmoe")
+    folder = tmp_path / "olmoe"
+    shutil.copytree(src, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    gone = next(n for n in index["weight_map"] if n.endswith("experts.3.up_proj.weight"))
+    shard = folder / index["weight_map"][gone]
+    tensors = load_file(str(shard))
+    del tensors[gone]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"has no up weights for routed expert 3 of MoE layer "):
+        loading.load_model(ModelConfig(name="olmoe", source="hf", path=str(folder)), CPU,
+                           progress=False, experts="host")
