@@ -112,6 +112,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["workload"]["batch"]
     if d["quant"]["path"] is None:  # quantized here: the case of runs before imports
         del d["quant"]["path"]
+    if d["model"]["weights"] == "checkpoint":  # the case of runs before random weights
+        del d["model"]["weights"]
     return d
 
 
@@ -192,8 +194,15 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     from specter.models.checkpoint_bytes import check_fits, checkpoint_bytes, host_memory_bytes
     from specter.models.loading import pick_dtype
 
-    elem = torch.finfo(pick_dtype(cfg.model, device)).bits // 8
-    b = checkpoint_bytes(checkpoint, elem)
+    dtype = pick_dtype(cfg.model, device)
+    if cfg.model.weights == "random":  # no headers: the weightless skeleton's bytes
+        from specter.models.host_load import skeleton_bytes
+        from specter.models.loading import native_classes
+
+        config, model_class = native_classes(checkpoint)
+        b = skeleton_bytes(model_class, config, dtype)
+    else:
+        b = checkpoint_bytes(checkpoint, torch.finfo(dtype).bits // 8)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
     if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
@@ -201,9 +210,11 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
                    loads_whole=experts_at_load(cfg) == "device")
     else:  # the device is the host: it holds everything (offloading keeps the host copy too)
         check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
+    source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
+              else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
-        f"({'host' if offloads else 'device'}), the rest {size_text(b.non_expert_bytes)} "
-        f"(device), from {b.tensors} tensors' headers")
+        f"({'host' if experts_at_load(cfg) == 'host' else 'device'}), the rest "
+        f"{size_text(b.non_expert_bytes)} (device), from {source}")
     return b
 
 
@@ -316,6 +327,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
                                 footprint(cfg.system),
                                 kv_tokens=w.batch * (w.prompt_tokens + w.max_new_tokens),
                                 group=cfg.quant.group)
+    if device.type == "cpu" and experts_at_load(cfg) == "host":
+        from specter.models.checkpoint_bytes import check_cpu_offload_fits
+
+        check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts)
     torch.manual_seed(cfg.seed)
 
     tokenizer = load_tokenizer(checkpoint)
@@ -361,6 +376,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "acct_non_expert_bytes": acct.non_expert_bytes,
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
         "acct_kv_bytes": acct.kv_bytes, **ckpt_bytes.as_record(), **load_rec,
+        "weights": cfg.model.weights,
         **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }

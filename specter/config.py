@@ -33,6 +33,10 @@ class ModelConfig:
     budget_gb: dict[str, float] = field(default_factory=dict)
     paper_k: int | None = None  # the paper's chosen speculation depth, for reference
     stands_for: str | None = None  # for project-made models: the real model they scale down
+    # "checkpoint": the weights of `path` / `hub_id`; "random": the named real model built from
+    # its published config.json with random weights (its real sizes, no download: measuring
+    # the engine on a GPU; random weights do not route like the trained model)
+    weights: str = "checkpoint"
 
 
 @dataclass
@@ -214,6 +218,12 @@ class RunConfig:
         if prompts and self.dataset.name != "custom":
             raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
                             f"dataset={self.dataset.name}.")
+        if self.model.weights not in ("checkpoint", "random"):
+            raise UserError(f"model.weights must be checkpoint or random (got '{self.model.weights}').")
+        if self.model.weights == "random" and self.model.source == "project":
+            raise UserError(f"model.weights=random builds a real model from its published config; "
+                            f"model={self.model.name} is project-made (its weights are built "
+                            "already): use model=deepseek, qwen, phi, mixtral, qwen3, olmoe or glm.")
         if self.model.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise UserError(f"model.dtype must be auto, float32, float16 or bfloat16 "
                             f"(got '{self.model.dtype}').")

@@ -137,3 +137,78 @@ def test_a_checkpoint_missing_an_expert_is_one_sentence(hub_folder, tmp_path):
     with pytest.raises(UserError, match=r"has no up weights for routed expert 3 of MoE layer "):
         loading.load_model(ModelConfig(name="olmoe", source="hf", path=str(folder)), CPU,
                            progress=False, experts="host")
+
+
+@pytest.fixture
+def small_published(monkeypatch):
+    """PUBLISHED["olmoe"] cut to 2 layers of narrowed widths (what `model.weights=random`
+    builds from), so a random-weights run fits a CI machine."""
+    import hub_fixtures
+
+    from specter.models import published
+
+    small = dict(published.PUBLISHED["olmoe"],
+                 config=hub_fixtures.fixture_config("olmoe", 2, hub_fixtures.NARROW["olmoe"]))
+    monkeypatch.setitem(published.PUBLISHED, "olmoe", small)
+    return small
+
+
+def test_random_weights_run_every_system_as_plain_generate(small_published, tmp_path):
+    """`model.weights=random`: no checkpoint, the published config's model made at load with
+    the same values wherever its experts go (the host store for lru and specter, the device
+    for resident and the reference); each system's tokens equal plain `generate` on the
+    reference; rows say weights=random; the device received only the non-expert weights."""
+    import yaml
+
+    from conftest import REPO
+    from experiments import records, runner
+    from specter.config import RunConfig
+    from test_offload import A100
+
+    mcfg = ModelConfig(name="olmoe", source="hf", weights="random")
+    ref = loading.load_model(mcfg, CPU, tmp_path / "cache", progress=False, experts="device")
+    assert not list(ref.checkpoint.glob("*.safetensors"))  # nothing on disk but configs
+    ref.model.config._experts_implementation = "eager"
+    again = loading.load_model(mcfg, CPU, tmp_path / "cache", progress=False, experts="host")
+    for l in range(again.spec.num_moe_layers):
+        for e in range(again.spec.num_experts):
+            assert all(torch.equal(a, b) for a, b in zip(expert_weights(again.model, l, e),
+                                                         expert_weights(ref.model, l, e)))
+    model_yaml = yaml.safe_load((REPO / "conf" / "model" / "olmoe.yaml").read_text())
+    for system in ("resident", "lru", "specter"):
+        out = tmp_path / system
+        cfg = RunConfig.from_dict({
+            "model": {**model_yaml, "weights": "random"},
+            "budget": {"name": "high", "slots": ref.spec.top_k + 1},
+            "system": {"name": system}, "dataset": {"name": "gsm8k"},
+            "hardware": {**A100, "charge": "own"},
+            "workload": {"items": 2, "max_new_tokens": 6, "repeats": 1, "stop_on_eos": False},
+            "quant": {"calib_tokens": 256}, "spec": {"k": 3}, "out_dir": str(out),
+            "cache_dir": str(tmp_path / "cache"), "progress": False})
+        runner.run(cfg, log=lambda *_: None)
+        df = records.load(out)
+        assert set(df["weights"]) == {"random"} and len(df) == 2
+        row = df.iloc[0]
+        if system != "resident":
+            assert row["load_peak_device_bytes"] < row["ckpt_non_expert_bytes"] + 2**20
+        for _, row in df.iterrows():
+            ids = torch.tensor([list(row["prompt_tokens"])])
+            want = ref.model.generate(ids, max_new_tokens=6, do_sample=False,
+                                      pad_token_id=ref.tokenizer.pad_token_id or 0,
+                                      eos_token_id=None)
+            assert list(row["output_tokens"]) == want[0, ids.shape[1]:].tolist(), system
+
+
+def test_random_weights_refusals_are_one_sentence():
+    from specter.config import RunConfig
+    from test_config import _with
+
+    d = _with("model.weights", "zeros", None)
+    d["model"] = {"name": "olmoe", "source": "hf", "weights": "zeros"}
+    with pytest.raises(UserError, match="model.weights must be checkpoint or random"):
+        RunConfig.from_dict(d)
+    d["model"] = {"name": "tiny_olmoe", "source": "project", "weights": "random"}
+    with pytest.raises(UserError, match="is project-made"):
+        RunConfig.from_dict(d)
+    with pytest.raises(UserError, match="does not hold; it holds deepseek"):
+        loading.random_folder(ModelConfig(name="grok", source="hf", weights="random"), None)

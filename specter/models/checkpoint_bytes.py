@@ -19,6 +19,7 @@ from pathlib import Path
 from specter.errors import UserError
 
 GiB = 2**30
+RUNTIME_RESERVE = GiB  # Python, torch and the tokenizer of a CPU run, outside the weights
 _ROUTED = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj|gate_proj|up_proj)")
 _ELEMENT = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
             "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
@@ -107,3 +108,20 @@ def check_fits(model_name: str, b: CheckpointBytes, experts_on_host: bool,
         if need > device_bytes:
             raise UserError(f"model={model_name} needs {need / GiB:.1f} GiB of device memory "
                             f"for {what}; the device has {device_bytes / GiB:.1f} GiB.")
+
+
+def check_cpu_offload_fits(model_name: str, b: CheckpointBytes, slots: int, num_experts: int,
+                           host_bytes: int | None = None) -> None:
+    """On the CPU the device is the host: an offloading run holds the host store (every
+    expert), the device's slots (`slots` of `num_experts` per layer) and the non-expert
+    weights in one memory, beside the process's own runtime (`RUNTIME_RESERVE`). One
+    sentence when that memory cannot."""
+    host = host_memory_bytes() if host_bytes is None else host_bytes
+    slot_bytes = b.expert_bytes * slots // num_experts
+    need = b.expert_bytes + slot_bytes + b.non_expert_bytes
+    if need + RUNTIME_RESERVE > host:
+        raise UserError(f"model={model_name} offloaded on the CPU needs {need / GiB:.1f} GiB of "
+                        f"memory (its experts {b.expert_bytes / GiB:.1f} GiB in the host store, "
+                        f"{slots} slots/layer of them {slot_bytes / GiB:.1f} GiB on the 'device' "
+                        f"and the rest {b.non_expert_bytes / GiB:.1f} GiB); this machine has "
+                        f"{host / GiB:.1f} GiB: lower the budget or use model.dtype=bfloat16.")

@@ -218,3 +218,118 @@ def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: to
 
         stream_from(model, store)
     return model, place
+
+
+def _random_fill(name: str, value: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
+    """transformers' default initialisation by name: norms 1, biases 0, the rest N(0, std)."""
+    if value.device.type == "meta":
+        return
+    leaf = name.rsplit(".", 1)[-1]
+    if "norm" in name and value.dim() == 1 and leaf == "weight":
+        value.fill_(1.0)
+    elif leaf == "bias" or leaf.endswith("_bias"):
+        value.zero_()
+    else:
+        value.normal_(0.0, std, generator=gen)
+
+
+def _random_expert(out: torch.Tensor, std: float, seed: int, l: int, e: int) -> None:
+    """Expert `e` of MoE layer `l` as one flat buffer N(0, std), from its own generator: the
+    same values wherever the expert is put (host store or device parameters)."""
+    out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed * 1_000_003 + l * 1_009 + e))
+
+
+def _on_every_core(fn, jobs) -> None:
+    """fn(job) for every job on every host core at once (torch releases the GIL; one
+    generator fills on one core: DeepSeek-V2-Lite's 27 GiB of experts would take a minute)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        list(pool.map(fn, jobs))
+
+
+def _random_experts(store: HostExpertStore, std: float, seed: int) -> None:
+    jobs = [(l, e) for l in range(store.num_moe_layers) for e in range(store.layout.num_experts)]
+    _on_every_core(lambda le: _random_expert(store.expert(*le), std, seed, *le), jobs)
+
+
+def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
+                  seed: int) -> None:
+    """The experts' fused parameters on `device`, holding the values `_random_experts` gives
+    the store (each expert made on the host and copied in)."""
+    for l, (_, m) in enumerate(mods):
+        gate_up = torch.empty(m.gate_up_proj.shape, dtype=layout.dtype, device=device)
+        down = torch.empty(m.down_proj.shape, dtype=layout.dtype, device=device)
+        for e in range(layout.num_experts):
+            flat = torch.empty(layout.numel, dtype=layout.dtype)
+            _random_expert(flat, std, seed, l, e)
+            g, d = layout.views(flat)
+            gate_up[e].copy_(g)
+            down[e].copy_(d)
+        m.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        m.down_proj = nn.Parameter(down, requires_grad=False)
+
+
+def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
+                experts: str = "host", seed: int = 0) -> tuple[nn.Module, Placement]:
+    """The model of `config` with random weights (`model.weights=random`: a real model's
+    sizes without its checkpoint): the non-expert weights made on `device`, the routed experts
+    made in the host store (`experts="host"`), on the device (`"device"`) or not at all
+    (`"none"`). Norms 1, biases 0, the rest N(0, initializer_range), seeded."""
+    model = skeleton(model_class, config, dtype)
+    mods = experts_modules(model)
+    expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
+    fp32 = _fp32_names(model, dtype)
+    std = getattr(config, "initializer_range", None) or 0.02
+    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+    place = Placement()
+    for name, p in list(model.named_parameters()):
+        if id(p) in expert_params:
+            continue
+        keep = p.is_floating_point() and any(k in name for k in fp32)
+        value = torch.empty(p.shape, dtype=torch.float32 if keep else p.dtype, device=device)
+        _random_fill(name, value, std, gen)
+        _set(model, name, value)
+        place.device_bytes += value.numel() * value.element_size()
+        place.device_names.append(name)
+    model.tie_weights()
+    for name, buf in list(model.named_buffers()):
+        if buf.device != device:
+            _set(model, name, buf.to(device))
+            place.device_bytes += buf.numel() * buf.element_size()
+    layout = ExpertLayout.of(mods[0][1], dtype)
+    if experts == "device":
+        _random_fused(mods, layout, device, std, seed)
+        place.device_bytes += sum(
+            t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
+    if experts == "host":
+        store = HostExpertStore([i for i, _ in mods], layout, pin=device.type == "cuda")
+        _random_experts(store, std, seed)
+        place.host_bytes = sum(t.numel() * t.element_size() for layer in store.flat for t in layer)
+        setattr(model, STORE_ATTR, store)
+        from specter.offload.streamed import stream_from
+
+        stream_from(model, store)
+    return model, place
+
+
+def skeleton_bytes(model_class, config, dtype: torch.dtype):
+    """What a checkpoint of `config` holds, from its weightless skeleton (for a model made with
+    random weights, which has no safetensors headers to read): routed experts and the rest, at
+    `dtype` (fp32 where transformers keeps it)."""
+    from specter.models.checkpoint_bytes import CheckpointBytes
+
+    model = skeleton(model_class, config, dtype)
+    mods = experts_modules(model)
+    expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
+    fp32 = _fp32_names(model, dtype)
+    expert = other = n = 0
+    for name, p in model.named_parameters():
+        elem = 4 if p.is_floating_point() and any(k in name for k in fp32) else p.element_size()
+        if id(p) in expert_params:
+            expert += p.numel() * elem
+        else:
+            other += p.numel() * elem
+        n += 1
+    return CheckpointBytes(expert, other, n, 2 * len(mods))

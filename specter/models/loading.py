@@ -39,6 +39,8 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
     """The folder to load from; builds project-made models on first use."""
     if cfg.source == "project":
         return zoo.ensure_project_model(cfg.name, seed=seed, cache_dir=cache_dir, progress=progress)
+    if cfg.weights == "random":
+        return random_folder(cfg, cache_dir)
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
@@ -52,6 +54,33 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
                         f"only (re-download {cfg.hub_id} in safetensors form).")
     check_checkpoint(path)
     return path
+
+
+def random_folder(cfg: ModelConfig, cache_dir: Path | None) -> Path:
+    """`model.weights=random`: a folder holding the named model's published config.json,
+    generation config and a tokenizer with its special tokens, and no weights (written once
+    into the cache; the weights are made at load)."""
+    import hashlib
+
+    from specter.models.published import PUBLISHED, write_config_folder
+
+    if cfg.name not in PUBLISHED:
+        raise UserError(f"model.weights=random needs model={cfg.name}'s published config.json, "
+                        f"which this project does not hold; it holds {', '.join(PUBLISHED)}.")
+    digest = hashlib.sha256(json.dumps(PUBLISHED[cfg.name]["config"], sort_keys=True)
+                            .encode()).hexdigest()[:10]
+    folder = (cache_dir or zoo.default_cache_dir()) / "random" / f"{cfg.name}-{digest}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        write_config_folder(cfg.name, tmp)
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process wrote it first
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    check_checkpoint(folder)
+    return folder
 
 
 # Architectures transformers knows that this project's offloading cannot run, and why.
@@ -192,7 +221,12 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
     path = resolve_checkpoint(cfg, cache_dir, seed, progress)
     dtype = pick_dtype(cfg, device)
     config, model_class = native_classes(path)
-    if experts == "device":
+    if cfg.weights == "random":
+        from specter.models.host_load import load_random
+
+        model, placement = load_random(model_class, config, dtype, device, experts, seed)
+        _generation_config(model, path)
+    elif experts == "device":
         model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
                                             use_safetensors=True, trust_remote_code=False)
         model.to(device).eval()
