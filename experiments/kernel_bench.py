@@ -2,7 +2,8 @@
 models' expert shapes, measured on this machine beside what the cost model charges on the A100.
 
 `python -m experiments.kernel_bench --out results/kernel [--device cpu|cuda|auto]
- [--shapes deepseek,qwen,phi] [--tokens 1,4,17] [--repeats N] [--warmup N] [--quick]`
+ [--shapes deepseek,qwen,phi] [--tokens 1,4,17] [--repeats N] [--warmup N] [--quick]
+ [--write-choice]`
 
 For each shape (hidden x expert intermediate, expert count and top-k of the real model, from
 specter.models.real_configs) and each token count T (1: a draft step; K+1 = 17: a verification
@@ -10,7 +11,8 @@ block), routing is drawn at random (seeded) over the real expert count with the 
 one layer's routed experts are timed through:
 - the draft's INT4 backends of specter.quant.kernels available on the device: `triton` (the
   fused multi-expert kernel, one launch per projection; CUDA only: on the CPU it exists only
-  under Triton's interpreter, recorded as not measured), `cpu_int4` (torch's CPU INT4 GEMM per
+  under Triton's interpreter, recorded as not measured), `cuda_int4` (torch's CUDA INT4 GEMM,
+  tinygemm, per expert in bf16; CUDA only), `cpu_int4` (torch's CPU INT4 GEMM per
   expert, in fp32 as the project's fp32 models run it, and in bf16, its fast path), `reference`
   (dequantize each expert, then matmuls);
 - the full-precision target's experts: `target_serial` (one GEMV per (token, expert), the
@@ -98,9 +100,60 @@ def modelled_cost(shape: ExpertShape):
 def draft_variants(s: Settings) -> list[tuple[str, torch.dtype]]:
     """(INT4 backend, activation dtype) pairs for this device."""
     if s.device.type == "cuda":
-        return [("triton", torch.float16), ("reference", torch.float16)]
+        return [("triton", torch.float16), ("cuda_int4", torch.bfloat16),
+                ("reference", torch.float16)]
     return [("triton", torch.float32), ("cpu_int4", torch.float32), ("cpu_int4", torch.bfloat16),
             ("reference", torch.float32)]
+
+
+ROOFLINE_HARDWARE = "h200_measured"  # the measured H200 profile: HBM bandwidth and GEMM rate
+
+
+def roofline_ms(shape: ExpertShape, counts: list[int]) -> float:
+    """The INT4 draft layer's lower bound on the H200 (conf/hardware/h200_measured.yaml): its
+    routed experts' INT4 codes and bf16 group scales read once from HBM, or its GEMM flops at
+    the measured rate, whichever is longer (no launch or other overhead)."""
+    from omegaconf import OmegaConf
+
+    hw = OmegaConf.to_container(OmegaConf.load(CONF / "hardware" / f"{ROOFLINE_HARDWARE}.yaml"))
+    params = 3 * shape.hidden * shape.inter
+    weight_bytes = len(counts) * (params // 2 + 2 * params // GROUP)
+    flops = 2 * params * sum(counts)
+    return 1e3 * max(weight_bytes / float(hw["mem_bandwidth_Bps"]),
+                     flops / float(hw["matrix_flops"]))
+
+
+def write_choice(out: Path, shape: ExpertShape, device: torch.device, log) -> Path | None:
+    """Record the fastest INT4 backend measured at `shape` and one token (a draft step) on
+    this GPU, where quant.backend=auto reads it (specter.quant.build.kernel_choice_path)."""
+    import json
+
+    from experiments import records
+    from specter.models.zoo import default_cache_dir
+    from specter.quant.build import kernel_choice_path
+
+    df = records.load(out)
+    if df.empty:
+        return None
+    ok = df[(df["experiment"] == EXPERIMENT) & (df["clock"] == "wall") & (df["status"] == "ok")
+            & (df["shape"] == shape.name) & (df["tokens"] == 1) & (df["hardware"] == device.type)
+            & df["backend"].isin(["triton", "cuda_int4", "cpu_int4", "reference"])]
+    if ok.empty:
+        log(f"--write-choice: no INT4 backend timed at {shape.name}, T=1; nothing written")
+        return None
+    ms = {b: float(g["ms"].min()) for b, g in ok.groupby("backend")}
+    path = kernel_choice_path(default_cache_dir(), device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": torch.cuda.get_device_name(device)
+                                if device.type == "cuda" else device.type,
+                                "shape": shape.name, "tokens": 1, "ms": ms,
+                                "fastest": min(ms, key=ms.get), "records": str(out),
+                                "written": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                               indent=1))
+    log(f"--write-choice: fastest INT4 backend at {shape.name}, T=1: {min(ms, key=ms.get)} "
+        f"({', '.join(f'{b} {v:.3f} ms' for b, v in sorted(ms.items(), key=lambda x: x[1]))}) "
+        f"-> {path}")
+    return path
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -260,7 +313,13 @@ def run_measured(out: Path, shape: ExpertShape, tokens: list[int], s: Settings, 
                 continue
             with torch.no_grad():
                 times = measure(lambda: impl(h, i, w), dev, check_s, s)
-            emit(key, t, _timed_row(times, max_rel_err=err, checked_against="reference fp32"))
+            extra = {}
+            if dev.type == "cuda":  # beside its lower bound on the measured H200
+                roof = roofline_ms(shape, r.counts())
+                extra = dict(roofline_ms=roof, roofline_hardware=ROOFLINE_HARDWARE,
+                             over_roofline=_percentile(times, 0.5) / roof)
+            emit(key, t, _timed_row(times, max_rel_err=err, checked_against="reference fp32",
+                                    **extra))
 
     # Target: full-precision experts, serial vs grouped, over a pool of dequantized experts.
     keys = [k for k in pending if k[0].startswith("target_")]
@@ -364,6 +423,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-weight-gb", type=float, default=None,
                     help="cap on the target's full-precision expert pool "
                          "(default 2 on CPU, 24 on CUDA)")
+    ap.add_argument("--write-choice", action="store_true",
+                    help="record the fastest INT4 backend at the first shape and T=1 for "
+                         "quant.backend=auto on this GPU")
     ap.add_argument("--quick", action="store_true",
                     help="a few minutes on 2 CPU cores: tokens 1,17, 3 repeats, 1 warm-up unless "
                          "given, and the reference backend not timed")
@@ -398,7 +460,7 @@ def summary_table(out: Path) -> str:
         return "(no rows)"
     df = df[df["experiment"] == EXPERIMENT]
     cols = ["shape", "tokens", "top_k", "backend", "dtype", "hardware", "clock", "ms", "ms_p10",
-            "ms_p90", "repeats", "status"]
+            "ms_p90", "roofline_ms", "over_roofline", "repeats", "status"]
     df = df[[c for c in cols if c in df]].sort_values(["shape", "tokens", "hardware", "backend",
                                                         "dtype"])
     with pd.option_context("display.width", 200, "display.max_rows", 500):
@@ -428,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
         written += len(run_measured(out, shape, tokens, s, log))
     log(f"{written} new rows in {time.perf_counter() - t0:.1f} s under {out}")
     log(summary_table(out))
+    if args.write_choice:
+        write_choice(out, shapes[0], device, log)
     return 0
 
 

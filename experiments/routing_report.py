@@ -130,8 +130,8 @@ def draft_side(model, tokenizer, prompts: list[list[int]], outputs: list[torch.T
     spec = spec_of(QuantConfig())
     experts, path, _ = ensure_quantized(model, tokenizer, spec, default_cache_dir(), device)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
-    shared = SelfDraft(model, experts, resolve_backend("auto", spec.bits, device, groups),
-                            device)
+    shared = SelfDraft(model, experts, resolve_backend("auto", spec.bits, device, groups)[0],
+                       device)
     fid, match, per_k = [], [], {k: [] for k in ACCEPT_KS}
     for ids, out in zip(prompts, outputs):
         r = routing_fidelity(shared, out[:, :-1].to(device), start=len(ids) - 1,

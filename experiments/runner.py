@@ -175,8 +175,9 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if top_m is not None and top_m > n_experts:
         raise UserError(f"system.top_m ({top_m}) exceeds model={cfg.model.name}'s {n_experts} "
                         "routed experts per layer.")
-    if cfg.quant.backend == "triton" and device.type != "cuda" and footprint(cfg.system).int4_draft:
-        raise UserError("quant.backend=triton needs a CUDA device (this run's is "
+    if cfg.quant.backend in ("triton", "cuda_int4") and device.type != "cuda" \
+            and footprint(cfg.system).int4_draft:
+        raise UserError(f"quant.backend={cfg.quant.backend} needs a CUDA device (this run's is "
                         f"{device.type}); use quant.backend=auto, cpu_int4 or reference.")
     if cfg.hardware.clock in ("virtual", "emulated"):
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)

@@ -607,7 +607,7 @@ def time_draft_layer(ctx: Ctx, shapes: dict, K: int, cost) -> dict:
     dev, dt, k = ctx.device, ctx.dtype, shapes["top_k"]
     (two_i, H), (_, inter) = shapes["gate_up"], shapes["down"]
     n_exp, group = 2 * k, 128
-    backend = resolve_backend("auto", 4, dev, {group})
+    backend, _ = resolve_backend("auto", 4, dev, {group})
     gen = torch.Generator(device="cpu").manual_seed(0)
     quant = lambda o, i: rtn_quantize(torch.randn(o, i, generator=gen) * 0.02, 4, group).to(dev)  # noqa: E731
     gate_up = [quant(two_i, H) for _ in range(n_exp)]

@@ -13,9 +13,10 @@ CAL_BUDGET_S="${CAL_BUDGET_S:-420}"
 TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
+REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-330}"
 # Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
 # been measured first, e.g. STAGES=tests,hybrid).
-STAGES=",${STAGES:-calibration,tests,h2d,bench,hybrid},"
+STAGES=",${STAGES:-real_size,calibration,tests,h2d,bench,hybrid},"
 want() { [[ "$STAGES" == *",$1,"* ]]; }
 [ -x "$PY" ] || PY=python3
 status=0
@@ -29,6 +30,35 @@ status=0
 # First, so its results exist even if a later stage runs out of device time: the measured
 # hardware profile (launch, pinned H2D, HBM, GEMM, eager layer costs at the real shapes) and
 # the virtual clock's error against real CUDA time (scripts/calibrate_gpu.py; --budget-s).
+# A model larger than a 24 GB card, loaded as the loader now loads one: DeepSeek-V2-Lite at
+# full depth (27 layers, 15.7 B parameters, 29 GiB in fp16) with random weights
+# (model.weights=random: no download; experts drawn straight into pinned host memory), on
+# device budgets of 16 and 24 GiB. First the INT4 draft layer at DeepSeek's expert shape on
+# every CUDA INT4 backend beside its roofline, the fastest recorded for quant.backend=auto;
+# then resident (budget=full), lru, specmoeoff and specter in real CUDA time and on the
+# h200_measured virtual clock at the same sizes (one process: the 27 GiB of experts are drawn
+# once); then the verdict: every load-time device peak within its budget (else the stage
+# fails) and the virtual/real TPOT error table. RTN drafts: GPTQ of random weights would only
+# cost minutes. Each part writes its records as it goes.
+if want real_size; then
+echo "== real size: DeepSeek-V2-Lite full depth, random weights, budget.gb=16,24, real CUDA vs virtual" | tee "$OUT/real_size.txt"
+timeout -k 10 "$REAL_SIZE_TIMEOUT_S" bash -c '
+  rc=0
+  "$0" -m experiments.kernel_bench --out "$1/real_size/kernel" --device cuda --shapes deepseek \
+    --tokens 1,17 --quick --write-choice || rc=1
+  "$0" run.py -m model=deepseek model.weights=random system=lru,specmoeoff,specter \
+    hardware=cuda,h200_measured budget=gb budget.gb=16,24 quant.method=rtn dataset=gsm8k \
+    workload.items=2 workload.repeats=1 workload.max_new_tokens=24 \
+    out_dir="$1/real_size/records" progress=false || rc=1
+  "$0" run.py -m model=deepseek model.weights=random system=resident budget=full \
+    hardware=cuda,h200_measured dataset=gsm8k workload.items=2 workload.repeats=1 \
+    workload.max_new_tokens=24 out_dir="$1/real_size/records" progress=false || rc=1
+  "$0" -m experiments.real_size "$1/real_size/records" --csv "$1/real_size/error_table.csv" || rc=1
+  exit $rc
+' "$PY" "$OUT" 2>&1 | tee -a "$OUT/real_size.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
 if want calibration; then
 echo "== calibration: measured hardware profile, virtual clock vs real CUDA time" | tee "$OUT/calibration.txt"
 timeout -k 20 $((CAL_BUDGET_S + 60)) "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" \

@@ -44,7 +44,7 @@ def _reference(folder, dtype):
     return model.eval()
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("key", KEYS)
 def test_host_load_is_transformers_load(key, dtype, hub_folder):
     """Every non-expert parameter and buffer equals transformers' (value and dtype: the

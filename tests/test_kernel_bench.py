@@ -121,3 +121,30 @@ def test_command_line_exit_status(tmp_path):
                          cwd=kb.CONF.parent)
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: unknown shape 'nope'")
+
+
+def test_write_choice_makes_auto_pick_the_fastest_measured_backend(tmp_path, monkeypatch, capsys):
+    """`--write-choice` records the fastest INT4 backend timed at T=1; quant.backend=auto then
+    takes it (among those that can run here), and says why; without the file, the default."""
+    import json
+
+    from specter.quant.build import kernel_choice_path, resolve_backend
+
+    cpu = torch.device("cpu")
+    monkeypatch.setenv("SPECTER_CACHE", str(tmp_path / "cache"))
+    assert resolve_backend("auto", 4, cpu, {128}, tmp_path / "cache") == ("cpu_int4",
+                                                                           "auto: no measurement")
+    assert _run(tmp_path / "rows", "--write-choice") == 0
+    path = kernel_choice_path(tmp_path / "cache", cpu)
+    choice = json.loads(path.read_text())
+    df = records.load(tmp_path / "rows")
+    ok = df[(df["status"] == "ok") & (df["tokens"] == 1)
+            & df["backend"].isin(["cpu_int4", "reference"])]
+    assert choice["fastest"] == ok.loc[ok["ms"].idxmin(), "backend"]
+    backend, why = resolve_backend("auto", 4, cpu, {128}, tmp_path / "cache")
+    assert backend == choice["fastest"] and why.startswith("auto: fastest measured")
+    choice["ms"] = {"reference": 1.0, "cpu_int4": 2.0, "triton": 0.1}  # triton cannot run here
+    path.write_text(json.dumps(choice))
+    assert resolve_backend("auto", 4, cpu, {128}, tmp_path / "cache")[0] == "reference"
+    assert resolve_backend("cpu_int4", 4, cpu, {128}, tmp_path / "cache") == ("cpu_int4",
+                                                                              "quant.backend")

@@ -257,18 +257,33 @@ def _random_experts(store: HostExpertStore, std: float, seed: int) -> None:
 def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
                   seed: int) -> None:
     """The experts' fused parameters on `device`, holding the values `_random_experts` gives
-    the store (each expert made on the host and copied in)."""
+    the store (each layer made on the host, on every core, and copied in)."""
     for l, (_, m) in enumerate(mods):
-        gate_up = torch.empty(m.gate_up_proj.shape, dtype=layout.dtype, device=device)
-        down = torch.empty(m.down_proj.shape, dtype=layout.dtype, device=device)
-        for e in range(layout.num_experts):
-            flat = torch.empty(layout.numel, dtype=layout.dtype)
-            _random_expert(flat, std, seed, l, e)
-            g, d = layout.views(flat)
-            gate_up[e].copy_(g)
-            down[e].copy_(d)
+        host = torch.empty(layout.num_experts, layout.numel, dtype=layout.dtype)
+        _on_every_core(lambda e: _random_expert(host[e], std, seed, l, e), range(layout.num_experts))
+        views = [layout.views(host[e]) for e in range(layout.num_experts)]
+        gate_up = torch.stack([g for g, _ in views]).to(device)
+        down = torch.stack([d for _, d in views]).to(device)
+        del host, views
         m.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         m.down_proj = nn.Parameter(down, requires_grad=False)
+
+
+# The last random host store made, reused by the next run of the same model in this process (a
+# sweep over systems and budgets: `run.py -m ...`): the experts of DeepSeek-V2-Lite are 27 GiB
+# to draw. Keyed by everything that determines its values; systems only read a store.
+_LAST_RANDOM_STORE: dict = {}
+
+
+def _random_store(key: tuple, layers: list[int], layout: ExpertLayout, pin: bool, std: float,
+                  seed: int) -> HostExpertStore:
+    store = _LAST_RANDOM_STORE.get(key)
+    if store is None:
+        _LAST_RANDOM_STORE.clear()  # one at a time: free the last model's before drawing
+        store = HostExpertStore(layers, layout, pin=pin)
+        _random_experts(store, std, seed)
+        _LAST_RANDOM_STORE[key] = store
+    return store
 
 
 def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
@@ -304,8 +319,11 @@ def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
         place.device_bytes += sum(
             t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
     if experts == "host":
-        store = HostExpertStore([i for i, _ in mods], layout, pin=device.type == "cuda")
-        _random_experts(store, std, seed)
+        import json
+
+        key = (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype), seed,
+               device.type == "cuda", std)
+        store = _random_store(key, [i for i, _ in mods], layout, device.type == "cuda", std, seed)
         place.host_bytes = sum(t.numel() * t.element_size() for layer in store.flat for t in layer)
         setattr(model, STORE_ATTR, store)
         from specter.offload.streamed import stream_from

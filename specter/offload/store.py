@@ -57,6 +57,7 @@ class HostExpertStore:
 
     def __init__(self, layers: list[int], layout: ExpertLayout, pin: bool):
         self.layers, self.layout = list(layers), layout
+        self.checksum: str | None = None  # the draft's source checksum, once computed
         self.flat: list[list[torch.Tensor]] = [
             [torch.empty(layout.numel, dtype=layout.dtype, pin_memory=pin)
              for _ in range(layout.num_experts)] for _ in layers]

@@ -24,6 +24,7 @@ class Draft:
     path: Path
     reused: bool
     backend: str
+    backend_choice: str = "quant.backend"  # why this backend (auto: measured or the default)
 
     def as_record(self) -> dict:
         m = self.experts.meta
@@ -33,7 +34,7 @@ class Draft:
                          for q in layer})
         return {"draft.method": self.experts.spec.method, "draft.bits": self.experts.spec.bits,
                 "draft.group": self.experts.spec.group, "draft.effective_groups": str(groups),
-                "draft.backend": self.backend,
+                "draft.backend": self.backend, "draft.backend_choice": self.backend_choice,
                 "draft.bytes": self.experts.packed_bytes(), "draft.path": str(self.path),
                 "draft.rtn_fallback_frac": sum(map(sum, fallback)) / n if n else math.nan}
 
@@ -43,16 +44,43 @@ def spec_of(q) -> QuantSpec:
                      min_tokens=q.min_tokens, calib_tokens=q.calib_tokens)
 
 
-def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]) -> str:
+def kernel_choice_path(cache_dir: Path, device: torch.device) -> Path:
+    """Where `python -m experiments.kernel_bench --write-choice` records which INT4 backend
+    was fastest on this kind of GPU (read by quant.backend=auto)."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return cache_dir / "kernels" / ("choice-" + "".join(c if c.isalnum() else "_" for c in name)
+                                    + ".json")
+
+
+def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int],
+                    cache_dir: Path | None = None) -> tuple[str, str]:
+    """(backend, why): `quant.backend`, or for `auto` the fastest INT4 backend measured on this
+    kind of device (kernel_bench --write-choice, at a real model's expert shape and one token:
+    a draft step) among those that can run here, when that measurement exists; else triton on
+    CUDA, cpu_int4 on the CPU."""
     if name not in BACKENDS + ("auto",):
         raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
     if name != "auto":
-        return name
+        return name, "quant.backend"
     if bits != 4:
-        return "reference"
+        return "reference", "auto: not 4-bit"
+    int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
-        return "triton" if triton_available() else "reference"
-    return "cpu_int4" if groups <= {32, 64, 128, 256} else "reference"
+        usable = {"reference", *(["triton"] if triton_available() else []),
+                  *(["cuda_int4"] if int4_groups else [])}
+        default = "triton" if "triton" in usable else "reference"
+    else:
+        usable = {"reference", *(["cpu_int4"] if int4_groups else [])}
+        default = "cpu_int4" if int4_groups else "reference"
+    path = kernel_choice_path(cache_dir or default_cache_dir(), device)
+    if path.is_file():
+        import json
+
+        ms = {b: t for b, t in json.loads(path.read_text()).get("ms", {}).items()
+              if b in usable and isinstance(t, (int, float)) and math.isfinite(t)}
+        if ms:
+            return min(ms, key=ms.get), f"auto: fastest measured ({path})"
+    return default, "auto: no measurement"
 
 
 def draft_for(ctx) -> Draft:
@@ -88,4 +116,5 @@ def draft_for(ctx) -> Draft:
         experts, path, reused = calibrate.ensure_quantized(
             model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
-    return Draft(experts, path, reused, resolve_backend(q.backend, q.bits, ctx.device, groups))
+    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir)
+    return Draft(experts, path, reused, backend, why)

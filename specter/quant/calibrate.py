@@ -231,11 +231,14 @@ def source_checksum(model: nn.Module) -> str:
     if store is None:
         return weights_checksum([t for _, m in experts_modules(model)
                                  for t in (m.gate_up_proj, m.down_proj)])
-    lay = store.layout
-    shapes = ((lay.num_experts, 2 * lay.inter, lay.hidden), (lay.num_experts, lay.hidden, lay.inter))
-    return weights_checksum_parts(
-        [(shape, [lay.views(flat)[part] for flat in layer])
-         for layer in store.flat for part, shape in enumerate(shapes)])
+    if getattr(store, "checksum", None) is None:  # once per store: 27 GiB take a while
+        lay = store.layout
+        shapes = ((lay.num_experts, 2 * lay.inter, lay.hidden),
+                  (lay.num_experts, lay.hidden, lay.inter))
+        store.checksum = weights_checksum_parts(
+            [(shape, [lay.views(flat)[part] for flat in layer])
+             for layer in store.flat for part, shape in enumerate(shapes)])
+    return store.checksum
 
 
 # -- saving and reuse ----------------------------------------------------------------------

@@ -1,11 +1,12 @@
 """Executing quantized routed experts: one layer's experts applied to the tokens routed to them.
 
-Owns: three interchangeable backends with the same call
+Owns: four interchangeable backends with the same call
 `backend(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`:
 - `reference`: dequantize each needed expert, then ordinary matmuls (any bits, any device):
   the definition the others are tested against.
 - `cpu_int4`: torch's CPU INT4 GEMM (`_weight_int4pack_mm_for_cpu`), weights repacked once
   into its layout (INT4 only, groups of 32 to 256).
+- `cuda_int4`: its CUDA twin (`_weight_int4pack_mm`, tinygemm), per expert, bf16 activations.
 - `triton`: a fused multi-expert INT4 GEMM in Triton: every routed expert of a layer in one
   launch per projection, (token, k-slot) pairs gathered by expert into blocks of BLOCK_M
   rows (INT4 only). Runs on CUDA, and on the CPU under `TRITON_INTERPRET=1` for tests.
@@ -24,7 +25,7 @@ from torch import nn
 from specter.errors import UserError
 from specter.quant.formats import QuantizedMatrix
 
-BACKENDS = ("reference", "cpu_int4", "triton")
+BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton")
 
 
 def _route(top_k_index: torch.Tensor):
@@ -81,6 +82,45 @@ class CpuInt4Experts(ReferenceExperts):
         xd = x.to(self.dtype)
         h = self.act(torch._weight_int4pack_mm_for_cpu(xd, wg, self.gate_up[e].group, szg))
         return torch._weight_int4pack_mm_for_cpu(h, wd, self.down[e].group, szd).to(x.dtype)
+
+
+def _int4pack_cuda(qm: QuantizedMatrix):
+    """(packed weight, scales_and_zeros [K/g, N, 2] bf16, inner_k_tiles) for torch's CUDA INT4
+    GEMM (`_weight_int4pack_mm`, tinygemm): the codes two per byte, the even column in the high
+    nibble, then tiled by `_convert_weight_to_int4pack`; w = (q - 8) * scale + zero, zero 0."""
+    q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
+    n, k = q.shape
+    tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
+    if tiles is None or n % 8:
+        raise UserError(f"the cuda_int4 backend needs N a multiple of 8 and K of 32 (got an "
+                        f"{n}x{k} matrix); use the triton or reference backend.")
+    packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
+    scales = qm.scales.to(torch.bfloat16).T.contiguous()  # [K/g, N]
+    sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+    return packed, sz
+
+
+class CudaInt4Experts(ReferenceExperts):
+    """torch's CUDA INT4 GEMM (tinygemm, `_weight_int4pack_mm`) per expert: the CUDA twin of
+    `cpu_int4`, three kernels per expert (gate_up, the activation, down) in bf16 activations."""
+
+    def __init__(self, gate_up, down, act):
+        super().__init__(gate_up, down, act)
+        for qm in gate_up + down:
+            if qm.bits != 4 or qm.group not in (32, 64, 128, 256):
+                raise UserError(f"the cuda_int4 backend needs 4-bit weights in groups of 32 to "
+                                f"256 (got {qm.bits}-bit, group {qm.group}); use the reference "
+                                "backend.")
+            if qm.codes.device.type != "cuda":
+                raise UserError("the cuda_int4 backend runs on a CUDA device; use cpu_int4 on "
+                                "the CPU.")
+        self.packed = [(_int4pack_cuda(g), _int4pack_cuda(d)) for g, d in zip(gate_up, down)]
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        (wg, szg), (wd, szd) = self.packed[e]
+        xb = x.to(torch.bfloat16)
+        h = self.act(torch._weight_int4pack_mm(xb, wg, self.gate_up[e].group, szg))
+        return torch._weight_int4pack_mm(h, wd, self.down[e].group, szd).to(x.dtype)
 
 
 # -- Triton ----------------------------------------------------------------------------------
@@ -179,6 +219,8 @@ def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.fl
         return ReferenceExperts(gate_up, down, act)
     if backend == "cpu_int4":
         return CpuInt4Experts(gate_up, down, act, dtype)
+    if backend == "cuda_int4":
+        return CudaInt4Experts(gate_up, down, act)
     if backend == "triton":
         return TritonExperts(gate_up, down, act)
     raise UserError(f"unknown INT4 backend '{backend}'; choose one of: {', '.join(BACKENDS)}.")
