@@ -29,8 +29,8 @@ from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
-from specter.models.loading import (load_model, load_tokenizer, read_max_positions, read_moe_shape,
-                                    remote_code_note, resolve_checkpoint)
+from specter.models.loading import (load_model, load_tokenizer, pick_dtype, read_max_positions,
+                                    read_moe_shape, remote_code_note, resolve_checkpoint)
 from specter.models.checkpoint_bytes import size_text
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
@@ -193,7 +193,6 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     (host memory, for a system that offloads them) and the rest's (the device), each checked
     against what holds it; one sentence when they cannot fit."""
     from specter.models.checkpoint_bytes import check_fits, checkpoint_bytes, host_memory_bytes
-    from specter.models.loading import pick_dtype
 
     dtype = pick_dtype(cfg.model, device)
     if cfg.model.weights == "random":  # no headers: the weightless skeleton's bytes
@@ -209,8 +208,10 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
         check_fits(cfg.model.name, b, offloads,
                    torch.cuda.get_device_properties(device).total_memory,
                    loads_whole=experts_at_load(cfg) == "device")
-    else:  # the device is the host: it holds everything (offloading keeps the host copy too)
+    elif experts_at_load(cfg) == "device":  # the device is the host: it holds everything
         check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
+    # (on the CPU an offloading run is checked with its slots once the budget is resolved:
+    # check_cpu_offload_fits)
     source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
               else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
@@ -331,7 +332,8 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     if device.type == "cpu" and experts_at_load(cfg) == "host":
         from specter.models.checkpoint_bytes import check_cpu_offload_fits
 
-        check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts)
+        check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts,
+                               fp32=pick_dtype(cfg.model, device) == torch.float32)
     torch.manual_seed(cfg.seed)
 
     tokenizer = load_tokenizer(checkpoint)

@@ -212,3 +212,19 @@ def test_random_weights_refusals_are_one_sentence():
         RunConfig.from_dict(d)
     with pytest.raises(UserError, match="does not hold; it holds deepseek"):
         loading.random_folder(ModelConfig(name="grok", source="hf", weights="random"), None)
+
+
+def test_an_offloaded_cpu_run_its_memory_cannot_hold_is_one_sentence():
+    """On the CPU the store, the slots and the rest share one memory: refused before loading
+    when they cannot fit beside the process (the numbers of OLMoE-1B-7B in bf16, 53 slots)."""
+    from specter.models.checkpoint_bytes import CheckpointBytes, check_cpu_offload_fits
+
+    GiB = 2**30
+    b = CheckpointBytes(expert_bytes=12 * GiB, non_expert_bytes=GiB, tensors=0, expert_tensors=0)
+    with pytest.raises(UserError, match=r"needs 23.9 GiB of memory .* 53 slots/layer .* this "
+                                        r"machine has 23.5 GiB: lower the budget\.$") as err:
+        check_cpu_offload_fits("olmoe", b, 53, 64, host_bytes=int(23.5 * GiB))
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=r"or load in bfloat16"):
+        check_cpu_offload_fits("olmoe", b, 53, 64, host_bytes=int(23.5 * GiB), fp32=True)
+    check_cpu_offload_fits("olmoe", b, 8, 64, host_bytes=int(23.5 * GiB))  # 8 slots fit

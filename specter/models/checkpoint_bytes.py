@@ -111,17 +111,20 @@ def check_fits(model_name: str, b: CheckpointBytes, experts_on_host: bool,
 
 
 def check_cpu_offload_fits(model_name: str, b: CheckpointBytes, slots: int, num_experts: int,
-                           host_bytes: int | None = None) -> None:
+                           host_bytes: int | None = None, fp32: bool = False) -> None:
     """On the CPU the device is the host: an offloading run holds the host store (every
     expert), the device's slots (`slots` of `num_experts` per layer) and the non-expert
     weights in one memory, beside the process's own runtime (`RUNTIME_RESERVE`). One
-    sentence when that memory cannot."""
+    sentence when that memory cannot (`fp32`: the weights load in fp32, bfloat16 would halve
+    them)."""
     host = host_memory_bytes() if host_bytes is None else host_bytes
     slot_bytes = b.expert_bytes * slots // num_experts
-    need = b.expert_bytes + slot_bytes + b.non_expert_bytes
-    if need + RUNTIME_RESERVE > host:
+    need = b.expert_bytes + slot_bytes + b.non_expert_bytes + RUNTIME_RESERVE
+    if need > host:
         raise UserError(f"model={model_name} offloaded on the CPU needs {need / GiB:.1f} GiB of "
                         f"memory (its experts {b.expert_bytes / GiB:.1f} GiB in the host store, "
-                        f"{slots} slots/layer of them {slot_bytes / GiB:.1f} GiB on the 'device' "
-                        f"and the rest {b.non_expert_bytes / GiB:.1f} GiB); this machine has "
-                        f"{host / GiB:.1f} GiB: lower the budget or use model.dtype=bfloat16.")
+                        f"{slots} slots/layer of them {slot_bytes / GiB:.1f} GiB on the 'device', "
+                        f"the rest {b.non_expert_bytes / GiB:.1f} GiB and "
+                        f"{RUNTIME_RESERVE / GiB:.1f} GiB for the process); this machine has "
+                        f"{host / GiB:.1f} GiB: lower the budget"
+                        + (" or load in bfloat16 (model.dtype=bfloat16)." if fp32 else "."))
