@@ -53,14 +53,24 @@ class ReferenceExperts:
         return final
 
 
-def _int4pack_cpu(qm: QuantizedMatrix, dtype: torch.dtype):
-    """(packed weight, scales_and_zeros [K/g, N, 2]) for `_weight_int4pack_mm_for_cpu`:
-    w = (q - 8) * scale + zero with zero = 0 (symmetric)."""
-    q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+def _check_int4(mats: list[QuantizedMatrix], backend: str) -> None:
+    """torch's INT4 GEMMs take 4-bit codes in groups of 32 to 256: one sentence otherwise."""
+    for qm in mats:
+        if qm.bits != 4 or qm.group not in (32, 64, 128, 256):
+            raise UserError(f"the {backend} backend needs 4-bit weights in groups of 32 to 256 "
+                            f"(got {qm.bits}-bit, group {qm.group}); use the reference backend.")
+
+
+def _scales_and_zeros(qm: QuantizedMatrix, dtype: torch.dtype) -> torch.Tensor:
+    """[K/g, N, 2] for torch's INT4 GEMMs, w = (q - 8) * scale + zero, with zero = 0."""
     scales = qm.scales.to(dtype).T.contiguous()  # [K/g, N]
-    sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
-    return packed, sz
+    return torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
+
+
+def _int4pack_cpu(qm: QuantizedMatrix, dtype: torch.dtype):
+    """(packed weight, scales_and_zeros) for `_weight_int4pack_mm_for_cpu` (symmetric)."""
+    q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), _scales_and_zeros(qm, dtype)
 
 
 class CpuInt4Experts(ReferenceExperts):
@@ -68,11 +78,7 @@ class CpuInt4Experts(ReferenceExperts):
 
     def __init__(self, gate_up, down, act, dtype: torch.dtype = torch.float32):
         super().__init__(gate_up, down, act)
-        for qm in gate_up + down:
-            if qm.bits != 4 or qm.group not in (32, 64, 128, 256):
-                raise UserError(f"the cpu_int4 backend needs 4-bit weights in groups of 32 to "
-                                f"256 (got {qm.bits}-bit, group {qm.group}); use the reference "
-                                "backend.")
+        _check_int4(gate_up + down, "cpu_int4")
         self.dtype = dtype
         self.packed = [(_int4pack_cpu(g, dtype), _int4pack_cpu(d, dtype))
                        for g, d in zip(gate_up, down)]
@@ -85,9 +91,9 @@ class CpuInt4Experts(ReferenceExperts):
 
 
 def _int4pack_cuda(qm: QuantizedMatrix):
-    """(packed weight, scales_and_zeros [K/g, N, 2] bf16, inner_k_tiles) for torch's CUDA INT4
-    GEMM (`_weight_int4pack_mm`, tinygemm): the codes two per byte, the even column in the high
-    nibble, then tiled by `_convert_weight_to_int4pack`; w = (q - 8) * scale + zero, zero 0."""
+    """(packed weight, bf16 scales_and_zeros) for torch's CUDA INT4 GEMM (`_weight_int4pack_mm`,
+    tinygemm): the codes two per byte, the even column in the high nibble, then tiled by
+    `_convert_weight_to_int4pack` (the largest inner-K tiling that divides K)."""
     q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
     n, k = q.shape
     tiles = next((t for t in (8, 4, 2) if k % (16 * t) == 0), None)
@@ -95,9 +101,7 @@ def _int4pack_cuda(qm: QuantizedMatrix):
         raise UserError(f"the cuda_int4 backend needs N a multiple of 8 and K of 32 (got an "
                         f"{n}x{k} matrix); use the triton or reference backend.")
     packed = torch._convert_weight_to_int4pack((q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8), tiles)
-    scales = qm.scales.to(torch.bfloat16).T.contiguous()  # [K/g, N]
-    sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
-    return packed, sz
+    return packed, _scales_and_zeros(qm, torch.bfloat16)
 
 
 class CudaInt4Experts(ReferenceExperts):
@@ -106,14 +110,9 @@ class CudaInt4Experts(ReferenceExperts):
 
     def __init__(self, gate_up, down, act):
         super().__init__(gate_up, down, act)
-        for qm in gate_up + down:
-            if qm.bits != 4 or qm.group not in (32, 64, 128, 256):
-                raise UserError(f"the cuda_int4 backend needs 4-bit weights in groups of 32 to "
-                                f"256 (got {qm.bits}-bit, group {qm.group}); use the reference "
-                                "backend.")
-            if qm.codes.device.type != "cuda":
-                raise UserError("the cuda_int4 backend runs on a CUDA device; use cpu_int4 on "
-                                "the CPU.")
+        _check_int4(gate_up + down, "cuda_int4")
+        if any(qm.codes.device.type != "cuda" for qm in gate_up + down):
+            raise UserError("the cuda_int4 backend runs on a CUDA device; use cpu_int4 on the CPU.")
         self.packed = [(_int4pack_cuda(g), _int4pack_cuda(d)) for g, d in zip(gate_up, down)]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
