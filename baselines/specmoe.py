@@ -54,6 +54,7 @@ from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
 from specter.offload.build import Timing
+from specter.offload.costmodel import charging_only
 from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
 
@@ -155,8 +156,10 @@ class HostDraft(DraftPart):
         cost, link = self.timing.cost, self.timing.link
         tokens = kept_index.shape[0]
         link.compute(cost.router_s(tokens))
-        counts = torch.bincount(kept_index.flatten())
-        for n in counts[counts > 0].tolist():  # host sync: charging only
+        with charging_only():
+            counts = torch.bincount(kept_index.flatten())
+            per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        for n in per_expert:
             link.compute(cost.host_expert_s(n))
         hw, sizes = cost.hw, cost.sizes
         nbytes = tokens * self.runtime.cache.layout.hidden * sizes.elem_bytes

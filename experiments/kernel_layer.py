@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from specter.errors import UserError
+from specter.grouping import group_by_expert
 from specter.offload.runtime import expert_output, sum_in_expert_order
 from specter.quant.formats import QuantizedMatrix, effective_group
 
@@ -131,10 +132,10 @@ def target_experts(hidden, index, weights, expert_weights, act=_act, serial=Fals
     """The target's routed experts exactly as `OffloadRuntime.experts_forward` computes them
     (its own `expert_output` and `sum_in_expert_order`), with `expert_weights(e)` giving
     (gate_up, down)."""
-    experts = torch.unique(index).tolist()
-    outs = {e: expert_output(hidden, index, weights, e, *expert_weights(e), act, serial)
-            for e in experts}
-    return sum_in_expert_order(hidden, outs, experts)
+    groups = group_by_expert(index, int(index.max()) + 1)
+    outs = {e: expert_output(hidden, groups.of(e), weights, *expert_weights(e), act, serial)
+            for e in groups.needed}
+    return sum_in_expert_order(hidden, outs, groups.needed)
 
 
 def target_grouped(hidden, index, weights, expert_weights, act=_act) -> torch.Tensor:

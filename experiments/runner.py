@@ -9,6 +9,7 @@ the record layout (records.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -114,6 +115,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["quant"]["path"]
     if d["model"]["weights"] == "checkpoint":  # the case of runs before random weights
         del d["model"]["weights"]
+    if d["model"]["attn"] == "auto":  # resolved at load: the runner adds it unless sdpa
+        del d["model"]["attn"]
     return d
 
 
@@ -308,7 +311,11 @@ def check_writable(cfg: RunConfig) -> None:
 ROWS_WRITTEN = [0]  # rows this process wrote, over every run (a Ctrl-C reports it)
 
 
-def run(cfg: RunConfig, log=print) -> RunSummary:
+def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
+    """Every (request, repeat) of `cfg` not recorded yet, decoded and written as rows.
+    `decode_context(engine)`: a context manager entered around each decode call only (not
+    around loading or the per-request reset): a measurement's hook, e.g. experiments.hotpath
+    counting the operations decoding issues."""
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
     check_system(cfg.system, cfg.workload.temperature)
@@ -348,7 +355,10 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
     kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
     acct = budget_mod.account(spec, budget.slots, kv_tokens)
     log(f"[specter] model={cfg.model.name} ({spec.arch}: {spec.num_experts} experts, top-{spec.top_k}, "
-        f"{spec.num_moe_layers} MoE layers) system={cfg.system.name} budget={budget.name} "
+        f"{spec.num_moe_layers} MoE layers, attention "
+        f"{loaded.model.config._attn_implementation}: "
+        f"{getattr(loaded.model.config, '_specter_attn_why', '')}) "
+        f"system={cfg.system.name} budget={budget.name} "
         f"-> {budget.slots} slots/layer ({budget.rule}) device={device} dataset={workload.dataset} "
         f"({'project-written stand-in' if workload.standin else workload.source})")
     if budget.note:
@@ -365,6 +375,9 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         f"({load_rec['load_peak_device_source']}), host peak "
         f"{size_text(load_rec['load_peak_host_bytes'])} (process RSS)")
     case = case_of(cfg, budget.slots)
+    attn = loaded.model.config._attn_implementation
+    if attn != "sdpa":  # sdpa: what every run before model.attn used
+        case["attn_implementation"] = attn
     if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
         case["model_build"] = checkpoint.name  # with another recipe is another case
     store = records.CaseStore(cfg.out_dir, case)
@@ -380,6 +393,7 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
         "acct_kv_bytes": acct.kv_bytes, **ckpt_bytes.as_record(), **load_rec,
         "weights": cfg.model.weights,
+        "attn_implementation": loaded.model.config._attn_implementation,
         **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }
@@ -405,10 +419,12 @@ def run(cfg: RunConfig, log=print) -> RunSummary:
         engine.reset()  # outside timing
         if cfg.workload.temperature > 0:  # one generator per (request, repeat): reruns repeat
             engine.seed_requests([cfg.seed * 1_000_003 + i * 1_009 + r for i in batch])
-        if len(batch) == 1:
-            gens = [engine.generate(prompts[batch[0]], cfg.workload.max_new_tokens)]
-        else:  # a batch is decoded whole; rows already recorded are not written again
-            gens = engine.generate_batch([prompts[i] for i in batch], cfg.workload.max_new_tokens)
+        with decode_context(engine) if decode_context else contextlib.nullcontext():
+            if len(batch) == 1:
+                gens = [engine.generate(prompts[batch[0]], cfg.workload.max_new_tokens)]
+            else:  # a batch is decoded whole; rows already recorded are not written again
+                gens = engine.generate_batch([prompts[i] for i in batch],
+                                             cfg.workload.max_new_tokens)
         shared = batch_record(gens, batch, r)
         throughputs.append(shared["batch_tokens_per_s"])
         for i, gen in zip(batch, gens):

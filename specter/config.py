@@ -37,6 +37,10 @@ class ModelConfig:
     # its published config.json with random weights (its real sizes, no download: measuring
     # the engine on a GPU; random weights do not route like the trained model)
     weights: str = "checkpoint"
+    # The attention implementation: auto (flash_attention_2 on CUDA where the flash-attn extra
+    # is installed and the architecture supports it, else sdpa; sdpa on the CPU), or eager,
+    # sdpa, flash_attention_2 (refused in one sentence where it cannot run)
+    attn: str = "auto"
 
 
 @dataclass
@@ -218,6 +222,9 @@ class RunConfig:
         if prompts and self.dataset.name != "custom":
             raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
                             f"dataset={self.dataset.name}.")
+        if self.model.attn not in ("auto", "eager", "sdpa", "flash_attention_2"):
+            raise UserError(f"model.attn must be auto, eager, sdpa or flash_attention_2 "
+                            f"(got '{self.model.attn}').")
         if self.model.weights not in ("checkpoint", "random"):
             raise UserError(f"model.weights must be checkpoint or random (got '{self.model.weights}').")
         if self.model.weights == "random" and self.model.source == "project":

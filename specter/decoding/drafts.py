@@ -28,6 +28,7 @@ from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.offload.build import Timing
+from specter.offload.costmodel import charging_only
 from specter.offload.store import release_fused
 from specter.quant.build import Draft
 
@@ -65,8 +66,9 @@ def draft_experts_charge(timing: Timing, draft: Draft):
 
     def charge(layer: int, top_k_index: torch.Tensor) -> None:
         link.compute(cost.router_s(top_k_index.shape[0]))
-        counts = torch.bincount(top_k_index.flatten())
-        per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        with charging_only():
+            counts = torch.bincount(top_k_index.flatten())
+            per_expert = counts[counts > 0].tolist()  # host sync: charging only
         link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
     return charge
 

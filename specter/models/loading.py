@@ -203,6 +203,40 @@ def remote_code_note(path: Path) -> str | None:
             "the folder is imported).")
 
 
+def flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def pick_attention(cfg: ModelConfig, model_class, device: torch.device) -> tuple[str, str]:
+    """(attention implementation, why) for `model.attn`: auto takes flash_attention_2 on CUDA
+    where the `gpu` extra's flash-attn is installed and the architecture supports it, else
+    sdpa where supported, else eager; an explicit choice that cannot run is one sentence."""
+    supports = {"eager": True, "sdpa": getattr(model_class, "_supports_sdpa", False),
+                "flash_attention_2": getattr(model_class, "_supports_flash_attn", False)}
+    name = model_class.__name__
+    if cfg.attn == "auto":
+        if device.type == "cuda" and supports["flash_attention_2"] and flash_attn_installed():
+            return "flash_attention_2", "auto: CUDA, flash-attn installed"
+        if supports["sdpa"]:
+            why = ("auto: CUDA without the flash-attn extra (pip install -e .[gpu])"
+                   if device.type == "cuda" and supports["flash_attention_2"] else "auto")
+            return "sdpa", why
+        return "eager", f"auto: {name} supports neither flash-attn nor sdpa"
+    if not supports[cfg.attn]:
+        raise UserError(f"model.attn={cfg.attn}: {name} does not support it; use auto, eager"
+                        + (" or sdpa." if supports["sdpa"] else "."))
+    if cfg.attn == "flash_attention_2":
+        if device.type != "cuda":
+            raise UserError(f"model.attn=flash_attention_2 needs a CUDA device (this run's is "
+                            f"{device.type}); use model.attn=auto or sdpa.")
+        if not flash_attn_installed():
+            raise UserError("model.attn=flash_attention_2 needs the flash-attn package, an "
+                            "optional extra: pip install -e .[gpu], or use model.attn=sdpa.")
+    return cfg.attn, "model.attn"
+
+
 EXPERTS_AT_LOAD = ("device", "host", "none")
 
 
@@ -221,6 +255,8 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
     path = resolve_checkpoint(cfg, cache_dir, seed, progress)
     dtype = pick_dtype(cfg, device)
     config, model_class = native_classes(path)
+    attn, attn_why = pick_attention(cfg, model_class, device)
+    config._attn_implementation = attn
     if cfg.weights == "random":
         from specter.models.host_load import load_random
 
@@ -228,7 +264,8 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
         _generation_config(model, path)
     elif experts == "device":
         model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
-                                            use_safetensors=True, trust_remote_code=False)
+                                            use_safetensors=True, trust_remote_code=False,
+                                            attn_implementation=attn)
         model.to(device).eval()
         placement = None
     else:
@@ -236,6 +273,7 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
 
         model, placement = load_split(path, model_class, config, dtype, device, experts)
         _generation_config(model, path)
+    model.config._specter_attn_why = attn_why
     return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model),
                        checkpoint=path, device=device, placement=placement)
 

@@ -22,12 +22,28 @@ so lands on the real model's scale while routing and tokens still come from the 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from specter.models.introspect import experts_modules, is_experts_module
+
+# Measurement hooks (experiments.hotpath) that stop counting while the host only charges a
+# modelled clock: work a real engine, timed by its own clock, would not issue.
+UNCOUNTED: list = []
+
+
+@contextlib.contextmanager
+def charging_only():
+    """Host work that exists only to charge a modelled clock (reading the router's choice to
+    price its experts): outside what the hot path issues (experiments/hotpath.py)."""
+    if not UNCOUNTED:
+        yield
+        return
+    with UNCOUNTED[-1]():
+        yield
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
-from specter.offload.costmodel import CostModel
+from specter.offload.costmodel import CostModel, charging_only
 from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
@@ -119,9 +120,11 @@ class Charger:
 
     def _charge_hf_experts(self, module, args) -> None:
         _, top_k_index, _ = args
-        counts = torch.bincount(top_k_index.flatten())  # tokens per expert
+        with charging_only():
+            counts = torch.bincount(top_k_index.flatten())  # tokens per expert
+            per_expert = counts[counts > 0].tolist()  # host sync: charging only
         self.link.compute(self.cost.router_s(self.tokens))
-        for n in counts[counts > 0].tolist():  # host sync: one per layer, charging only
+        for n in per_expert:
             self.link.compute(self.cost.expert_s(n))
 
     def begin_forward(self, tokens: int, context: int, prefill: bool = False,
@@ -184,10 +187,11 @@ class OffloadRuntime:
         cache = self.cache
         self.charge("router_s", hidden.shape[0])  # the router that just ran
         self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
-        ids, n_tokens = torch.unique(top_k_index, return_counts=True)  # sorted expert ids
-        needed = ids.tolist()  # host sync: residency is a host decision
+        # The layer's one host read: residency is a host decision (specter/grouping.py).
+        groups = group_by_expert(top_k_index, cache.store.layout.num_experts)
+        needed = groups.needed
         self.last_needed[l] = needed
-        self.last_counts[l] = dict(zip(needed, n_tokens.tolist()))
+        self.last_counts[l] = groups.counts
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -212,7 +216,7 @@ class OffloadRuntime:
                 self.stats.host_experts += len(host)
                 self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
         outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        jobs = [self._host_expert(module, l, e, hidden, top_k_index, top_k_weights) for e in host]
+        jobs = [self._host_expert(module, l, e, hidden, groups, top_k_weights) for e in host]
         cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
@@ -229,7 +233,7 @@ class OffloadRuntime:
                 if not cache.resident(l, e):
                     raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
             cache.wait(l, e)
-            token_idx, out = self._expert(module, l, e, hidden, top_k_index, top_k_weights)
+            token_idx, out = self._expert(module, l, e, hidden, groups, top_k_weights)
             if self.serial:
                 for _ in range(token_idx.numel()):
                     self.charge("expert_s", 1)
@@ -280,12 +284,12 @@ class OffloadRuntime:
                 copy_free += copy_s
         return chosen
 
-    def _host_expert(self, module, l, e, hidden, top_k_index, top_k_weights):
+    def _host_expert(self, module, l, e, hidden, groups, top_k_weights):
         """Expert `e` queued on the host CPU from its host copy: (token_idx on the device, the
         host job whose value is the weighted output [n, H] on the CPU). The host computes in
         the model's dtype on a CPU run (the same arithmetic as the device: lossless) and in
         fp32 beside a GPU (CPUs lack fast fp16/bf16 kernels; the tokens may then differ)."""
-        pos, token_idx = torch.where(top_k_index.T == e)
+        pos, token_idx = groups.of(e)
         cpu, weights = torch.device("cpu"), self.host_weights_for()
         x = hidden[token_idx].to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
         w = top_k_weights[token_idx, pos, None].to(cpu, weights.dtype)
@@ -355,20 +359,20 @@ class OffloadRuntime:
             self.stats.prefetches += issued
         return issued
 
-    def _expert(self, module, l, e, hidden, top_k_index, top_k_weights):
+    def _expert(self, module, l, e, hidden, groups, top_k_weights):
         gate_up, down = self.cache.weights(l, e)  # [2I, H], [H, I] views of the device slot
-        return expert_output(hidden, top_k_index, top_k_weights, e, gate_up, down,
+        return expert_output(hidden, groups.of(e), top_k_weights, gate_up, down,
                              module._apply_gate, self.serial)
 
 
-def expert_output(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  e: int, gate_up: torch.Tensor, down: torch.Tensor, act,
+def expert_output(hidden: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor],
+                  top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
                   serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Routed expert `e` over the tokens routed to it, weighted: (token_idx [n], out [n, H]),
-    in HF's (k-slot, token) order. One GEMM per projection over its n tokens, or (`serial`,
-    the token-by-token ablation) one GEMV per token. `act` is the gate (SwiGLU on the fused
-    gate_up output)."""
-    pos, token_idx = torch.where(top_k_index.T == e)
+    """One routed expert over its (k-slot, token) `pairs` (`ExpertGroups.of(e)`, in HF's
+    order), weighted: (token_idx [n], out [n, H]). One GEMM per projection over its n tokens,
+    or (`serial`, the token-by-token ablation) one GEMV per token. `act` is the gate (SwiGLU
+    on the fused gate_up output)."""
+    pos, token_idx = pairs
     y = expert_mlp(hidden[token_idx], gate_up, down, act, serial)  # [n, H]
     return token_idx, y * top_k_weights[token_idx, pos, None]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_output, sum_in_expert_order
 from specter.offload.store import HostExpertStore
@@ -26,14 +27,14 @@ def _streamed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     store: HostExpertStore = self._specter_streamed_store
     l = self._specter_streamed_layer
     outs = {}
-    needed = torch.unique(top_k_index).tolist()  # sorted expert ids
-    for e in needed:
+    groups = group_by_expert(top_k_index, store.layout.num_experts)
+    for e in groups.needed:
         gate_up, down = store.layout.views(store.expert(l, e))
         if gate_up.device != hidden_states.device:
             gate_up, down = gate_up.to(hidden_states.device), down.to(hidden_states.device)
-        outs[e] = expert_output(hidden_states, top_k_index, top_k_weights, e, gate_up, down,
+        outs[e] = expert_output(hidden_states, groups.of(e), top_k_weights, gate_up, down,
                                 self._apply_gate)
-    return sum_in_expert_order(hidden_states, outs, needed)
+    return sum_in_expert_order(hidden_states, outs, groups.needed)
 
 
 def stream_from(model: nn.Module, store: HostExpertStore) -> None:

@@ -23,15 +23,18 @@ import torch
 from torch import nn
 
 from specter.errors import UserError
+from specter.grouping import group_by_expert
 from specter.quant.formats import QuantizedMatrix
 
 BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton")
 
 
-def _route(top_k_index: torch.Tensor):
-    """Per needed expert (ascending): (k-slot positions, token indices) in HF's order."""
-    for e in torch.unique(top_k_index).tolist():
-        pos, token_idx = torch.where(top_k_index.T == e)
+def _route(top_k_index: torch.Tensor, num_experts: int):
+    """Per needed expert (ascending): (k-slot positions, token indices) in HF's order, from
+    one read of the routing (specter/grouping.py)."""
+    groups = group_by_expert(top_k_index, num_experts)
+    for e in groups.needed:
+        pos, token_idx = groups.of(e)
         yield e, pos, token_idx
 
 
@@ -47,7 +50,7 @@ class ReferenceExperts:
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         final = torch.zeros_like(hidden)
-        for e, pos, token_idx in _route(top_k_index):
+        for e, pos, token_idx in _route(top_k_index, len(self.gate_up)):
             y = self.expert(e, hidden[token_idx])
             final.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).to(final.dtype))
         return final

@@ -1,0 +1,248 @@
+"""What decoding asks of the device, counted: aten operations, the ones that launch kernels,
+and host syncs, per system and per phase, per committed token.
+
+A GPU's decode step is bound by what the host issues as much as by copies and arithmetic: each
+launching operation costs a kernel launch (7-9 us on the H200, docs/measurements/
+h200-2026-11-30), and each host sync drains the queue. These can be counted on any machine:
+a `TorchDispatchMode` sees every aten operation the engines dispatch while decoding (not while
+loading, quantizing or resetting: the runner's `decode_context` hook), attributed to the phase
+the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward returns, then
+to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
+
+Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
+- `ops`: aten operations dispatched;
+- `launching`: of them, the ones that are not views (each a kernel on a GPU, or at least a
+  dispatch; factory and copy operations included);
+- `syncs`: operations that make the device wait for the host: `nonzero`, `_local_scalar_dense`
+  (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
+  `bincount`, `repeat_interleave` by counts), `equal`;
+- `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
+  operation): each a sync when its tensor is on the device. On a CPU run every tensor is, so
+  this counts reads of host-side tensors too; it bounds the GPU's count from above.
+
+    python -m experiments.hotpath OUT [system=lru,specter ...] [any run.py override]
+
+runs the systems through the runner (records under OUT/records) and writes OUT/hotpath.csv
+and OUT/hotpath.md. Defaults: model=small_deepseek budget=high, 2 gsm8k items x 64 tokens, 1
+repeat, hardware=a100_pcie4_hf (the counts do not depend on the clock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = {"nonzero", "_local_scalar_dense", "_unique2", "unique_dim", "unique_consecutive",
+            "masked_select", "bincount", "repeat_interleave", "equal", "is_nonzero",
+            "nonzero_static"}
+# repeat_interleave syncs only with a tensor of counts (its output size); counted as one.
+PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
+DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
+COLUMNS = ("ops", "launching", "syncs", "host_reads")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched inside it, by the current `phase`."""
+
+    def __init__(self):
+        super().__init__()
+        self.phase = "bookkeeping"
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        c = self.counts[self.phase]
+        c["ops"] += 1
+        if not func.is_view:
+            c["launching"] += 1
+        if func.overloadpacket.__name__ in SYNC_OPS:
+            c["syncs"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def _host_reads(counter: OpCounter):
+    """`.tolist()` and `.cpu()` calls counted as host reads of the current phase."""
+    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
+
+    def wrap(name, fn):
+        def counted(self, *a, **k):
+            counter.counts[counter.phase]["host_reads"] += 1
+            return fn(self, *a, **k)
+        return counted
+
+    try:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, fn)
+
+
+def _models(engine) -> list:
+    """The models whose forwards the engine runs: the target, and a separate draft's."""
+    models = [engine.model]
+    separate = getattr(getattr(engine, "draft", None), "separate", None)
+    if separate is not None and separate.model is not engine.model:
+        models.append(separate.model)
+    return models
+
+
+class HotPath:
+    """The runner's `decode_context`: counts one system's decode calls, phase by phase."""
+
+    def __init__(self):
+        self.counter = OpCounter()
+        self.tokens = 0  # committed tokens after each request's first
+        self.forwards: Counter = Counter()  # forwards per phase
+
+    @contextlib.contextmanager
+    def __call__(self, engine):
+        counter = self.counter
+        announce = getattr(engine, "_before_forward", None)
+        hooks = []
+        if announce is not None:
+            def before(tokens, context, phase, rows=1):
+                with _paused(counter):
+                    announce(tokens, context, phase, rows)
+                counter.phase = phase
+                self.forwards[phase] += 1
+            engine._before_forward = before
+        for m in _models(engine):
+            hooks.append(m.register_forward_hook(
+                lambda *_: setattr(counter, "phase", "bookkeeping")))
+        gen_batch = engine.generate_batch
+
+        def counted_batch(prompts, max_new_tokens):
+            gens = gen_batch(prompts, max_new_tokens)
+            self.tokens += sum(max(len(g.tokens) - 1, 0) for g in gens)
+            return gens
+        engine.generate_batch = counted_batch
+        try:
+            with counter, _host_reads(counter):
+                counter.phase = "bookkeeping"
+                yield
+        finally:
+            for h in hooks:
+                h.remove()
+            del engine.generate_batch
+            if announce is not None:
+                del engine._before_forward
+
+    def rows(self, system: str) -> list[dict]:
+        out = []
+        for phase in PHASES:
+            c = self.counter.counts.get(phase, Counter())
+            row = {"system": system, "phase": phase, "forwards": self.forwards.get(phase, 0),
+                   "committed_tokens": self.tokens}
+            for col in COLUMNS:
+                row[col] = c.get(col, 0)
+                row[f"{col}_per_token"] = c.get(col, 0) / self.tokens if self.tokens else float("nan")
+            out.append(row)
+        total = {"system": system, "phase": "decoding (all but prefill)",
+                 "forwards": sum(v for k, v in self.forwards.items() if k != "prefill"),
+                 "committed_tokens": self.tokens}
+        for col in COLUMNS:
+            n = sum(r[col] for r in out if r["phase"] != "prefill")
+            total[col] = n
+            total[f"{col}_per_token"] = n / self.tokens if self.tokens else float("nan")
+        return out + [total]
+
+
+@contextlib.contextmanager
+def _paused(counter: OpCounter):
+    """The engine's own charging of the clock (cost-model arithmetic on the host) is not part
+    of what a real engine would issue: not counted."""
+    saved = counter.counts
+    counter.counts = defaultdict(Counter)
+    try:
+        yield
+    finally:
+        counter.counts = saved
+
+
+def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
+    """Each system run through the runner with the counter around its decode calls."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments.runner import run
+    from run import CONF, typed_overrides
+    from specter.config import RunConfig
+
+    from specter.offload import costmodel
+
+    rows = []
+    base = ["model=small_deepseek", "budget=high", "dataset=gsm8k", "hardware=a100_pcie4_hf",
+            "workload.items=2", "workload.repeats=1", "workload.max_new_tokens=64",
+            "progress=false"]
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for system in systems:
+            hot = HotPath()
+            costmodel.UNCOUNTED.append(lambda hot=hot: _paused(hot.counter))
+            cfg = compose(config_name="config", overrides=typed_overrides(
+                [*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"]))
+            try:
+                run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
+                    log=lambda *_: None, decode_context=hot)
+            finally:
+                costmodel.UNCOUNTED.pop()
+            rows += hot.rows(system)
+            total = rows[-1]
+            log(f"[hotpath] {system}: {total['launching_per_token']:.0f} launching ops, "
+                f"{total['syncs_per_token']:.1f} syncs, {total['host_reads_per_token']:.1f} host "
+                f"reads per committed token ({total['committed_tokens']} tokens)")
+    return rows
+
+
+def table(rows: list[dict]):
+    import pandas as pd
+
+    df = pd.DataFrame(rows)
+    return df[["system", "phase", "forwards", "committed_tokens",
+               *[f"{c}_per_token" for c in COLUMNS], *COLUMNS]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specter.errors import UserError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") or "=" in argv[0]:
+        print("usage: python -m experiments.hotpath OUT [system=a,b] [run.py overrides]",
+              file=sys.stderr)
+        return 2
+    out, rest = Path(argv[0]), argv[1:]
+    systems = list(DEFAULT_SYSTEMS)
+    for a in list(rest):
+        if a.startswith("system="):
+            systems = [s for s in a.split("=", 1)[1].split(",") if s]
+            rest.remove(a)
+    try:
+        rows = measure(systems, rest, out)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return UserError.exit_code
+    df = table(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    df.to_csv(out / "hotpath.csv", index=False)
+    md = df.to_markdown(index=False, floatfmt=".1f") if _has_tabulate() else df.to_string(index=False)
+    (out / "hotpath.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+def _has_tabulate() -> bool:
+    try:
+        import tabulate  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

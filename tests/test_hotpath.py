@@ -1,0 +1,67 @@
+"""The hot-path counter (experiments/hotpath.py): it sees what decoding dispatches, phase by
+phase, the same counts on every run, and none of the host work that only charges a modelled
+clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from experiments import hotpath
+
+SMALL = ["model=tiny_deepseek", "workload.items=1", "workload.max_new_tokens=12",
+         "workload.stop_on_eos=false", "spec.k=4"]
+
+
+def _by(rows, system, phase):
+    return next(r for r in rows if r["system"] == system and r["phase"] == phase)
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory, tiny_models):
+    tiny_models("tiny_deepseek")  # built once for the session
+    out = tmp_path_factory.mktemp("hot")
+    return hotpath.measure(["resident", "specter"], SMALL, out, log=lambda *_: None), out
+
+
+def test_each_phase_is_counted_and_the_counts_repeat(counted, tmp_path):
+    rows, _ = counted
+    res, spec = _by(rows, "resident", "decode"), _by(rows, "specter", "verify")
+    assert res["forwards"] == 11 and res["committed_tokens"] == 11  # 12 tokens, the first from prefill
+    assert _by(rows, "resident", "draft")["ops"] == 0
+    assert spec["forwards"] > 0 and _by(rows, "specter", "draft")["forwards"] > spec["forwards"]
+    for r in (res, spec, _by(rows, "specter", "draft")):
+        assert 0 < r["launching"] < r["ops"] and r["syncs"] + r["host_reads"] > 0
+    total = _by(rows, "specter", "decoding (all but prefill)")
+    assert total["ops"] == sum(_by(rows, "specter", p)["ops"]
+                               for p in ("decode", "draft", "verify", "bookkeeping"))
+    again = hotpath.measure(["specter"], SMALL, tmp_path, log=lambda *_: None)
+    assert [(r["phase"], r["ops"], r["syncs"], r["host_reads"]) for r in again] == \
+        [(r["phase"], r["ops"], r["syncs"], r["host_reads"]) for r in rows
+         if r["system"] == "specter"]
+
+
+def test_charging_a_modelled_clock_is_not_counted(counted, tmp_path):
+    """Resident decoded on the CPU's own clock (nothing charged) and on the A100's virtual
+    clock (its experts priced from the router's choice, a host read per layer): the same
+    counts, since a real engine would not issue that read."""
+    rows, _ = counted
+    wall = hotpath.measure(["resident"], [*SMALL, "hardware=cpu"], tmp_path,
+                           log=lambda *_: None)
+    for phase in ("prefill", "decode", "bookkeeping"):
+        a, b = _by(rows, "resident", phase), _by(wall, "resident", phase)
+        assert (a["ops"], a["syncs"], a["host_reads"]) == (b["ops"], b["syncs"], b["host_reads"])
+
+
+def test_verification_reads_the_routing_once_per_moe_layer(counted, tiny_models, tmp_path):
+    """The shared runtime's budget (issue 25, item 2): per verification forward, and per
+    offloaded decode forward of lru, no more device-waiting operations than resident's own
+    forward issues, and one host read of the routing per MoE layer (plus, for the
+    verification, the one read of the target's tokens that acceptance needs)."""
+    rows, _ = counted
+    moe_layers = tiny_models("tiny_deepseek").spec.num_moe_layers
+    lru = hotpath.measure(["lru"], SMALL, tmp_path, log=lambda *_: None)
+    res = _by(rows, "resident", "decode")
+    per_forward = lambda r, col: r[col] / r["forwards"]  # noqa: E731
+    for r, extra_reads in ((_by(lru, "lru", "decode"), 0), (_by(rows, "specter", "verify"), 1)):
+        assert per_forward(r, "syncs") <= per_forward(res, "syncs"), r
+        assert per_forward(r, "host_reads") <= moe_layers + extra_reads, r
