@@ -11,7 +11,8 @@ draft's layout (two instances, two caches) and in the prefetch. Output: the targ
 from __future__ import annotations
 
 import math
-from collections import Counter
+
+import torch
 
 from specter.budget import Footprint
 from specter.decoding.drafts import SeparateInt4Draft, load_separate_draft_model
@@ -27,20 +28,34 @@ FRACTIONS = (0.2, 0.6)
 
 class RouteFrequencyPrefetch(WindowPrefetcher):
     """Counts the draft's expert choices per layer within a window; at the given fractions
-    of the window loads the top-M most frequent experts of every layer not yet resident."""
+    of the window loads the top-M most frequent experts of every layer not yet resident.
+
+    The counts live on the device (one `index_add_` per draft layer, no host read), beside
+    the first time each expert was counted in the window; they are read once per prefetch
+    (a plan boundary), and the top-M ranks by count with ties to the expert counted first,
+    as `collections.Counter.most_common` ranks them."""
 
     def __init__(self, moe_layers: int, runtime, top_m: int, fractions=FRACTIONS):
         self.runtime, self.top_m, self.fractions = runtime, top_m, fractions
         self.moe_layers = moe_layers
-        self.counts: list[Counter] = []
+        self.num_experts = runtime.cache.store.layout.num_experts
+        self.device = runtime.device
         self.prefetched = 0
         self.new_window()
 
     def on_draft_experts(self, layer: int, top_k_index) -> None:
-        self.counts[layer].update(top_k_index.flatten().tolist())  # host sync: routing counts
+        flat = top_k_index.flatten()
+        self.counts[layer].index_add_(0, flat, torch.ones_like(flat))
+        order = torch.arange(self.seen, self.seen + flat.numel(), device=flat.device)
+        self.first[layer].scatter_reduce_(0, flat, order, reduce="amin")
+        self.seen += flat.numel()
 
     def new_window(self) -> None:
-        self.counts = [Counter() for _ in range(self.moe_layers)]
+        shape = (self.moe_layers, self.num_experts)
+        self.counts = torch.zeros(shape, dtype=torch.long, device=self.device)
+        self.first = torch.full(shape, torch.iinfo(torch.long).max, dtype=torch.long,
+                                device=self.device)
+        self.seen = 0
         self.fired: set[float] = set()
 
     def after_draft_step(self, i: int, k_eff: int) -> None:
@@ -52,9 +67,11 @@ class RouteFrequencyPrefetch(WindowPrefetcher):
             self.new_window()
 
     def _prefetch(self) -> None:
-        for l, counter in enumerate(self.counts):
-            top = [e for e, _ in counter.most_common(self.top_m)]
-            self.prefetched += self.runtime.prefetch(l, top, count=False)
+        counts, first = torch.stack([self.counts, self.first]).tolist()  # the plan's one read
+        for l in range(self.moe_layers):
+            ranked = sorted((e for e in range(self.num_experts) if counts[l][e]),
+                            key=lambda e: (-counts[l][e], first[l][e]))
+            self.prefetched += self.runtime.prefetch(l, ranked[:self.top_m], count=False)
 
     def reset(self) -> None:
         self.new_window()

@@ -18,7 +18,9 @@ Columns per (system, phase), each also per committed token (tokens after the fir
   `bincount`, `repeat_interleave` by counts), `equal`;
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation): each a sync when its tensor is on the device. On a CPU run every tensor is, so
-  this counts reads of host-side tensors too; it bounds the GPU's count from above.
+  this counts reads of host-side tensors too; it bounds the GPU's count from above;
+- `host_side` (GPU runs only): syncing operations and reads whose tensors are all on the host
+  (the batch cache's mask, a routing already read): no wait for the GPU.
 
     python -m experiments.hotpath OUT [system=lru,specter ...] [any run.py override]
 
@@ -43,14 +45,26 @@ SYNC_OPS = {"nonzero", "_local_scalar_dense", "_unique2", "unique_dim", "unique_
 # repeat_interleave syncs only with a tensor of counts (its output size); counted as one.
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
-COLUMNS = ("ops", "launching", "syncs", "host_reads")
+COLUMNS = ("ops", "launching", "syncs", "host_reads", "host_side")
+
+
+def _on_device(args, kwargs) -> bool:
+    """Whether any tensor argument lives off the host (a GPU's)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(a, torch.Tensor) and a.device.type != "cpu"
+               for a in tree_leaves((args, kwargs or {})))
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched inside it, by the current `phase`."""
+    """Counts every aten operation dispatched inside it, by the current `phase`. On a GPU
+    run (`cpu_run=False`) a sync or a host read counts only when its tensor is on the GPU
+    (host-side bookkeeping, e.g. the batch cache's mask, then counts apart: `host_side`); on
+    a CPU run every tensor stands for a device tensor, an upper bound."""
 
-    def __init__(self):
+    def __init__(self, cpu_run: bool = True):
         super().__init__()
+        self.cpu_run = cpu_run
         self.phase = "bookkeeping"
         self.counts: dict[str, Counter] = defaultdict(Counter)
 
@@ -60,7 +74,7 @@ class OpCounter(TorchDispatchMode):
         if not func.is_view:
             c["launching"] += 1
         if func.overloadpacket.__name__ in SYNC_OPS:
-            c["syncs"] += 1
+            c["syncs" if self.cpu_run or _on_device(args, kwargs) else "host_side"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -71,7 +85,8 @@ def _host_reads(counter: OpCounter):
 
     def wrap(name, fn):
         def counted(self, *a, **k):
-            counter.counts[counter.phase]["host_reads"] += 1
+            on_device = counter.cpu_run or self.device.type != "cpu"
+            counter.counts[counter.phase]["host_reads" if on_device else "host_side"] += 1
             return fn(self, *a, **k)
         return counted
 
@@ -104,6 +119,7 @@ class HotPath:
     @contextlib.contextmanager
     def __call__(self, engine):
         counter = self.counter
+        counter.cpu_run = engine.device.type == "cpu"
         announce = getattr(engine, "_before_forward", None)
         hooks = []
         if announce is not None:

@@ -14,9 +14,10 @@ TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-330}"
+HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-180}"
 # Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
 # been measured first, e.g. STAGES=tests,hybrid).
-STAGES=",${STAGES:-real_size,calibration,tests,h2d,bench,hybrid},"
+STAGES=",${STAGES:-real_size,hotpath,calibration,tests,h2d,bench,hybrid},"
 want() { [[ "$STAGES" == *",$1,"* ]]; }
 [ -x "$PY" ] || PY=python3
 status=0
@@ -56,6 +57,17 @@ timeout -k 10 "$REAL_SIZE_TIMEOUT_S" bash -c '
   "$0" -m experiments.real_size "$1/real_size/records" --csv "$1/real_size/error_table.csv" || rc=1
   exit $rc
 ' "$PY" "$OUT" 2>&1 | tee -a "$OUT/real_size.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+# What decoding issues on the GPU, counted exactly (a sync or a read counts only when its
+# tensor is on the GPU; host-side bookkeeping apart): aten ops, launches, syncs and host reads
+# per phase per committed token, resident, lru, specmoeoff and specter on small_deepseek in
+# real CUDA time (experiments/hotpath.py; the CPU's counts are an upper bound).
+if want hotpath; then
+echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
+timeout -k 10 "$HOTPATH_TIMEOUT_S" "$PY" -m experiments.hotpath "$OUT/hotpath" hardware=cuda \
+  model="${MODEL:-small_deepseek}" 2>&1 | tee -a "$OUT/hotpath.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 

@@ -65,3 +65,23 @@ def test_verification_reads_the_routing_once_per_moe_layer(counted, tiny_models,
     for r, extra_reads in ((_by(lru, "lru", "decode"), 0), (_by(rows, "specter", "verify"), 1)):
         assert per_forward(r, "syncs") <= per_forward(res, "syncs"), r
         assert per_forward(r, "host_reads") <= moe_layers + extra_reads, r
+
+
+def test_the_fused_draft_kernels_routing_never_reads_the_device():
+    """The Triton draft's block alignment (issue 25, item 1): no sync and no host read, and
+    the same shapes whatever the routing (so a draft step can be captured and replayed)."""
+    import torch
+
+    from specter.quant import kernels
+
+    g = torch.Generator().manual_seed(0)
+    shapes = set()
+    for _ in range(3):
+        idx = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(4)])
+        counter = hotpath.OpCounter()
+        with counter, hotpath._host_reads(counter):
+            rows, experts = kernels.align_blocks(idx, 16, 64)
+        c = counter.counts["bookkeeping"]
+        assert c["syncs"] == 0 and c["host_reads"] == 0 and c["ops"] > 0, c
+        shapes.add((tuple(rows.shape), tuple(experts.shape)))
+    assert len(shapes) == 1

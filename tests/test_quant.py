@@ -146,10 +146,16 @@ def test_triton_kernel_matches_reference_under_the_interpreter():
 
 def test_align_blocks_groups_pairs_by_expert():
     idx = torch.tensor([[2, 0], [0, 1], [2, 1]])  # T=3, k=2
-    rows, block_expert = kernels.align_blocks(idx, 4)
-    assert block_expert.tolist() == [0, 1, 2]
+    rows, block_expert = kernels.align_blocks(idx, 4, num_experts=3)
+    # fixed shape: 6 pairs + 3 experts x 3 padding rows -> 4 blocks; the last holds nothing
+    assert block_expert.tolist() == [0, 1, 2, 2]
     # pair p = token p // k, slot p % k; within an expert (k-slot, token) order
-    assert rows.view(3, 4).tolist() == [[2, 1, -1, -1], [3, 5, -1, -1], [0, 4, -1, -1]]
+    assert rows.view(4, 4).tolist() == [[2, 1, -1, -1], [3, 5, -1, -1], [0, 4, -1, -1],
+                                        [-1, -1, -1, -1]]
+    # an expert nobody chose takes no block; the shape is the same whatever the routing
+    rows2, experts2 = kernels.align_blocks(torch.tensor([[0, 2], [0, 2], [2, 0]]), 4, 3)
+    assert rows2.shape == rows.shape and experts2.tolist() == [0, 2, 2, 2]
+    assert rows2.view(4, 4).tolist()[:2] == [[0, 2, 5, -1], [4, 1, 3, -1]]
 
 
 # -- on project-made models ------------------------------------------------------------------

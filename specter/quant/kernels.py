@@ -152,23 +152,31 @@ def _kernel():
     return moe_int4_gemm
 
 
-def align_blocks(top_k_index: torch.Tensor, block_m: int):
-    """Group (token, k-slot) pairs by expert into blocks of `block_m` rows, padded with -1.
+def align_blocks(top_k_index: torch.Tensor, block_m: int, num_experts: int):
+    """Group (token, k-slot) pairs by expert into blocks of `block_m` rows, padded with -1,
+    on the device and without a host read: the shapes depend only on T, k, the expert count
+    and `block_m` (every expert's rows padded to whole blocks fit in P + min(E, P) (block_m - 1)
+    rows, P = T k; blocks past the last expert's hold only -1 and name the last expert).
     Returns (pair ids [blocks * block_m], expert of each block [blocks]); a pair id p is
     token p // k, slot p % k. Within an expert pairs keep (k-slot, token) order."""
     T, k = top_k_index.shape
+    P, dev = T * k, top_k_index.device
     flat = top_k_index.T.reshape(-1)  # slot-major: (k-slot, token) order
-    pair_ids = (torch.arange(T, device=flat.device).repeat(k) * k
-                + torch.arange(k, device=flat.device).repeat_interleave(T))
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    pair_ids = (torch.arange(T, device=dev).repeat(k) * k
+                + torch.arange(k, device=dev).repeat_interleave(T))
+    order = torch.sort(flat, stable=True).indices
+    sorted_e = flat[order]
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.index_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    rows = torch.full((int(padded.sum()),), -1, dtype=torch.int64, device=flat.device)
-    starts = torch.cumsum(padded, 0) - padded
+    pad_ends = torch.cumsum(padded, 0)
     src_starts = torch.cumsum(counts, 0) - counts
-    for s, c, ps in zip(starts.tolist(), counts.tolist(), src_starts.tolist()):
-        rows[s:s + c] = pair_ids[order[ps:ps + c]]
-    block_expert = torch.repeat_interleave(experts, padded // block_m)
+    rank = torch.arange(P, device=dev) - src_starts[sorted_e]  # place within its expert
+    n_rows = -(-(P + min(num_experts, P) * (block_m - 1)) // block_m) * block_m
+    rows = torch.full((n_rows,), -1, dtype=torch.int64, device=dev)
+    rows[pad_ends[sorted_e] - padded[sorted_e] + rank] = pair_ids[order]
+    block_start = torch.arange(0, n_rows, block_m, device=dev)
+    block_expert = torch.searchsorted(pad_ends, block_start, right=True).clamp_(max=num_experts - 1)
     return rows, block_expert.to(torch.int32)
 
 
@@ -204,7 +212,7 @@ class TritonExperts:
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         T, k = top_k_index.shape
-        pairs, block_expert = align_blocks(top_k_index, self.BLOCK_M)
+        pairs, block_expert = align_blocks(top_k_index, self.BLOCK_M, self.gu_codes.shape[0])
         token_rows = torch.where(pairs >= 0, pairs // k, pairs)
         exact = hidden.dtype == torch.float32  # fp32 in, fp32 products (IEEE_DOT)
         h = self._gemm(hidden, self.gu_codes, self.gu_scales, self.gu_group, block_expert,
