@@ -41,7 +41,7 @@ class NextLayerRouterPrefetch(LayerPrefetcher):
         out = self.routers[nxt](hidden)  # (logits, weights, top-k index) on every supported arch
         guess = out[2]  # [T, k]
         runtime.charge("router_s", hidden.shape[0])
-        runtime.prefetch(nxt, torch.unique(guess).tolist())  # host sync: a host decision
+        runtime.prefetch(nxt, sorted(set(guess.flatten().tolist())))  # one read: a host decision
 
 
 def build(ctx) -> GreedyEngine:

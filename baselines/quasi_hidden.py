@@ -204,18 +204,20 @@ class QuasiHiddenPrefetch(LayerPrefetcher):
         q = self.quasi_hidden(moe_layer, top_k_index, top_k_weights)
         self.pending = self.routers[nxt](q)[2]  # (logits, weights, top-k index): [T, k]
         runtime.charge("router_s", q.shape[0])
-        runtime.prefetch(nxt, torch.unique(self.pending).tolist())  # host sync: a host decision
+        runtime.prefetch(nxt, sorted(set(self.pending.flatten().tolist())))  # one read: a host decision
 
     def as_record(self) -> dict:
         nan = float("nan")
-        return {"qh_precision": self.hits / self.guessed if self.guessed else nan,
-                "qh_recall": self.hits / self.chosen if self.chosen else nan,
+        hits = int(self.hits)  # the request's one read of the statistic
+        return {"qh_precision": hits / self.guessed if self.guessed else nan,
+                "qh_recall": hits / self.chosen if self.chosen else nan,
                 "default_vectors": str(self.path)}
 
 
-def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> int:
-    """Guessed experts [T, k'] that the router chose for the same token [T, k], summed."""
-    return int((guess[:, :, None] == chosen[:, None, :]).any(-1).sum())  # host sync: stats
+def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Guessed experts [T, k'] that the router chose for the same token [T, k], summed (a
+    device scalar: the statistic is read once, in `as_record`, not per layer)."""
+    return (guess[:, :, None] == chosen[:, None, :]).any(-1).sum()
 
 
 def default_vectors_for(ctx) -> tuple[DefaultVectors, Path]:

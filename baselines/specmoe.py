@@ -53,6 +53,7 @@ from specter.decoding.drafts import DraftPart, charges_virtually
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
+from specter.grouping import group_by_expert
 from specter.offload.build import Timing
 from specter.offload.costmodel import charging_only
 from specter.offload.prefetch import WindowPrefetcher
@@ -126,9 +127,10 @@ class HostDraftExperts:
         x, idx_h, w_h = hidden.to(host), idx.to(host), w.to(host)  # the activation goes over
         store, layout = o.runtime.cache.store, o.runtime.cache.layout
         final = torch.zeros_like(x)
-        for e in torch.unique(idx_h).tolist():  # expert-id order, as HF's eager loop sums
+        groups = group_by_expert(idx_h, layout.num_experts)
+        for e in groups.needed:  # expert-id order, as HF's eager loop sums
             gate_up, down = layout.views(store.expert(self.layer, e))  # host [2I, H], [H, I]
-            pos, tok = torch.where(idx_h.T == e)
+            pos, tok = groups.of(e)
             h = self.module._apply_gate(nn.functional.linear(x[tok], gate_up))
             y = nn.functional.linear(h, down) * w_h[tok, pos, None]
             final.index_add_(0, tok, y.to(final.dtype))
