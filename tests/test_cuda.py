@@ -115,3 +115,38 @@ def test_cuda_int4_tinygemm_matches_reference_on_cuda(H, I):
     ref = kernels.ReferenceExperts(gate_up, down, act)(hidden.float(), idx, w.float())
     out = kernels.make_experts("cuda_int4", gate_up, down, act)(hidden, idx, w).float()
     assert float((out - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["triton", "cuda_int4", "reference"])
+def test_the_draft_goes_to_the_device_once(backend):
+    """An INT4 draft quantized on the host reaches the device layer by layer in its backend's
+    layout: the allocator's peak while building it stays near one copy (tinygemm's
+    scales-and-zeros double the scales: 1.5x allowed), not the two a device copy and then a
+    stacked or packed one would take."""
+    from specter.quant import kernels
+    from specter.quant.formats import rtn_quantize
+
+    if backend == "triton" and not kernels.triton_available():
+        pytest.skip("needs triton")
+    dev = torch.device("cuda")
+    g = torch.Generator().manual_seed(3)
+    E, H, I, L = 16, 512, 256, 3
+    layers = [([rtn_quantize(torch.randn(2 * I, H, generator=g) / 16, 4, 128) for _ in range(E)],
+               [rtn_quantize(torch.randn(H, I, generator=g) / 16, 4, 128) for _ in range(E)])
+              for _ in range(L)]
+    packed = sum(m.packed_bytes() for gu, dn in layers for m in gu + dn)
+
+    def act(x):
+        gate, up = x.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    built = [kernels.make_experts(backend, gu, dn, act, torch.bfloat16, device=dev)
+             for gu, dn in layers]
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    assert peak <= 1.5 * packed + packed / L, (backend, peak, packed)
+    assert all(m.codes.device.type == "cpu" for gu, dn in layers for m in gu + dn)
+    del built

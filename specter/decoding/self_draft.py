@@ -74,10 +74,12 @@ class SelfDraft:
         if draft_layers is not None:
             self.draft_layers, self.draft_bytes = draft_layers, draft_bytes
         else:
-            on_device = quantized.to(self.device)
-            self.draft_layers = [make_experts(backend, on_device.gate_up[l], on_device.down[l],
-                                              m._apply_gate, dtype) for l, m in enumerate(mods)]
-            self.draft_bytes = on_device.packed_bytes()
+            # Layer by layer to the device, in the backend's layout: one device copy of the
+            # draft (`quantized` stays where it is, the host after a quantization).
+            self.draft_layers = [make_experts(backend, quantized.gate_up[l], quantized.down[l],
+                                              m._apply_gate, dtype, device=self.device)
+                                 for l, m in enumerate(mods)]
+            self.draft_bytes = quantized.packed_bytes()
         for l, m in enumerate(mods):
             m._specter_self_draft = self
             m._specter_self_draft_layer = l

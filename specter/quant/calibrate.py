@@ -180,11 +180,13 @@ def _quantize_layer(model: nn.Module, l: int, spec: QuantSpec, hess, bar,
         n = hess[0][e].n if hess else 0
         use_rtn = hess is None or n < spec.min_tokens
         if use_rtn:
-            gu_l.append(rtn_quantize(w_gu, spec.bits, spec.group))
-            dn_l.append(rtn_quantize(w_dn, spec.bits, spec.group))
+            gu, dn = rtn_quantize(w_gu, spec.bits, spec.group), rtn_quantize(w_dn, spec.bits, spec.group)
         else:
-            gu_l.append(gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp))
-            dn_l.append(gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp))
+            gu = gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp)
+            dn = gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp)
+        # kept on the host: the draft goes to the device once, in its backend's layout
+        gu_l.append(gu.to("cpu"))
+        dn_l.append(dn.to("cpu"))
         tok_l.append(n)
         fb_l.append(bool(use_rtn and spec.method == "gptq"))
         bar.update(1)

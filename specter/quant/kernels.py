@@ -43,6 +43,7 @@ class ReferenceExperts:
 
     def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act):
         self.gate_up, self.down, self.act = gate_up, down, act
+        self.num_experts = len(gate_up)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = self.act(nn.functional.linear(x, self.gate_up[e].dequantize(x.dtype)))
@@ -50,7 +51,7 @@ class ReferenceExperts:
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         final = torch.zeros_like(hidden)
-        for e, pos, token_idx in _route(top_k_index, len(self.gate_up)):
+        for e, pos, token_idx in _route(top_k_index, self.num_experts):
             y = self.expert(e, hidden[token_idx])
             final.index_add_(0, token_idx, (y * top_k_weights[token_idx, pos, None]).to(final.dtype))
         return final
@@ -83,14 +84,16 @@ class CpuInt4Experts(ReferenceExperts):
         super().__init__(gate_up, down, act)
         _check_int4(gate_up + down, "cpu_int4")
         self.dtype = dtype
+        self.groups = [(g.group, d.group) for g, d in zip(gate_up, down)]
         self.packed = [(_int4pack_cpu(g, dtype), _int4pack_cpu(d, dtype))
                        for g, d in zip(gate_up, down)]
+        self.gate_up = self.down = None  # the packed copy is the one kept
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        (wg, szg), (wd, szd) = self.packed[e]
+        (wg, szg), (wd, szd), (gg, gd) = *self.packed[e], self.groups[e]
         xd = x.to(self.dtype)
-        h = self.act(torch._weight_int4pack_mm_for_cpu(xd, wg, self.gate_up[e].group, szg))
-        return torch._weight_int4pack_mm_for_cpu(h, wd, self.down[e].group, szd).to(x.dtype)
+        h = self.act(torch._weight_int4pack_mm_for_cpu(xd, wg, gg, szg))
+        return torch._weight_int4pack_mm_for_cpu(h, wd, gd, szd).to(x.dtype)
 
 
 def _int4pack_cuda(qm: QuantizedMatrix):
@@ -111,18 +114,23 @@ class CudaInt4Experts(ReferenceExperts):
     """torch's CUDA INT4 GEMM (tinygemm, `_weight_int4pack_mm`) per expert: the CUDA twin of
     `cpu_int4`, three kernels per expert (gate_up, the activation, down) in bf16 activations."""
 
-    def __init__(self, gate_up, down, act):
+    def __init__(self, gate_up, down, act, device: torch.device | None = None):
         super().__init__(gate_up, down, act)
         _check_int4(gate_up + down, "cuda_int4")
-        if any(qm.codes.device.type != "cuda" for qm in gate_up + down):
+        device = torch.device(device) if device is not None else gate_up[0].codes.device
+        if device.type != "cuda":
             raise UserError("the cuda_int4 backend runs on a CUDA device; use cpu_int4 on the CPU.")
-        self.packed = [(_int4pack_cuda(g), _int4pack_cuda(d)) for g, d in zip(gate_up, down)]
+        self.groups = [(g.group, d.group) for g, d in zip(gate_up, down)]
+        # one expert at a time to the device and packed there: the packed copy is the one kept
+        self.packed = [(_int4pack_cuda(g.to(device)), _int4pack_cuda(d.to(device)))
+                       for g, d in zip(gate_up, down)]
+        self.gate_up = self.down = None
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        (wg, szg), (wd, szd) = self.packed[e]
+        (wg, szg), (wd, szd), (gg, gd) = *self.packed[e], self.groups[e]
         xb = x.to(torch.bfloat16)
-        h = self.act(torch._weight_int4pack_mm(xb, wg, self.gate_up[e].group, szg))
-        return torch._weight_int4pack_mm(h, wd, self.down[e].group, szd).to(x.dtype)
+        h = self.act(torch._weight_int4pack_mm(xb, wg, gg, szg))
+        return torch._weight_int4pack_mm(h, wd, gd, szd).to(x.dtype)
 
 
 # -- Triton ----------------------------------------------------------------------------------
@@ -185,7 +193,10 @@ class TritonExperts:
 
     BLOCK_M, BLOCK_N, BLOCK_K = 16, 32, 32
 
-    def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act):
+    def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act,
+                 device: torch.device | None = None):
+        """`device`: where the stacked codes go (stacked where the matrices are, then moved:
+        one device copy); None: the matrices' own device."""
         if not triton_available():
             raise UserError("the triton backend needs the triton package (a GPU extra: "
                             "pip install -e .[gpu]); use the reference or cpu_int4 backend.")
@@ -193,10 +204,11 @@ class TritonExperts:
             if qm.bits != 4:
                 raise UserError(f"the triton backend runs 4-bit weights only (got {qm.bits}-bit).")
         self.act = act
-        self.gu_codes = torch.stack([m.codes for m in gate_up])  # [E, 2I, H/2]
-        self.gu_scales = torch.stack([m.scales for m in gate_up])  # [E, 2I, H/g]
-        self.dn_codes = torch.stack([m.codes for m in down])
-        self.dn_scales = torch.stack([m.scales for m in down])
+        dev = device if device is not None else gate_up[0].codes.device
+        self.gu_codes = torch.stack([m.codes for m in gate_up]).to(dev)  # [E, 2I, H/2]
+        self.gu_scales = torch.stack([m.scales for m in gate_up]).to(dev)  # [E, 2I, H/g]
+        self.dn_codes = torch.stack([m.codes for m in down]).to(dev)
+        self.dn_scales = torch.stack([m.scales for m in down]).to(dev)
         self.gu_group, self.dn_group = gate_up[0].group, down[0].group
 
     def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out, ieee):
@@ -224,15 +236,23 @@ class TritonExperts:
         return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).float()).sum(dim=1).to(hidden.dtype)
 
 
-def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32):
+def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None):
+    """One MoE layer's draft experts on `backend`, its matrices moved to `device` (None: where
+    they are) so that the device holds one copy: the backend's own layout."""
     if backend == "reference":
+        if device is not None:
+            gate_up, down = [m.to(device) for m in gate_up], [m.to(device) for m in down]
         return ReferenceExperts(gate_up, down, act)
     if backend == "cpu_int4":
+        if device is not None and torch.device(device).type != "cpu":
+            raise UserError("the cpu_int4 backend runs on the CPU; use cuda_int4 or triton on "
+                            "a GPU.")
         return CpuInt4Experts(gate_up, down, act, dtype)
     if backend == "cuda_int4":
-        return CudaInt4Experts(gate_up, down, act)
+        return CudaInt4Experts(gate_up, down, act, device)
     if backend == "triton":
-        return TritonExperts(gate_up, down, act)
+        return TritonExperts(gate_up, down, act, device)
     raise UserError(f"unknown INT4 backend '{backend}'; choose one of: {', '.join(BACKENDS)}.")
 
 
