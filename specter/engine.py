@@ -117,10 +117,12 @@ class BatchCache:
         return self.mask.shape[1]
 
     def forward(self, blocks: list[list[int]], live: list[bool] | None = None,
-                logits_to_keep: int = 1) -> torch.Tensor:
+                logits_to_keep: int = 1, device_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One forward of `blocks[b]` appended to row b (right-aligned; `live[b]` False:
         the row's block is all holes, computed but never kept); returns logits
-        [B, logits_to_keep, V] of the block's last positions."""
+        [B, logits_to_keep, V] of the block's last positions. `device_ids` [B, width]: the
+        blocks' token ids already on the device (the draft's own last choice, never read to
+        the host); `blocks` then only give each row's length."""
         width = max(len(b) for b in blocks)
         ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
         real = torch.zeros(self.rows, width, dtype=torch.bool)
@@ -138,7 +140,8 @@ class BatchCache:
         if not bool(self.mask.all()):
             kwargs = {"attention_mask": self.mask.to(self.device, torch.long),
                       "position_ids": pos.to(self.device)}
-        out = self.model(input_ids=ids.to(self.device), cache=self.cache, use_cache=True,
+        ids = ids.to(self.device) if device_ids is None else device_ids
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                          logits_to_keep=logits_to_keep, **kwargs)
         return out.logits
 

@@ -42,7 +42,8 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
     real = loop.draft_steps
     expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
 
-    def steered(kv, feeds, k_effs, pick, tell, stop, after_step=None):
+    def steered(kv, feeds, k_effs, pick, tell, stop, after_step=None, on_device=False):
+        # (the steered choices are made per step on the host: `on_device` is not taken)
         seqs, live = _loop_state()
         step = [0] * len(feeds)
         wrong: dict[int, int] = {}

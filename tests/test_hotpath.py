@@ -85,3 +85,34 @@ def test_the_fused_draft_kernels_routing_never_reads_the_device():
         assert c["syncs"] == 0 and c["host_reads"] == 0 and c["ops"] > 0, c
         shapes.add((tuple(rows.shape), tuple(experts.shape)))
     assert len(shapes) == 1
+
+
+def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
+    """`draft_steps(on_device=True)` proposes what the host path proposes, stop tokens
+    included (cut after the first), for rows of unequal quotas, and reads the device once per
+    window instead of once per step."""
+    import torch
+
+    from specter.decoding.loop import draft_steps
+    from specter.engine import BatchCache
+
+    lm = tiny_models("tiny_deepseek")
+    prompts = [lm.tokenizer(t)["input_ids"][:8] for t in ("def f(x):", "The cat sat on")]
+
+    def run(on_device, stop, k_effs):
+        kv = BatchCache(lm.model, torch.device("cpu"), len(prompts))
+        logits = kv.forward([list(p) for p in prompts])
+        feeds = [[int(logits[r, -1].argmax())] for r in range(len(prompts))]
+        counter = hotpath.OpCounter()
+        with torch.no_grad(), counter, hotpath._host_reads(counter):
+            out = draft_steps(kv, feeds, k_effs, lambda r, row: int(row.argmax()),
+                              lambda *a, **k: None, stop, on_device=on_device)
+        return out, counter.counts["bookkeeping"]["host_reads"], counter.counts["bookkeeping"]
+
+    plain, _, _ = run(False, set(), [5, 3])
+    stop = {plain[0][1]}  # row 0 drafts a stop token at its second step
+    want, _, host_counts = run(False, stop, [5, 3])
+    got, reads, dev_counts = run(True, stop, [5, 3])
+    assert got == want and want[0] == plain[0][:2] and len(want[1]) <= 3
+    assert reads == 1  # the window's one read of its proposals
+    assert dev_counts["syncs"] < host_counts["syncs"]

@@ -65,12 +65,20 @@ class SpecStats:
 
 
 def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick, tell,
-                stop: set[int], after_step=None) -> list[list[int]]:
+                stop: set[int], after_step=None, on_device: bool = False) -> list[list[int]]:
     """Up to `k_effs[r]` proposals for each row r of `kv`, one draft forward per step: row r
     feeds `feeds[r]` first (its tokens the draft has not seen, ending with the pending one),
     then its last proposal; a row that has drafted a stop token or its quota feeds its last
     token as a hole. `pick(r, logits_row)` chooses row r's token; `after_step(i, k_eff)`
-    after each step (k_eff: the window's last step, early once no row drafts)."""
+    after each step (k_eff: the window's last step, early once no row drafts).
+
+    `on_device` (greedy): each step's choice (the argmax) stays on the device and is the next
+    step's input; the window's proposals are read once, after its last step, and each row's
+    are cut after its first stop token. A row so drafts its whole quota even past a stop token
+    (those steps' KV is discarded with the window's, their tokens never proposed): the draft
+    step waits for the host only at the window's end."""
+    if on_device:
+        return _draft_steps_on_device(kv, feeds, k_effs, tell, stop, after_step)
     drafting = [k > 0 for k in k_effs]
     proposals: list[list[int]] = [[] for _ in feeds]
     k_max = max(k_effs)
@@ -93,6 +101,43 @@ def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
     return proposals
 
 
+def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], tell,
+                           stop: set[int], after_step=None) -> list[list[int]]:
+    """`draft_steps` with the greedy choices kept on the device (see there)."""
+    drafting = [k > 0 for k in k_effs]
+    drafted = [0] * len(feeds)
+    chosen: list[torch.Tensor] = []  # per step, every row's argmax [B] (on the device)
+    k_max = max(k_effs)
+    # Each row's next input: its last proposal, or (a row that no longer drafts: a hole) the
+    # last token it fed, as the host path feeds it.
+    feed = torch.tensor([f[-1] for f in feeds], device=kv.device)
+    for i in range(k_max):
+        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
+            else [[0]] * len(feeds)
+        width = max(len(b) for b in blocks)
+        tell(width, kv.length + width, "draft", rows=kv.rows)
+        logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
+        tok = logits[:, -1].argmax(dim=-1)
+        chosen.append(tok)
+        feed = torch.where(torch.tensor(drafting, device=kv.device), tok, feed)
+        for r in range(len(feeds)):
+            if drafting[r]:
+                drafted[r] += 1
+                drafting[r] = drafted[r] < k_effs[r]
+        last = not any(drafting)
+        if after_step:
+            after_step(i + 1, i + 1 if last else k_max)
+        if last:
+            break
+    table = torch.stack(chosen, dim=1).tolist()  # the window's one read of its proposals
+    proposals = []
+    for r in range(len(feeds)):
+        row = table[r][:drafted[r]]
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        proposals.append(row[:cut])
+    return proposals
+
+
 class SeparateDraft:
     """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
     the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
@@ -107,11 +152,12 @@ class SeparateDraft:
         self.kv = BatchCache(self.model, device, rows)
 
     def propose(self, seqs: list[list[int]], k_effs: list[int], pick, tell, stop: set[int],
-                after_step=None) -> list[list[int]]:
+                after_step=None, on_device: bool = False) -> list[list[int]]:
         """Up to `k_effs[r]` proposals for each row r whose committed tokens are `seqs[r]`;
-        `pick(r, logits_row)` chooses row r's token."""
+        `pick(r, logits_row)` chooses row r's token (`on_device`: the greedy argmax, kept on
+        the device: `draft_steps`)."""
         feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
-        return draft_steps(self.kv, feeds, k_effs, pick, tell, stop, after_step)
+        return draft_steps(self.kv, feeds, k_effs, pick, tell, stop, after_step, on_device)
 
     def sync(self, target: BatchCache) -> None:
         """At a window's start, before `propose` (own KV: nothing to do)."""
@@ -253,12 +299,12 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
             separate.sync(kv)
             proposals = separate.propose([seqs[b] for b in live], k_effs,
                                          lambda r, row: pick(live[r], row), tell, stop,
-                                         after_draft_step)
+                                         after_draft_step, on_device=not sampling)
         elif max(k_effs) > 0:
             with shared.draft():
                 proposals = draft_steps(kv, [[pending[b]] for b in live], k_effs,
                                         lambda r, row: pick(live[r], row), tell, stop,
-                                        after_draft_step)
+                                        after_draft_step, on_device=not sampling)
             kv.crop(base)
         t_verify = clock.now()
         # 3. Verify every row's pending token + proposals in one target forward.
