@@ -207,18 +207,19 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     else:
         b = checkpoint_bytes(checkpoint, torch.finfo(dtype).bits // 8)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
+    at_load = experts_at_load(cfg)
     if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
                    torch.cuda.get_device_properties(device).total_memory,
-                   loads_whole=experts_at_load(cfg) == "device")
-    elif experts_at_load(cfg) == "device":  # the device is the host: it holds everything
+                   loads_whole=at_load == "device")
+    elif at_load == "device":  # the device is the host: it holds everything
         check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
     # (on the CPU an offloading run is checked with its slots once the budget is resolved:
     # check_cpu_offload_fits)
     source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
               else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
-        f"({'host' if experts_at_load(cfg) == 'host' else 'device'}), the rest "
+        f"({at_load}), the rest "
         f"{size_text(b.non_expert_bytes)} (device), from {source}")
     return b
 
@@ -336,7 +337,8 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
                                 footprint(cfg.system),
                                 kv_tokens=w.batch * (w.prompt_tokens + w.max_new_tokens),
                                 group=cfg.quant.group)
-    if device.type == "cpu" and experts_at_load(cfg) == "host":
+    at_load = experts_at_load(cfg)
+    if device.type == "cpu" and at_load == "host":
         from specter.models.checkpoint_bytes import check_cpu_offload_fits
 
         check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts,
@@ -349,14 +351,14 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
     # 2. Load the model and account its device bytes.
     load = LoadMeter(device)
     loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress,
-                        experts=experts_at_load(cfg))
+                        experts=at_load)
+    attn = loaded.model.config._attn_implementation
     load.placed(loaded)
     spec = loaded.spec
     kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
     acct = budget_mod.account(spec, budget.slots, kv_tokens)
     log(f"[specter] model={cfg.model.name} ({spec.arch}: {spec.num_experts} experts, top-{spec.top_k}, "
-        f"{spec.num_moe_layers} MoE layers, attention "
-        f"{loaded.model.config._attn_implementation}: "
+        f"{spec.num_moe_layers} MoE layers, attention {attn}: "
         f"{getattr(loaded.model.config, '_specter_attn_why', '')}) "
         f"system={cfg.system.name} budget={budget.name} "
         f"-> {budget.slots} slots/layer ({budget.rule}) device={device} dataset={workload.dataset} "
@@ -375,7 +377,6 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
         f"({load_rec['load_peak_device_source']}), host peak "
         f"{size_text(load_rec['load_peak_host_bytes'])} (process RSS)")
     case = case_of(cfg, budget.slots)
-    attn = loaded.model.config._attn_implementation
     if attn != "sdpa":  # sdpa: what every run before model.attn used
         case["attn_implementation"] = attn
     if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
@@ -393,7 +394,7 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
         "acct_resident_expert_bytes": acct.resident_expert_bytes,
         "acct_kv_bytes": acct.kv_bytes, **ckpt_bytes.as_record(), **load_rec,
         "weights": cfg.model.weights,
-        "attn_implementation": loaded.model.config._attn_implementation,
+        "attn_implementation": attn,
         **checkpoint_record(checkpoint),
         **flatten(measured_config(cfg), "cfg."), **provenance(),
     }

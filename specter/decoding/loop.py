@@ -119,7 +119,8 @@ def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[
         logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
         tok = logits[:, -1].argmax(dim=-1)
         chosen.append(tok)
-        feed = torch.where(torch.tensor(drafting, device=kv.device), tok, feed)
+        feed = tok if all(drafting) else torch.where(torch.tensor(drafting, device=kv.device),
+                                                     tok, feed)
         for r in range(len(feeds)):
             if drafting[r]:
                 drafted[r] += 1

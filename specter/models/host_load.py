@@ -208,7 +208,15 @@ def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: to
     if missing:
         raise UserError(f"{folder}: the checkpoint has no weights for {len(missing)} parameter(s) "
                         f"of {model_class.__name__}, e.g. {missing[0]}.")
-    for name, buf in list(model.named_buffers()):  # computed on the CPU by their modules
+    _finish(model, device, store, place)
+    return model, place
+
+
+def _finish(model: nn.Module, device: torch.device, store: HostExpertStore | None,
+            place: Placement) -> None:
+    """The buffers (computed on the CPU by their modules) to the device, and the store, when
+    the experts went to one, attached: the model then runs its experts from it."""
+    for name, buf in list(model.named_buffers()):
         if buf.device != device:
             _set(model, name, buf.to(device))
             place.device_bytes += buf.numel() * buf.element_size()
@@ -217,7 +225,6 @@ def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: to
         from specter.offload.streamed import stream_from
 
         stream_from(model, store)
-    return model, place
 
 
 def _random_fill(name: str, value: torch.Tensor, std: float, gen: torch.Generator | None) -> None:
@@ -264,7 +271,6 @@ def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
         views = [layout.views(host[e]) for e in range(layout.num_experts)]
         gate_up = torch.stack([g for g, _ in views]).to(device)
         down = torch.stack([d for _, d in views]).to(device)
-        del host, views
         m.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         m.down_proj = nn.Parameter(down, requires_grad=False)
 
@@ -309,11 +315,8 @@ def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
         place.device_bytes += value.numel() * value.element_size()
         place.device_names.append(name)
     model.tie_weights()
-    for name, buf in list(model.named_buffers()):
-        if buf.device != device:
-            _set(model, name, buf.to(device))
-            place.device_bytes += buf.numel() * buf.element_size()
     layout = ExpertLayout.of(mods[0][1], dtype)
+    store = None
     if experts == "device":
         _random_fused(mods, layout, device, std, seed)
         place.device_bytes += sum(
@@ -325,10 +328,7 @@ def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
                device.type == "cuda", std)
         store = _random_store(key, [i for i, _ in mods], layout, device.type == "cuda", std, seed)
         place.host_bytes = sum(t.numel() * t.element_size() for layer in store.flat for t in layer)
-        setattr(model, STORE_ATTR, store)
-        from specter.offload.streamed import stream_from
-
-        stream_from(model, store)
+    _finish(model, device, store, place)
     return model, place
 
 

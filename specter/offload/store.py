@@ -96,6 +96,15 @@ class HostExpertStore:
     def expert(self, moe_layer: int, expert: int) -> torch.Tensor:
         return self.flat[moe_layer][expert]
 
+    def weights(self, moe_layer: int, expert: int,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of one expert: views of its host buffer, or copies on
+        `device` when that is elsewhere."""
+        gate_up, down = self.layout.views(self.flat[moe_layer][expert])
+        if device is not None and gate_up.device != torch.device(device):
+            gate_up, down = gate_up.to(device), down.to(device)
+        return gate_up, down
+
 
 def release_fused(mod: nn.Module, moe_layer: int) -> None:
     """Empty an experts module's fused parameters; it stays an experts module by its tag."""
@@ -120,10 +129,9 @@ def expert_weights(model: nn.Module, moe_layer: int, expert: int,
     a GPU reading an expert that lives in host memory)."""
     store = host_store(model)
     if store is not None:
-        gate_up, down = store.layout.views(store.expert(moe_layer, expert))
-    else:
-        _, mod = experts_modules(model)[moe_layer]
-        gate_up, down = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
+        return store.weights(moe_layer, expert, device)
+    _, mod = experts_modules(model)[moe_layer]
+    gate_up, down = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
     if device is not None:
         gate_up, down = gate_up.to(device), down.to(device)
     return gate_up, down

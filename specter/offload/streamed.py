@@ -12,7 +12,6 @@ Does not own: residency, prefetching or timing (the runtime's: offload/runtime.p
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from specter.grouping import group_by_expert
@@ -29,9 +28,7 @@ def _streamed_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     outs = {}
     groups = group_by_expert(top_k_index, store.layout.num_experts)
     for e in groups.needed:
-        gate_up, down = store.layout.views(store.expert(l, e))
-        if gate_up.device != hidden_states.device:
-            gate_up, down = gate_up.to(hidden_states.device), down.to(hidden_states.device)
+        gate_up, down = store.weights(l, e, hidden_states.device)
         outs[e] = expert_output(hidden_states, groups.of(e), top_k_weights, gate_up, down,
                                 self._apply_gate)
     return sum_in_expert_order(hidden_states, outs, groups.needed)
