@@ -49,13 +49,13 @@ import torch
 from torch import nn
 
 from specter.config import SystemConfig
+from specter.counting import charging_only
 from specter.decoding.drafts import DraftPart, charges_virtually
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.offload.build import Timing
-from specter.offload.costmodel import charging_only
 from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
 

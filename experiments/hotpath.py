@@ -10,102 +10,33 @@ the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward
 to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
 
 Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
-- `ops`: aten operations dispatched;
-- `launching`: of them, the ones that are not views (each a kernel on a GPU, or at least a
-  dispatch; factory and copy operations included);
-- `syncs`: operations that make the device wait for the host: `nonzero`, `_local_scalar_dense`
-  (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
-  `bincount`, `repeat_interleave` by counts), `equal`;
-- `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
-  operation): each a sync when its tensor is on the device. On a CPU run every tensor is, so
-  this counts reads of host-side tensors too; it bounds the GPU's count from above;
-- `host_side` (GPU runs only): syncing operations and reads whose tensors are all on the host
-  (the batch cache's mask, a routing already read): no wait for the GPU.
+`ops`, `launching`, `syncs`, `host_reads`, `host_side`, as specter/counting.py defines them
+(views are ops but not launching; a Triton kernel or a CUDA graph's replay is launching; a
+blocking upload is a sync only where the counter can see it, on a GPU).
 
     python -m experiments.hotpath OUT [system=lru,specter ...] [any run.py override]
 
 runs the systems through the runner (records under OUT/records) and writes OUT/hotpath.csv
 and OUT/hotpath.md. Defaults: model=small_deepseek budget=high, 2 gsm8k items x 64 tokens, 1
-repeat, hardware=a100_pcie4_hf (the counts do not depend on the clock).
+repeat, hardware=a100_pcie4_hf (the counts do not depend on the clock), and the INT4 draft on
+`quant.backend=gather_int4`: the fixed-shape backend, whose operations are what a GPU issues
+eagerly (the CPU's own `cpu_int4` runs a GEMM per routed expert: pass quant.backend=cpu_int4
+to count it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
-import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from specter.counting import OpCounter
+from specter.offload.counted import engine_models
 
-SYNC_OPS = {"nonzero", "_local_scalar_dense", "_unique2", "unique_dim", "unique_consecutive",
-            "masked_select", "bincount", "repeat_interleave", "equal", "is_nonzero",
-            "nonzero_static"}
-# repeat_interleave syncs only with a tensor of counts (its output size); counted as one.
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
 COLUMNS = ("ops", "launching", "syncs", "host_reads", "host_side")
-
-
-def _on_device(args, kwargs) -> bool:
-    """Whether any tensor argument lives off the host (a GPU's)."""
-    from torch.utils._pytree import tree_leaves
-
-    return any(isinstance(a, torch.Tensor) and a.device.type != "cpu"
-               for a in tree_leaves((args, kwargs or {})))
-
-
-class OpCounter(TorchDispatchMode):
-    """Counts every aten operation dispatched inside it, by the current `phase`. On a GPU
-    run (`cpu_run=False`) a sync or a host read counts only when its tensor is on the GPU
-    (host-side bookkeeping, e.g. the batch cache's mask, then counts apart: `host_side`); on
-    a CPU run every tensor stands for a device tensor, an upper bound."""
-
-    def __init__(self, cpu_run: bool = True):
-        super().__init__()
-        self.cpu_run = cpu_run
-        self.phase = "bookkeeping"
-        self.counts: dict[str, Counter] = defaultdict(Counter)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        c = self.counts[self.phase]
-        c["ops"] += 1
-        if not func.is_view:
-            c["launching"] += 1
-        if func.overloadpacket.__name__ in SYNC_OPS:
-            c["syncs" if self.cpu_run or _on_device(args, kwargs) else "host_side"] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextlib.contextmanager
-def _host_reads(counter: OpCounter):
-    """`.tolist()` and `.cpu()` calls counted as host reads of the current phase."""
-    saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
-
-    def wrap(name, fn):
-        def counted(self, *a, **k):
-            on_device = counter.cpu_run or self.device.type != "cpu"
-            counter.counts[counter.phase]["host_reads" if on_device else "host_side"] += 1
-            return fn(self, *a, **k)
-        return counted
-
-    try:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, wrap(name, fn))
-        yield
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-
-
-def _models(engine) -> list:
-    """The models whose forwards the engine runs: the target, and a separate draft's."""
-    models = [engine.model]
-    separate = getattr(getattr(engine, "draft", None), "separate", None)
-    if separate is not None and separate.model is not engine.model:
-        models.append(separate.model)
-    return models
 
 
 class HotPath:
@@ -124,12 +55,11 @@ class HotPath:
         hooks = []
         if announce is not None:
             def before(tokens, context, phase, rows=1):
-                with _paused(counter):
-                    announce(tokens, context, phase, rows)
                 counter.phase = phase
+                announce(tokens, context, phase, rows)
                 self.forwards[phase] += 1
             engine._before_forward = before
-        for m in _models(engine):
+        for m in engine_models(engine):
             hooks.append(m.register_forward_hook(
                 lambda *_: setattr(counter, "phase", "bookkeeping")))
         gen_batch = engine.generate_batch
@@ -140,7 +70,7 @@ class HotPath:
             return gens
         engine.generate_batch = counted_batch
         try:
-            with counter, _host_reads(counter):
+            with counter:
                 counter.phase = "bookkeeping"
                 yield
         finally:
@@ -170,18 +100,6 @@ class HotPath:
         return out + [total]
 
 
-@contextlib.contextmanager
-def _paused(counter: OpCounter):
-    """The engine's own charging of the clock (cost-model arithmetic on the host) is not part
-    of what a real engine would issue: not counted."""
-    saved = counter.counts
-    counter.counts = defaultdict(Counter)
-    try:
-        yield
-    finally:
-        counter.counts = saved
-
-
 def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
     """Each system run through the runner with the counter around its decode calls."""
     from hydra import compose, initialize_config_dir
@@ -191,23 +109,17 @@ def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
     from run import CONF, typed_overrides
     from specter.config import RunConfig
 
-    from specter.offload import costmodel
-
     rows = []
     base = ["model=small_deepseek", "budget=high", "dataset=gsm8k", "hardware=a100_pcie4_hf",
             "workload.items=2", "workload.repeats=1", "workload.max_new_tokens=64",
-            "progress=false"]
+            "quant.backend=gather_int4", "progress=false"]
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for system in systems:
             hot = HotPath()
-            costmodel.UNCOUNTED.append(lambda hot=hot: _paused(hot.counter))
             cfg = compose(config_name="config", overrides=typed_overrides(
                 [*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"]))
-            try:
-                run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
-                    log=lambda *_: None, decode_context=hot)
-            finally:
-                costmodel.UNCOUNTED.pop()
+            run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
+                log=lambda *_: None, decode_context=hot)
             rows += hot.rows(system)
             total = rows[-1]
             log(f"[hotpath] {system}: {total['launching_per_token']:.0f} launching ops, "

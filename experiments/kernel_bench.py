@@ -98,12 +98,14 @@ def modelled_cost(shape: ExpertShape):
 
 
 def draft_variants(s: Settings) -> list[tuple[str, torch.dtype]]:
-    """(INT4 backend, activation dtype) pairs for this device."""
+    """(INT4 backend, activation dtype) pairs for this device; `+graphs`: the same backend
+    replayed as a CUDA graph (quant.graphs=on)."""
     if s.device.type == "cuda":
-        return [("triton", torch.float16), ("cuda_int4", torch.bfloat16),
-                ("reference", torch.float16)]
+        return [("triton", torch.float16), ("triton+graphs", torch.float16),
+                ("cuda_int4", torch.bfloat16), ("gather_int4", torch.bfloat16),
+                ("gather_int4+graphs", torch.bfloat16), ("reference", torch.float16)]
     return [("triton", torch.float32), ("cpu_int4", torch.float32), ("cpu_int4", torch.bfloat16),
-            ("reference", torch.float32)]
+            ("gather_int4", torch.float32), ("reference", torch.float32)]
 
 
 ROOFLINE_HARDWARE = "h200_measured"  # the measured H200 profile: HBM bandwidth and GEMM rate
@@ -137,7 +139,7 @@ def write_choice(out: Path, shape: ExpertShape, device: torch.device, log) -> Pa
         return None
     ok = df[(df["experiment"] == EXPERIMENT) & (df["clock"] == "wall") & (df["status"] == "ok")
             & (df["shape"] == shape.name) & (df["tokens"] == 1) & (df["hardware"] == device.type)
-            & df["backend"].isin(["triton", "cuda_int4", "cpu_int4", "reference"])]
+            & df["backend"].isin(["triton", "cuda_int4", "cpu_int4", "gather_int4", "reference"])]
     if ok.empty:
         log(f"--write-choice: no INT4 backend timed at {shape.name}, T=1; nothing written")
         return None
@@ -282,7 +284,7 @@ def run_measured(out: Path, shape: ExpertShape, tokens: list[int], s: Settings, 
         if not keys:
             continue
         reason = None
-        if b == "triton":
+        if b.startswith("triton"):
             if dev.type != "cuda":
                 reason = ("the fused Triton kernel runs on the CPU only under TRITON_INTERPRET=1, "
                           "a Python interpreter; its time says nothing about the kernel")
@@ -297,8 +299,9 @@ def run_measured(out: Path, shape: ExpertShape, tokens: list[int], s: Settings, 
             for key in keys:
                 emit(key, key[2], _not_timed("not_measured", reason))
             continue
-        impl = kernels.make_experts(b, [_with(m, d, dev) for m in gate_up],
-                                    [_with(m, d, dev) for m in down], _act, d)
+        base, graphs = b.removesuffix("+graphs"), b.endswith("+graphs")
+        impl = kernels.make_experts(base, [_with(m, d, dev) for m in gate_up],
+                                    [_with(m, d, dev) for m in down], _act, d, graphs=graphs)
         for key in keys:
             t = key[2]
             r = routings[t]
@@ -306,7 +309,7 @@ def run_measured(out: Path, shape: ExpertShape, tokens: list[int], s: Settings, 
             with torch.no_grad():
                 got, check_s = once(lambda: impl(h, i, w), dev)
             err = rel_err(got, ref_out[t])
-            tol = tolerance(d, dev, fused=b == "triton")
+            tol = tolerance(d, dev, fused=base == "triton")
             if not err <= tol:  # NaN included
                 emit(key, t, _not_timed("mismatch", f"disagrees with the dequantized reference: "
                                         f"max rel err {err:.3g} > {tol:g}", max_rel_err=err))

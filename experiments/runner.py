@@ -35,6 +35,7 @@ from specter.models.loading import (load_model, load_tokenizer, pick_dtype, read
 from specter.models.checkpoint_bytes import size_text
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import default_cache_dir
+from specter.offload.counted import counted_host_costs
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
 
@@ -117,6 +118,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["model"]["weights"]
     if d["model"]["attn"] == "auto":  # resolved at load: the runner adds it unless sdpa
         del d["model"]["attn"]
+    if d["quant"]["graphs"] == "auto":  # resolved with the draft: the runner adds it when on
+        del d["quant"]["graphs"]
     return d
 
 
@@ -181,7 +184,11 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if cfg.quant.backend in ("triton", "cuda_int4") and device.type != "cuda" \
             and footprint(cfg.system).int4_draft:
         raise UserError(f"quant.backend={cfg.quant.backend} needs a CUDA device (this run's is "
-                        f"{device.type}); use quant.backend=auto, cpu_int4 or reference.")
+                        f"{device.type}); use quant.backend=auto, cpu_int4, gather_int4 or "
+                        "reference.")
+    if cfg.quant.graphs == "on" and device.type != "cuda" and footprint(cfg.system).int4_draft:
+        raise UserError(f"quant.graphs=on replays CUDA graphs, and this run is on {device.type}; "
+                        "use quant.graphs=auto or off.")
     if cfg.hardware.clock in ("virtual", "emulated"):
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
@@ -379,6 +386,8 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
     case = case_of(cfg, budget.slots)
     if attn != "sdpa":  # sdpa: what every run before model.attn used
         case["attn_implementation"] = attn
+    if getattr(getattr(getattr(engine, "draft", None), "draft", None), "graphs", False):
+        case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
     if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
         case["model_build"] = checkpoint.name  # with another recipe is another case
     store = records.CaseStore(cfg.out_dir, case)
@@ -420,13 +429,16 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
         engine.reset()  # outside timing
         if cfg.workload.temperature > 0:  # one generator per (request, repeat): reruns repeat
             engine.seed_requests([cfg.seed * 1_000_003 + i * 1_009 + r for i in batch])
-        with decode_context(engine) if decode_context else contextlib.nullcontext():
+        with decode_context(engine) if decode_context else contextlib.nullcontext(), \
+                counted_host_costs(engine) as counted:  # a counted profile: what decoding issues
             if len(batch) == 1:
                 gens = [engine.generate(prompts[batch[0]], cfg.workload.max_new_tokens)]
             else:  # a batch is decoded whole; rows already recorded are not written again
                 gens = engine.generate_batch([prompts[i] for i in batch],
                                              cfg.workload.max_new_tokens)
         shared = batch_record(gens, batch, r)
+        if counted is not None:
+            shared.update(counted.as_record())
         throughputs.append(shared["batch_tokens_per_s"])
         for i, gen in zip(batch, gens):
             if i not in wanted:

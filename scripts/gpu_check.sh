@@ -61,14 +61,19 @@ timeout -k 10 "$REAL_SIZE_TIMEOUT_S" bash -c '
 fi
 
 # What decoding issues on the GPU, counted exactly (a sync or a read counts only when its
-# tensor is on the GPU; host-side bookkeeping apart): aten ops, launches, syncs and host reads
-# per phase per committed token, resident, lru, specmoeoff and specter on small_deepseek in
-# real CUDA time (experiments/hotpath.py; the CPU's counts are an upper bound).
+# tensor is on the GPU, a blocking upload is a sync; host-side bookkeeping apart): aten ops,
+# launches, syncs and host reads per phase per committed token, resident, lru, specmoeoff and
+# specter on small_deepseek in real CUDA time (experiments/hotpath.py; the CPU's counts are an
+# upper bound), with the draft's layers eager (quant.graphs=off) and then replayed as CUDA
+# graphs (on): the records under each folder hold TPOT and draft/verify ms per window.
 if want hotpath; then
 echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
-timeout -k 10 "$HOTPATH_TIMEOUT_S" "$PY" -m experiments.hotpath "$OUT/hotpath" hardware=cuda \
-  model="${MODEL:-small_deepseek}" 2>&1 | tee -a "$OUT/hotpath.txt"
-[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+for graphs in off on; do
+  echo "-- quant.graphs=$graphs" | tee -a "$OUT/hotpath.txt"
+  timeout -k 10 $((HOTPATH_TIMEOUT_S / 2)) "$PY" -m experiments.hotpath "$OUT/hotpath_graphs_$graphs" \
+    hardware=cuda quant.graphs=$graphs model="${MODEL:-small_deepseek}" 2>&1 | tee -a "$OUT/hotpath.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+done
 fi
 
 if want calibration; then

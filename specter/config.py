@@ -119,6 +119,11 @@ class HardwareConfig:
     # (routing read on the host, residency bookkeeping, copy issue and wait); 0 in the
     # public-fit profiles, fit on a GPU by scripts/calibrate_gpu.py (LRU vs resident).
     offload_layer_overhead_s: float = 0.0
+    # A counted profile (specter/offload/counted.py): the host's cost of each launching
+    # operation the code dispatches and of each host sync, charged as the run decodes,
+    # instead of the constants above (which a counted profile sets to 0).
+    host_op_s: float = 0.0
+    sync_s: float = 0.0
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
     # hardware=auto on a machine without a GPU: decoding systems run on the virtual clock of
@@ -154,7 +159,9 @@ class QuantConfig:
     damp: float = 0.01
     min_tokens: int = 32  # experts seeing fewer calibration tokens fall back to RTN
     calib_tokens: int = 8192
-    backend: str = "auto"  # auto | reference | cpu_int4 | triton
+    backend: str = "auto"  # auto | reference | cpu_int4 | cuda_int4 | triton | gather_int4
+    graphs: str = "auto"  # auto | on | off: replay each draft layer as a CUDA graph (CUDA, a
+    # fixed-shape backend: triton or gather_int4; auto: on where both hold)
     path: str | None = None  # a GPTQ checkpoint (GPTQModel / AutoGPTQ layout) to import as is
 
 
@@ -249,9 +256,13 @@ class RunConfig:
                 raise UserError(f"{key} must be a positive number (got {value}).")
         if q.bits not in (2, 3, 4, 8):
             raise UserError(f"quant.bits must be 2, 3, 4 or 8 (got {q.bits}).")
-        if self.quant.backend not in ("auto", "reference", "cpu_int4", "triton"):
+        backends = ("auto", "reference", "cpu_int4", "cuda_int4", "triton", "gather_int4")
+        if self.quant.backend not in backends:  # specter/quant/kernels.py BACKENDS, and auto
             raise UserError(f"unknown quant.backend '{self.quant.backend}'; choose one of: "
-                            "auto, reference, cpu_int4, triton.")
+                            f"{', '.join(backends)}.")
+        if self.quant.graphs not in ("auto", "on", "off"):
+            raise UserError(f"unknown quant.graphs '{self.quant.graphs}'; choose one of: "
+                            "auto, on, off.")
         w = self.workload
         for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
                            ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens),

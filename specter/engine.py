@@ -18,6 +18,8 @@ from typing import Any, Protocol
 
 import torch
 
+from specter.counting import host_side
+
 
 @dataclass
 class Generation:
@@ -124,20 +126,23 @@ class BatchCache:
         blocks' token ids already on the device (the draft's own last choice, never read to
         the host); `blocks` then only give each row's length."""
         width = max(len(b) for b in blocks)
-        ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
-        real = torch.zeros(self.rows, width, dtype=torch.bool)
-        pos = torch.zeros(self.rows, width, dtype=torch.long)
-        for r, block in enumerate(blocks):
-            n, at = len(block), width - len(block)
-            ids[r, at:] = torch.tensor(block, dtype=torch.long)
-            pos[r] = self.valid[r]
-            if live is None or live[r]:
-                real[r, at:] = True
-                pos[r, at:] = torch.arange(self.valid[r], self.valid[r] + n)
-                self.valid[r] += n
-        self.mask = torch.cat([self.mask, real], dim=1)
+        with host_side():  # built on the host, copied over below
+            ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
+            real = torch.zeros(self.rows, width, dtype=torch.bool)
+            pos = torch.zeros(self.rows, width, dtype=torch.long)
+            for r, block in enumerate(blocks):
+                n, at = len(block), width - len(block)
+                if device_ids is None:
+                    ids[r, at:] = torch.tensor(block, dtype=torch.long)
+                pos[r] = self.valid[r]
+                if live is None or live[r]:
+                    real[r, at:] = True
+                    pos[r, at:] = torch.arange(self.valid[r], self.valid[r] + n)
+                    self.valid[r] += n
+            self.mask = torch.cat([self.mask, real], dim=1)
+            holes = not bool(self.mask.all())
         kwargs = {}
-        if not bool(self.mask.all()):
+        if holes:
             kwargs = {"attention_mask": self.mask.to(self.device, torch.long),
                       "position_ids": pos.to(self.device)}
         ids = ids.to(self.device) if device_ids is None else device_ids
@@ -154,15 +159,17 @@ class BatchCache:
 
     def keep(self, row: int, n: int) -> None:
         """Row `row` keeps its first `n` real positions; later ones become holes."""
-        real = self.mask[row].nonzero().flatten()
-        if len(real) > n:
-            self.mask[row, real[n:]] = False
+        with host_side():
+            real = self.mask[row].nonzero().flatten()
+            if len(real) > n:
+                self.mask[row, real[n:]] = False
         self.valid[row] = min(self.valid[row], n)
 
     def trim(self) -> None:
         """Drop trailing columns that are holes in every row."""
-        filled = self.mask.any(dim=0).nonzero()
-        end = int(filled[-1]) + 1 if len(filled) else 0
+        with host_side():
+            filled = self.mask.any(dim=0).nonzero()
+            end = int(filled[-1]) + 1 if len(filled) else 0
         if end < self.length:
             self.crop(end)
 
@@ -170,15 +177,17 @@ class BatchCache:
         """Keep the first `length` columns of every row."""
         if length < self.length:
             self.cache.crop(length - self.length)  # a negative count: columns removed
-            self.mask = self.mask[:, :length]
-            self.valid = self.mask.sum(dim=1).tolist()
+            with host_side():
+                self.mask = self.mask[:, :length]
+                self.valid = self.mask.sum(dim=1).tolist()
 
     def select(self, rows: list[int]) -> None:
         """Keep only `rows` (indices into the current rows), in that order."""
         if rows == list(range(self.rows)):
             return
         self.cache.batch_select_indices(torch.tensor(rows, device=self.device))
-        self.mask = self.mask[rows]
+        with host_side():
+            self.mask = self.mask[rows]
         self.valid = [self.valid[r] for r in rows]
         self.trim()
 

@@ -93,12 +93,12 @@ ZERO_MEANS = {  # numeric settings where 0 is a meaning, not an error
     "seed", "model_seed", "budget.staging", "budget.reserve_gb", "workload.temperature",
     "quant.min_tokens", "system.prefetch_noise",
     # a hardware profile's 0: "not modelled" (a wall-clock profile has no device rates; a
-    # public-fit profile no fitted framework costs)
+    # public-fit profile no fitted framework costs; a profile of constants no counted costs)
     *(f"hardware.{f}" for f in ("matrix_flops", "mem_bandwidth_Bps", "launch_overhead_s",
                                 "layer_overhead_s", "expert_overhead_s", "draft_overhead_s",
                                 "offload_layer_overhead_s", "h2d_bandwidth_Bps",
                                 "h2d_latency_s", "host_matrix_flops",
-                                "host_mem_bandwidth_Bps")),
+                                "host_mem_bandwidth_Bps", "host_op_s", "sync_s")),
 }
 
 

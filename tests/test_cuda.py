@@ -118,7 +118,7 @@ def test_cuda_int4_tinygemm_matches_reference_on_cuda(H, I):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda_int4", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "cuda_int4", "gather_int4", "reference"])
 def test_the_draft_goes_to_the_device_once(backend):
     """An INT4 draft quantized on the host reaches the device layer by layer in its backend's
     layout: the allocator's peak while building it stays near one copy (tinygemm's
@@ -150,3 +150,74 @@ def test_the_draft_goes_to_the_device_once(backend):
     assert peak <= 1.5 * packed + packed / L, (backend, peak, packed)
     assert all(m.codes.device.type == "cpu" for gu, dn in layers for m in gu + dn)
     del built
+
+
+def _cuda_layer(E=16, H=256, I=128, seed=5):
+    from specter.quant.formats import rtn_quantize
+
+    g = torch.Generator().manual_seed(seed)
+    gate_up = [rtn_quantize(torch.randn(2 * I, H, generator=g) / 16, 4, 128) for _ in range(E)]
+    down = [rtn_quantize(torch.randn(H, I, generator=g) / 16, 4, 128) for _ in range(E)]
+    return gate_up, down, g
+
+
+def _silu_gate(x):
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend", ["gather_int4", "triton"])
+def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
+    """issue 25 item 1: a fixed-shape draft layer captured once per call shape and replayed
+    gives the eager call's output bit for bit, for routings it was not captured with, and on
+    replay issues one launch, the copies in and out, and no sync."""
+    from specter.counting import OpCounter
+    from specter.quant import kernels
+
+    if backend == "triton" and not kernels.triton_available():
+        pytest.skip("needs triton")
+    dev = torch.device("cuda")
+    gate_up, down, g = _cuda_layer()
+    eager = kernels.make_experts(backend, gate_up, down, _silu_gate, torch.bfloat16, device=dev)
+    graphed = kernels.make_experts(backend, gate_up, down, _silu_gate, torch.bfloat16, device=dev,
+                                   graphs=True)
+    for T in (1, 2, 1, 2):
+        hidden = torch.randn(T, 256, generator=g).to(dev, torch.bfloat16)
+        idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(T)]).to(dev)
+        w = torch.softmax(torch.randn(T, 4, generator=g), -1).to(dev, torch.bfloat16)
+        want = eager(hidden, idx, w)
+        with OpCounter(cpu_run=False) as counter:
+            got = graphed(hidden, idx, w)
+        torch.cuda.synchronize()
+        assert torch.equal(got, want)
+    assert len(graphed.graphs) == 2  # one per call shape
+    c = counter.counts["bookkeeping"]  # the last call: a replay
+    assert c["syncs"] == 0 and c["host_reads"] == 0 and c["launching"] <= 6, c
+
+
+@pytest.mark.cuda
+def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
+    """The whole system with quant.graphs=on: token-identical to resident on CUDA."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments import records
+    from experiments.runner import run
+    from run import CONF, typed_overrides
+    from specter.config import RunConfig
+
+    tokens = {}
+    for system, extra in (("resident", []), ("specter", ["quant.backend=gather_int4",
+                                                          "quant.graphs=on"])):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=typed_overrides(
+                ["model=tiny_deepseek", "hardware=cuda", f"system={system}", "workload.items=2",
+                 "workload.max_new_tokens=24", "workload.stop_on_eos=false", "spec.k=4",
+                 "progress=false", f"out_dir={tmp_path / system}", *extra]))
+        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        df = records.load(tmp_path / system).sort_values("request_id")
+        tokens[system] = df["output_tokens"].map(tuple).tolist()
+        if system == "specter":
+            assert df["draft.graphs"].all()
+    assert tokens["specter"] == tokens["resident"]

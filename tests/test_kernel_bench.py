@@ -36,10 +36,10 @@ def test_tiny_run_writes_loadable_rows_and_a_rerun_writes_nothing(tmp_path, caps
     assert len(modelled) == 8 and (modelled["status"] == "modelled").all()
     assert (modelled["ms"] > 0).all()
     ok = measured[measured["status"] == "ok"]
-    assert {("cpu_int4", "float32"), ("cpu_int4", "bfloat16"), ("reference", "float32"),
-            ("target_serial", "float32"), ("target_grouped", "float32")} \
+    assert {("cpu_int4", "float32"), ("cpu_int4", "bfloat16"), ("gather_int4", "float32"),
+            ("reference", "float32"), ("target_serial", "float32"), ("target_grouped", "float32")} \
         == set(zip(ok["backend"], ok["dtype"]))
-    assert len(ok) == 10
+    assert len(ok) == 12
     assert (ok["repeats"] == 2).all()
     assert ((ok["ms_p10"] <= ok["ms"]) & (ok["ms"] <= ok["ms_p90"]) & (ok["ms"] > 0)).all()
     # The fused kernel exists on the CPU only as an interpreter: recorded, not timed.
@@ -139,7 +139,7 @@ def test_write_choice_makes_auto_pick_the_fastest_measured_backend(tmp_path, mon
     choice = json.loads(path.read_text())
     df = records.load(tmp_path / "rows")
     ok = df[(df["status"] == "ok") & (df["tokens"] == 1)
-            & df["backend"].isin(["cpu_int4", "reference"])]
+            & df["backend"].isin(["cpu_int4", "gather_int4", "reference"])]
     assert choice["fastest"] == ok.loc[ok["ms"].idxmin(), "backend"]
     backend, why = resolve_backend("auto", 4, cpu, {128}, tmp_path / "cache")
     assert backend == choice["fastest"] and why.startswith("auto: fastest measured")

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specter.config import ModelConfig
+from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.quant import calibrate, kernels
@@ -95,6 +96,44 @@ def test_cpu_int4_backend_matches_reference(seed):
     ref = kernels.ReferenceExperts(gate_up, down, _act)(hidden, idx, w)
     out = kernels.CpuInt4Experts(gate_up, down, _act, torch.float32)(hidden, idx, w)
     assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("T", [1, 2, 11])  # 2 and 6 pairs: gathered; 22 pairs > 6 experts: by expert
+def test_gather_int4_backend_matches_reference(T):
+    gate_up, down = _random_layer(seed=T)
+    hidden, idx, w = _routing(T=T, seed=T)
+    ref = kernels.ReferenceExperts(gate_up, down, _act)(hidden, idx, w)
+    out = kernels.GatherInt4Experts(gate_up, down, _act, torch.float32)(hidden, idx, w)
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def test_gather_int4_issues_the_same_operations_whatever_the_routing():
+    """The draft step's shape: the same aten operations for every routing, none reading the
+    device (what a CUDA graph needs)."""
+    from specter.counting import OpCounter
+
+    class Trace(OpCounter):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func))
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def trace(experts, seed):
+        with Trace() as counter:
+            counter.seen = []
+            experts(*_routing(T=2, seed=seed))
+        return counter.seen, counter.counts["bookkeeping"]
+
+    gate_up, down = _random_layer()
+    gather = kernels.GatherInt4Experts(gate_up, down, _act, torch.float32)
+    per_expert = kernels.CpuInt4Experts(gate_up, down, _act, torch.float32)
+    traces = []
+    for seed in range(3):
+        seen, c = trace(gather, seed)
+        assert c["syncs"] == 0 and c["host_reads"] == 0, c
+        traces.append(seen)
+        _, c_per_expert = trace(per_expert, seed)  # one read of the routing, then per expert
+        assert c_per_expert["host_reads"] == 1 and c["launching"] < c_per_expert["launching"]
+    assert traces[0] == traces[1] == traces[2]
 
 
 TRITON_CHECK = """
@@ -375,3 +414,24 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
                                        torch.device("cpu")))
     assert not called
     assert engine.generate(ids, 16).tokens == ref
+
+
+def test_cuda_graphs_are_a_switch_on_where_they_work():
+    """quant.graphs: auto replays draft layers only on CUDA with a fixed-shape backend; `on`
+    where that cannot work is one sentence; off is off."""
+    from specter.quant.build import resolve_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert resolve_graphs("auto", "gather_int4", cuda)[0] is True
+    assert resolve_graphs("auto", "triton", cuda)[0] is True
+    assert resolve_graphs("auto", "cuda_int4", cuda) == (False, "auto: cuda_int4 issues kernels per routed expert")
+    assert resolve_graphs("auto", "gather_int4", cpu)[0] is False
+    assert resolve_graphs("off", "gather_int4", cuda)[0] is False
+    with pytest.raises(UserError, match="needs a fixed-shape draft backend"):
+        resolve_graphs("on", "cuda_int4", cuda)
+    with pytest.raises(UserError, match="replays CUDA graphs"):
+        resolve_graphs("on", "gather_int4", cpu)
+    with pytest.raises(UserError, match="unknown quant.graphs"):
+        resolve_graphs("sometimes", "gather_int4", cuda)
+    with pytest.raises(UserError, match="fixed-shape backend"):
+        kernels.make_experts("cpu_int4", *_random_layer(), _act, graphs=True)

@@ -22,13 +22,13 @@ from pathlib import Path
 
 import torch
 
+from specter.counting import charging_only
 from specter.decoding.loop import CopiedKVDraft, SeparateDraft
 from specter.decoding.self_draft import SelfDraft
 from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules
 from specter.models.loading import load_model
 from specter.offload.build import Timing
-from specter.offload.costmodel import charging_only
 from specter.offload.store import release_fused
 from specter.quant.build import Draft
 
@@ -78,7 +78,8 @@ class SelfInt4Draft(DraftPart):
 
     def __init__(self, model, draft: Draft, device: torch.device, timing: Timing):
         self.draft = draft
-        self.self_draft = SelfDraft(model, draft.experts, draft.backend, device)
+        self.self_draft = SelfDraft(model, draft.experts, draft.backend, device,
+                                    graphs=draft.graphs)
         self.device_bytes = self.self_draft.draft_bytes
         if charges_virtually(timing):
             self.listen(draft_experts_charge(timing, draft))
@@ -110,7 +111,8 @@ class SeparateInt4Draft(DraftPart):
         self.draft, self.timing, self.target_model = draft, timing, target_model
         self.separate = CopiedKVDraft(draft_model, self._charge_kv_copy) if kv_copy \
             else SeparateDraft(draft_model)
-        self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device)
+        self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device,
+                                  graphs=draft.graphs)
         self.instance.mode = "draft"  # this instance is only ever the draft
         self.charger = timing.charger(draft_model, charge_experts=False)
         if charges_virtually(timing):

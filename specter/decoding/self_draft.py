@@ -61,10 +61,11 @@ class SelfDraft:
 
     def __init__(self, model: nn.Module, quantized: QuantizedExperts | None,
                  backend: str = "reference", device: torch.device | None = None,
-                 draft_layers: list | None = None, draft_bytes: int = 0):
+                 draft_layers: list | None = None, draft_bytes: int = 0, graphs: bool = False):
         """`quantized`: the INT4 copy the draft runs; or `draft_layers` (one callable per MoE
         layer, (hidden, top_k_index, top_k_weights) -> out) with their `draft_bytes` on the
-        device, for a draft that runs its experts some other way."""
+        device, for a draft that runs its experts some other way. `graphs`: each draft layer
+        replayed as a CUDA graph (quant/build.py resolve_graphs)."""
         _register()
         self.model, self.quantized, self.backend = model, quantized, backend
         mods = [m for _, m in experts_modules(model)]
@@ -77,7 +78,8 @@ class SelfDraft:
             # Layer by layer to the device, in the backend's layout: one device copy of the
             # draft (`quantized` stays where it is, the host after a quantization).
             self.draft_layers = [make_experts(backend, quantized.gate_up[l], quantized.down[l],
-                                              m._apply_gate, dtype, device=self.device)
+                                              m._apply_gate, dtype, device=self.device,
+                                              graphs=graphs)
                                  for l, m in enumerate(mods)]
             self.draft_bytes = quantized.packed_bytes()
         for l, m in enumerate(mods):

@@ -83,6 +83,14 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
         raise UserError(f"hardware={hw.name} has no device profile (matrix_flops, "
                         "mem_bandwidth_Bps, h2d_bandwidth_Bps) for the "
                         f"{hw.clock} clock; use a GPU profile: hardware=a100_pcie4_hf, a100_pcie4_ideal, h200_hf, h200_ideal or h200_measured.")
+    constants = {k: getattr(hw, k) for k in ("launch_overhead_s", "layer_overhead_s",
+                                             "expert_overhead_s", "draft_overhead_s",
+                                             "offload_layer_overhead_s")}
+    if (hw.host_op_s > 0 or hw.sync_s > 0) and any(constants.values()):
+        raise UserError(f"hardware={hw.name} charges host costs from counts (host_op_s, sync_s) "
+                        "and as constants too ("
+                        + ", ".join(k for k, v in constants.items() if v)
+                        + "); a counted profile sets those to 0.")
     return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
                            mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
                            launch_overhead_s=hw.launch_overhead_s,
@@ -92,7 +100,8 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
                            layer_overhead_s=hw.layer_overhead_s,
                            expert_overhead_s=hw.expert_overhead_s, engine=hw.engine,
                            draft_overhead_s=hw.draft_overhead_s,
-                           offload_layer_overhead_s=hw.offload_layer_overhead_s)
+                           offload_layer_overhead_s=hw.offload_layer_overhead_s,
+                           host_op_s=hw.host_op_s, sync_s=hw.sync_s)
 
 
 def charges_real_sizes(charge: str, model_name: str, stands_for: str | None) -> bool:

@@ -22,28 +22,12 @@ so lands on the real model's scale while routing and tokens still come from the 
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from specter.models.introspect import experts_modules, is_experts_module
-
-# Measurement hooks (experiments.hotpath) that stop counting while the host only charges a
-# modelled clock: work a real engine, timed by its own clock, would not issue.
-UNCOUNTED: list = []
-
-
-@contextlib.contextmanager
-def charging_only():
-    """Host work that exists only to charge a modelled clock (reading the router's choice to
-    price its experts): outside what the hot path issues (experiments/hotpath.py)."""
-    if not UNCOUNTED:
-        yield
-        return
-    with UNCOUNTED[-1]():
-        yield
 
 
 @dataclass(frozen=True)
@@ -62,6 +46,14 @@ class HardwareProfile:
     engine: str = "ideal"  # "ideal" | "hf"
     draft_overhead_s: float | None = None  # per fused INT4 draft layer; None: expert_overhead_s
     offload_layer_overhead_s: float = 0.0  # per offloaded MoE layer per forward (host side)
+    # Counted host costs (specter/offload/counted.py): per launching op, per host sync
+    host_op_s: float = 0.0
+    sync_s: float = 0.0
+
+    @property
+    def counted(self) -> bool:
+        """Host costs charged from what the code issues, not as per-layer constants."""
+        return self.host_op_s > 0 or self.sync_s > 0
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specter.counting import charging_only
 from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
-from specter.offload.costmodel import CostModel, charging_only
+from specter.offload.costmodel import CostModel
 from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher

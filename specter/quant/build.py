@@ -15,7 +15,7 @@ from specter.models.zoo import default_cache_dir
 from specter.quant import calibrate
 from specter.quant.calibrate import QuantizedExperts, QuantSpec
 from specter.quant.formats import effective_group
-from specter.quant.kernels import BACKENDS, triton_available
+from specter.quant.kernels import BACKENDS, FIXED_SHAPE, triton_available
 
 
 @dataclass
@@ -25,6 +25,8 @@ class Draft:
     reused: bool
     backend: str
     backend_choice: str = "quant.backend"  # why this backend (auto: measured or the default)
+    graphs: bool = False  # draft layers replayed as CUDA graphs
+    graphs_choice: str = "quant.graphs"  # why
 
     def as_record(self) -> dict:
         m = self.experts.meta
@@ -35,6 +37,7 @@ class Draft:
         return {"draft.method": self.experts.spec.method, "draft.bits": self.experts.spec.bits,
                 "draft.group": self.experts.spec.group, "draft.effective_groups": str(groups),
                 "draft.backend": self.backend, "draft.backend_choice": self.backend_choice,
+                "draft.graphs": self.graphs, "draft.graphs_choice": self.graphs_choice,
                 "draft.bytes": self.experts.packed_bytes(), "draft.path": str(self.path),
                 "draft.rtn_fallback_frac": sum(map(sum, fallback)) / n if n else math.nan}
 
@@ -66,11 +69,11 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         return "reference", "auto: not 4-bit"
     int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
-        usable = {"reference", *(["triton"] if triton_available() else []),
+        usable = {"reference", "gather_int4", *(["triton"] if triton_available() else []),
                   *(["cuda_int4"] if int4_groups else [])}
         default = "triton" if "triton" in usable else "reference"
     else:
-        usable = {"reference", *(["cpu_int4"] if int4_groups else [])}
+        usable = {"reference", "gather_int4", *(["cpu_int4"] if int4_groups else [])}
         default = "cpu_int4" if int4_groups else "reference"
     path = kernel_choice_path(cache_dir or default_cache_dir(), device)
     if path.is_file():
@@ -81,6 +84,30 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         if ms:
             return min(ms, key=ms.get), f"auto: fastest measured ({path})"
     return default, "auto: no measurement"
+
+
+GRAPHS = ("auto", "on", "off")
+
+
+def resolve_graphs(name: str, backend: str, device: torch.device) -> tuple[bool, str]:
+    """(replay draft layers as CUDA graphs, why): `on` where the device is CUDA and the backend
+    issues the same kernels whatever the routing (kernels.FIXED_SHAPE); `auto` the same, else
+    off; `off` never. `on` where it cannot work is one sentence."""
+    if name not in GRAPHS:
+        raise UserError(f"unknown quant.graphs '{name}'; choose one of: {', '.join(GRAPHS)}.")
+    if name == "off":
+        return False, "quant.graphs=off"
+    if device.type != "cuda":
+        if name == "on":
+            raise UserError(f"quant.graphs=on replays CUDA graphs, and this run is on {device}; "
+                            "use quant.graphs=auto or off.")
+        return False, f"auto: {device.type}, not CUDA"
+    if backend not in FIXED_SHAPE:
+        if name == "on":
+            raise UserError(f"quant.graphs=on needs a fixed-shape draft backend "
+                            f"({', '.join(FIXED_SHAPE)}); quant.backend resolved to {backend}.")
+        return False, f"auto: {backend} issues kernels per routed expert"
+    return True, "quant.graphs=on" if name == "on" else f"auto: CUDA and {backend}"
 
 
 def draft_for(ctx) -> Draft:
@@ -117,4 +144,5 @@ def draft_for(ctx) -> Draft:
             model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
     backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir)
-    return Draft(experts, path, reused, backend, why)
+    graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device)
+    return Draft(experts, path, reused, backend, why, graphs, graphs_why)

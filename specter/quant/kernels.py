@@ -10,8 +10,16 @@ Owns: four interchangeable backends with the same call
 - `triton`: a fused multi-expert INT4 GEMM in Triton: every routed expert of a layer in one
   launch per projection, (token, k-slot) pairs gathered by expert into blocks of BLOCK_M
   rows (INT4 only). Runs on CUDA, and on the CPU under `TRITON_INTERPRET=1` for tests.
-All accumulate in fp32. Results are summed in expert-id order, (k-slot, token) order within
-an expert, as Hugging Face's eager experts loop does.
+- `gather_int4`: plain torch, any device: each (token, k-slot) pair's expert dequantized
+  from its gathered INT4 codes, one batched matmul per projection. The same operations at
+  every call whatever the routing (shapes from T and k alone) and no host read, so a draft
+  step can be captured as a CUDA graph (`GraphedExperts`); calls with more pairs than experts
+  (a prefill) go expert by expert instead.
+The per-expert backends accumulate in fp32 and sum in expert-id order, (k-slot, token) order
+within an expert, as Hugging Face's eager experts loop does; `triton` and `gather_int4` sum
+each token's k slots in slot order (a draft's numerics: verification decides the output).
+`GraphedExperts` wraps a fixed-shape backend (`triton`, `gather_int4`) on CUDA: each call
+shape is captured once and replayed (one graph launch instead of the layer's kernels).
 Does not own: quantization (gptq.py, formats.py) or when the draft runs (draft.py).
 """
 
@@ -22,11 +30,15 @@ import os
 import torch
 from torch import nn
 
+from specter.counting import launched
 from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.quant.formats import QuantizedMatrix
 
-BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton")
+BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton", "gather_int4")
+# Backends whose call issues the same kernels whatever the routing: CUDA graphs can replay them.
+FIXED_SHAPE = ("triton", "gather_int4")
+
 
 
 def _route(top_k_index: torch.Tensor, num_experts: int):
@@ -216,6 +228,7 @@ class TritonExperts:
         K = x.shape[1]
         out = torch.zeros(n_out, N, dtype=torch.float32, device=x.device)  # fp32 intermediates
         grid = (block_expert.numel(), (N + self.BLOCK_N - 1) // self.BLOCK_N)
+        launched("triton")
         _kernel()[grid](x, codes, scales, out, src_rows, out_rows, block_expert, N, K,
                         x.stride(0), codes.stride(0), codes.stride(1), scales.stride(0),
                         scales.stride(1), out.stride(0), GROUP=group, BLOCK_M=self.BLOCK_M,
@@ -236,10 +249,130 @@ class TritonExperts:
         return (y.view(T, k, -1) * top_k_weights.unsqueeze(-1).float()).sum(dim=1).to(hidden.dtype)
 
 
-def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32,
+# -- gather_int4: fixed shapes in plain torch --------------------------------------------------
+def _stack(mats: list[QuantizedMatrix], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(codes [E, N, K/2], scales [E, N, K/g], group) of one projection's experts, stacked where
+    they are and then moved (one device copy)."""
+    groups = {m.group for m in mats}
+    if len(groups) != 1:
+        raise UserError(f"the gather_int4 backend needs one group size per projection (got "
+                        f"{sorted(groups)}); use the reference backend.")
+    return (torch.stack([m.codes for m in mats]).to(device),
+            torch.stack([m.scales for m in mats]).to(device), groups.pop())
+
+
+def byte_table(dtype: torch.dtype, device) -> torch.Tensor:
+    """[256, 2]: a packed byte's two INT4 codes, centred (q - 8), low nibble first."""
+    b = torch.arange(256, dtype=torch.int32, device=device)
+    return (torch.stack((b & 0xF, b >> 4), dim=-1) - 8).to(dtype)
+
+
+def _dequantize_stacked(codes: torch.Tensor, scales: torch.Tensor, group: int,
+                        table: torch.Tensor) -> torch.Tensor:
+    """[P, N, K] weights from packed INT4 codes [P, N, K/2] and scales [P, N, K/g]:
+    w = (q - 8) * scale, as QuantizedMatrix.dequantize; both codes of a byte in one lookup
+    (`byte_table`), so two kernels per matrix."""
+    P, N, half = codes.shape
+    q = table[codes.int()]  # [P, N, K/2, 2]
+    w = q.view(P, N, -1, group) * scales.unsqueeze(-1)
+    return w.view(P, N, 2 * half)
+
+
+class GatherInt4Experts(ReferenceExperts):
+    """Each (token, k-slot) pair's expert dequantized from its gathered INT4 codes, then one
+    batched matmul per projection: a fixed sequence of operations (shapes from T and k alone,
+    no host read). It dequantizes T*k experts, so a call with more pairs than experts (the
+    draft's prefill) goes expert by expert instead (one read of the routing)."""
+
+    def __init__(self, gate_up, down, act, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None):
+        super().__init__(gate_up, down, act)
+        for qm in gate_up + down:
+            if qm.bits != 4:
+                raise UserError(f"the gather_int4 backend runs 4-bit weights only (got "
+                                f"{qm.bits}-bit); use the reference backend.")
+        dev = device if device is not None else gate_up[0].codes.device
+        self.dtype = dtype
+        self.gu_codes, self.gu_scales, self.gu_group = _stack(gate_up, dev)
+        self.dn_codes, self.dn_scales, self.dn_group = _stack(down, dev)
+        self.gu_scales, self.dn_scales = self.gu_scales.to(dtype), self.dn_scales.to(dtype)
+        self.table = byte_table(dtype, dev)
+        self.gate_up = self.down = None  # the stacked copy is the one kept
+
+    def _weights(self, experts: torch.Tensor, gate_up: bool) -> torch.Tensor:
+        codes, scales, group = ((self.gu_codes, self.gu_scales, self.gu_group) if gate_up
+                                else (self.dn_codes, self.dn_scales, self.dn_group))
+        return _dequantize_stacked(codes[experts], scales[experts], group, self.table)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        ids = torch.tensor([e], device=self.gu_codes.device)
+        xd = x.to(self.dtype)
+        h = self.act(nn.functional.linear(xd, self._weights(ids, True)[0]))
+        return nn.functional.linear(h, self._weights(ids, False)[0]).to(x.dtype)
+
+    def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        T, k = top_k_index.shape
+        if T * k > self.num_experts:
+            return super().__call__(hidden, top_k_index, top_k_weights)
+        pairs = top_k_index.reshape(-1)  # pair p: token p // k, slot p % k
+        x = hidden.to(self.dtype).unsqueeze(1).expand(T, k, -1).reshape(T * k, 1, -1)
+        h = self.act(torch.bmm(x, self._weights(pairs, True).transpose(1, 2)))  # [P, 1, I]
+        y = torch.bmm(h, self._weights(pairs, False).transpose(1, 2)).view(T, k, -1)
+        return (y * top_k_weights.to(self.dtype).unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
+
+
+# -- CUDA graphs -----------------------------------------------------------------------------
+class GraphedExperts:
+    """A fixed-shape backend (FIXED_SHAPE) captured as a CUDA graph once per call shape and
+    replayed: the inputs are copied into the graph's own buffers, one replay runs the layer's
+    kernels, the output is copied out. Calls with more than `max_tokens` tokens (a prefill)
+    run eagerly. CUDA only."""
+
+    def __init__(self, inner, max_tokens: int = 16):
+        self.inner, self.max_tokens = inner, max_tokens
+        self.graphs: dict[tuple, tuple] = {}
+        self.num_experts = getattr(inner, "num_experts", None)
+
+    def _capture(self, hidden, top_k_index, top_k_weights):
+        import torch.cuda as cuda
+
+        static = (hidden.clone(), top_k_index.clone(), top_k_weights.clone())
+        side = cuda.Stream()
+        side.wait_stream(cuda.current_stream())
+        with cuda.stream(side):  # warm-up outside the graph (allocations, Triton's compile)
+            for _ in range(2):
+                self.inner(*static)
+        cuda.current_stream().wait_stream(side)
+        graph = cuda.CUDAGraph()
+        with cuda.graph(graph):
+            out = self.inner(*static)
+        return graph, static, out
+
+    def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        if hidden.shape[0] > self.max_tokens or torch.cuda.is_current_stream_capturing():
+            return self.inner(hidden, top_k_index, top_k_weights)
+        key = (tuple(hidden.shape), hidden.dtype, tuple(top_k_index.shape), top_k_weights.dtype)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(hidden, top_k_index, top_k_weights)
+        graph, (h, i, w), out = self.graphs[key]
+        h.copy_(hidden)
+        i.copy_(top_k_index)
+        w.copy_(top_k_weights)
+        launched("graph")
+        graph.replay()
+        return out.clone()
+
+
+def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None, graphs: bool = False):
     """One MoE layer's draft experts on `backend`, its matrices moved to `device` (None: where
-    they are) so that the device holds one copy: the backend's own layout."""
+    they are) so that the device holds one copy: the backend's own layout. `graphs`: replay
+    each call shape as a CUDA graph (FIXED_SHAPE backends on CUDA; see resolve_graphs)."""
+    if graphs:
+        if backend not in FIXED_SHAPE:
+            raise UserError(f"CUDA graphs replay a fixed-shape backend ({', '.join(FIXED_SHAPE)}),"
+                            f" not {backend}.")
+        return GraphedExperts(make_experts(backend, gate_up, down, act, dtype, device))
     if backend == "reference":
         if device is not None:
             gate_up, down = [m.to(device) for m in gate_up], [m.to(device) for m in down]
@@ -253,6 +386,8 @@ def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.fl
         return CudaInt4Experts(gate_up, down, act, device)
     if backend == "triton":
         return TritonExperts(gate_up, down, act, device)
+    if backend == "gather_int4":
+        return GatherInt4Experts(gate_up, down, act, dtype, device)
     raise UserError(f"unknown INT4 backend '{backend}'; choose one of: {', '.join(BACKENDS)}.")
 
 

@@ -1,0 +1,177 @@
+"""Counting what decoding asks of the device: aten operations, the ones that launch kernels,
+host syncs and host reads (experiments/hotpath.py reports them; a counted hardware profile,
+specter/offload/counted.py, charges them to the virtual clock).
+
+`OpCounter` is a `TorchDispatchMode`: it sees every aten operation dispatched inside it and
+counts it under its current `phase`. The code under measurement says three things the
+dispatcher cannot see:
+
+- `charging_only()`: host work that exists only to price a modelled clock (reading the
+  router's choice to charge its experts); a real engine, timed by its own clock, would not
+  issue it: not counted.
+- `host_side()`: bookkeeping on tensors that live on the host in every run (the batch cache's
+  mask and position ids, built on the host and copied over once): counted apart as host-side
+  work, not as kernels or syncs. On a GPU run the counter tells these apart by device anyway;
+  on a CPU run every tensor is on the host, so the code says it.
+- `launched(kind)`: a kernel launch that is not an aten operation (a Triton kernel, a CUDA
+  graph's replay): counted as a launching operation.
+
+Without a counter entered, each is a no-op.
+
+What counts as what (per phase, `Counter` keys):
+- `ops`: aten operations dispatched; `launching`: the ones that are not views (a kernel on a
+  GPU, or at least a dispatch), plus `launched` ones;
+- `syncs`: operations that make the device wait for the host: `nonzero`, `_local_scalar_dense`
+  (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
+  `bincount`, `repeat_interleave` by counts), `equal`; on a GPU run also a blocking copy from
+  the host to the device (torch synchronises the stream after it), which a CPU run cannot see;
+- `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
+  operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
+  for a device tensor: an upper bound;
+- `host_side`: operations and reads on host-resident tensors (`host_side()`, or on a GPU run
+  any sync or read whose tensors are all on the host): host time, no kernel, no wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter, defaultdict
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+SYNC_OPS = {"nonzero", "_local_scalar_dense", "_unique2", "unique_dim", "unique_consecutive",
+            "masked_select", "bincount", "repeat_interleave", "equal", "is_nonzero",
+            "nonzero_static"}
+# repeat_interleave syncs only with a tensor of counts (its output size); counted as one.
+
+_ACTIVE: list["OpCounter"] = []  # entered counters, innermost last
+
+
+@contextlib.contextmanager
+def charging_only():
+    """Host work that only charges a modelled clock: not counted."""
+    with contextlib.ExitStack() as stack:
+        for c in list(_ACTIVE):
+            stack.enter_context(c._depth("paused"))
+        yield
+
+
+@contextlib.contextmanager
+def host_side():
+    """Operations on host-resident tensors: counted as host-side work."""
+    with contextlib.ExitStack() as stack:
+        for c in list(_ACTIVE):
+            stack.enter_context(c._depth("host"))
+        yield
+
+
+def launched(kind: str) -> None:
+    """A kernel launch aten does not dispatch (`kind`: "triton", "graph")."""
+    for c in list(_ACTIVE):
+        if not c.paused:
+            c.count("launched")
+
+
+def _on_device(args, kwargs) -> bool:
+    """Whether any tensor argument lives off the host (a GPU's)."""
+    from torch.utils._pytree import tree_leaves
+
+    return any(isinstance(a, torch.Tensor) and a.device.type != "cpu"
+               for a in tree_leaves((args, kwargs or {})))
+
+
+def _blocking_upload(name: str, args, kwargs, out) -> bool:
+    """A copy from a host tensor into a device tensor that is not `non_blocking`: torch waits
+    for the stream after issuing it."""
+    kwargs = kwargs or {}
+    if kwargs.get("non_blocking") or (name == "copy_" and len(args) > 2 and args[2]):
+        return False
+    src = args[1] if name == "copy_" else args[0]
+    dst = args[0] if name == "copy_" else out
+    return (isinstance(src, torch.Tensor) and src.device.type == "cpu"
+            and isinstance(dst, torch.Tensor) and dst.device.type != "cpu")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched inside it, and every `.tolist()`/`.cpu()` call,
+    by the current `phase`. On a GPU run (`cpu_run=False`) a sync or a host read counts only
+    when its tensor is on the GPU; on a CPU run every tensor stands for a device tensor.
+    Subclasses act on each counted event through `count(kind)`."""
+
+    def __init__(self, cpu_run: bool = True):
+        super().__init__()
+        self.cpu_run = cpu_run
+        self.phase = "bookkeeping"
+        self.counts: dict[str, Counter] = defaultdict(Counter)
+        self.paused = self.host = 0  # depths of charging_only() and host_side()
+        self._saved: dict = {}
+
+    def count(self, kind: str) -> None:
+        """One event of `kind`: "view", "launching", "launched", "sync", "host_read",
+        "host_side"; "sync" comes after the operation's own "launching"."""
+        c = self.counts[self.phase]
+        if kind == "host_side":
+            c["host_side"] += 1
+            return
+        if kind in ("view", "launching", "launched"):
+            c["ops"] += 1
+        if kind in ("launching", "launched"):
+            c["launching"] += 1
+        elif kind == "sync":
+            c["syncs"] += 1
+        elif kind == "host_read":
+            c["host_reads"] += 1
+
+    @contextlib.contextmanager
+    def _depth(self, which: str):
+        setattr(self, which, getattr(self, which) + 1)
+        try:
+            yield
+        finally:
+            setattr(self, which, getattr(self, which) - 1)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.paused:
+            return out
+        if self.host:
+            self.count("host_side")
+            return out
+        self.count("view" if func.is_view else "launching")
+        name = func.overloadpacket.__name__
+        if name in SYNC_OPS:
+            self.count("sync" if self.cpu_run or _on_device(args, kwargs) else "host_side")
+        elif not self.cpu_run and name in ("_to_copy", "copy_") \
+                and _blocking_upload(name, args, kwargs, out):
+            self.count("sync")
+        return out
+
+    def _read(self, tensor: torch.Tensor) -> None:
+        if self.paused:
+            return
+        on_device = not self.host and (self.cpu_run or tensor.device.type != "cpu")
+        self.count("host_read" if on_device else "host_side")
+
+    def __enter__(self):
+        saved = {name: getattr(torch.Tensor, name) for name in ("tolist", "cpu")}
+
+        def wrap(fn):
+            def counted(tensor, *a, **k):
+                self._read(tensor)
+                return fn(tensor, *a, **k)
+            return counted
+
+        self._saved = saved
+        for name, fn in saved.items():
+            setattr(torch.Tensor, name, wrap(fn))
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+            for name, fn in self._saved.items():
+                setattr(torch.Tensor, name, fn)
