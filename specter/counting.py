@@ -24,7 +24,8 @@ What counts as what (per phase, `Counter` keys):
 - `syncs`: operations that make the device wait for the host: `nonzero`, `_local_scalar_dense`
   (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
   `bincount`, `repeat_interleave` by counts), `equal`; on a GPU run also a blocking copy from
-  the host to the device (torch synchronises the stream after it), which a CPU run cannot see;
+  the host to the device (torch synchronises the stream after it) and `torch.cuda.synchronize`
+  (a real clock's read), which a CPU run cannot see;
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
   for a device tensor: an upper bound;
@@ -165,6 +166,13 @@ class OpCounter(TorchDispatchMode):
         self._saved = saved
         for name, fn in saved.items():
             setattr(torch.Tensor, name, wrap(fn))
+        self._cuda_sync = torch.cuda.synchronize
+        if not self.cpu_run:
+            def synchronize(*a, **k):
+                if not self.paused:
+                    self.count("sync")
+                return self._cuda_sync(*a, **k)
+            torch.cuda.synchronize = synchronize
         _ACTIVE.append(self)
         return super().__enter__()
 
@@ -175,3 +183,4 @@ class OpCounter(TorchDispatchMode):
             _ACTIVE.remove(self)
             for name, fn in self._saved.items():
                 setattr(torch.Tensor, name, fn)
+            torch.cuda.synchronize = self._cuda_sync

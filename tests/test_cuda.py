@@ -221,3 +221,25 @@ def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
         if system == "specter":
             assert df["draft.graphs"].all()
     assert tokens["specter"] == tokens["resident"]
+
+
+@pytest.mark.cuda
+def test_the_cuda_clock_marks_without_waiting():
+    """`CudaLink.mark` records an event (no device sync); `elapsed` answers None until the
+    device reaches the end mark, then the span in seconds, and waits only when asked."""
+    from specter.counting import OpCounter
+    from specter.offload.link import LinkProfile, make_link
+
+    dev = torch.device("cuda")
+    link = make_link("cuda", LinkProfile(bandwidth_Bps=1e10, latency_s=0.0), dev)
+    x = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+    with OpCounter(cpu_run=False) as counter:
+        start = link.mark()
+        for _ in range(20):
+            x = x @ x / 64
+        end = link.mark()
+        early = link.elapsed(start, end)
+    assert counter.counts["bookkeeping"]["syncs"] == 0
+    seconds = link.elapsed(start, end, wait=True)
+    assert seconds > 0 and (early is None or early == pytest.approx(seconds))

@@ -317,6 +317,12 @@ class _Link:
     def now(self):
         return self.t
 
+    def mark(self):
+        return self.t
+
+    def elapsed(self, start, end, wait=False):
+        return end - start
+
     def compute(self, s):
         self.t += s
 
@@ -462,3 +468,48 @@ def test_orchestrator_late_plan_waits_for_the_whole_window():
 
 
 # -- workload.temperature through the runner -------------------------------------------------
+
+
+class _QueuedLink(_Link):
+    """A GPU's clock as the orchestrator sees it: a mark is a queued event, reached only once
+    a later mark is taken; reading the clock (`now`) would synchronise, and is counted."""
+
+    def __init__(self, bandwidth):
+        super().__init__(bandwidth)
+        self.marks, self.reads = [], 0
+
+    def now(self):
+        self.reads += 1
+        return self.t
+
+    def mark(self):
+        self.marks.append(self.t)
+        return len(self.marks) - 1
+
+    def elapsed(self, start, end, wait=False):
+        if end == len(self.marks) - 1 and not wait:
+            return None  # the device has not reached the newest mark yet
+        return self.marks[end] - self.marks[start]
+
+
+def test_draft_steps_are_timed_without_reading_the_clock():
+    """issue 25 item 1: the orchestrator times draft steps by marks on the compute timeline,
+    never by a clock read (on CUDA a device sync); a step the device has not finished is
+    timed at a later step, in order, so the step-time EMA sees every step."""
+    from specter.pio.orchestrator import Orchestrator
+
+    link = _QueuedLink(bandwidth=1000.0)
+    cache = _Cache(layers=2, slots=4, link=link, nbytes=1000)
+    elb = ExpertLookaheadBuffer(2, 16, torch.device("cpu"))
+    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=1, bandwidth_Bps=1000.0,
+                        latency_s=0.0)
+    seen = []
+    orch.step_s.update = lambda s: seen.append(s)
+    for i in range(1, 5):
+        orch.on_forward("draft")
+        link.compute(float(i))  # step i takes i seconds
+        for l in range(2):
+            orch.on_draft_experts(l, torch.tensor([[8 + i]]))
+        orch.after_draft_step(i, 4)
+    assert link.reads == 0
+    assert seen == [1.0, 2.0, 3.0]  # the fourth: once the device is past its end

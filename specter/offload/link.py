@@ -205,6 +205,16 @@ class Link(ABC):
     def now(self) -> float:
         """Compute-stream time in seconds."""
 
+    def mark(self):
+        """A point on the compute timeline, taken without waiting for the device; `elapsed`
+        reads the span between two marks later."""
+        return self.now()
+
+    def elapsed(self, start, end, wait: bool = False) -> float | None:
+        """Seconds from mark `start` to mark `end`, or None while the device has not reached
+        `end` (asking does not wait unless `wait`)."""
+        return end - start
+
     @abstractmethod
     def wait(self, t: Transfer) -> None:
         """The compute stream waits until `t` has completed; a real stall is recorded."""
@@ -540,8 +550,20 @@ class CudaLink(Link):
         return torch.cuda.Event(enable_timing=True)
 
     def now(self) -> float:
-        torch.cuda.synchronize(self.device)
+        torch.cuda.synchronize(self.device)  # a host sync: the hot path asks `mark` instead
         return time.perf_counter()
+
+    def mark(self) -> torch.cuda.Event:
+        event = self._timing_event()
+        event.record(self._compute_stream())
+        return event
+
+    def elapsed(self, start, end, wait: bool = False) -> float | None:
+        if wait:
+            end.synchronize()
+        elif not end.query():
+            return None
+        return start.elapsed_time(end) / 1e3
 
     def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
         if src.device.type == "cpu" and not src.is_pinned() and not self._warned_pageable:

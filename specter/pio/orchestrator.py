@@ -102,6 +102,7 @@ class Orchestrator(WindowPrefetcher):
 
     def as_record(self) -> dict:
         """The plan's statistics and the rules that ran (every row says which variant)."""
+        self._time_waits(wait=True)  # after the request: the device is past every mark
         rec = {"plan_mode": self.mode, **self.stats.as_record(), "top_m": self.top_m,
                "wait_last_batch": self.wait_last_batch}
         if self.mode == "pio":  # the phases' rules (a single plan has no boundaries to size)
@@ -115,6 +116,8 @@ class Orchestrator(WindowPrefetcher):
     def reset(self) -> None:
         self.stats = PrefetchStats()
         self.rng = random.Random(self.seed)
+        self._steps: list[tuple] = []  # (start, end) marks of draft steps not yet timed
+        self._waits: list[tuple] = []  # (start, end) marks of last-batch waits not yet timed
         self._new_window()
 
     def _new_window(self) -> None:
@@ -125,7 +128,7 @@ class Orchestrator(WindowPrefetcher):
         self.boundary: int | None = None
         self.stopped = False
         self.inflight: list[Transfer] = []
-        self._t_step: float | None = None
+        self._t_step = None  # the link's mark at the current draft step's start
 
     # --- hooks -------------------------------------------------------------------------
     def on_draft_experts(self, layer: int, top_k_index) -> None:
@@ -133,13 +136,14 @@ class Orchestrator(WindowPrefetcher):
 
     def on_forward(self, phase: str) -> None:
         if phase == "draft":
-            self._t_step = self.link.now()
+            self._t_step = self.link.mark()
         elif phase == "verify" and self.wait_last_batch:
             self._wait_last_batch()
 
     def after_draft_step(self, i: int, k_eff: int) -> None:
         if self._t_step is not None:
-            self.step_s.update(self.link.now() - self._t_step)
+            self._steps.append((self._t_step, self.link.mark()))
+        self._time_steps()
         if self.stopped:
             return
         if self.boundary is None:
@@ -160,15 +164,36 @@ class Orchestrator(WindowPrefetcher):
         else:  # Prefetch Overlap: the next chunk computes while this batch moves
             self.boundary = i + planner.next_chunk_steps(batch_s, self.step_s.value)
 
+    def _time_steps(self) -> None:
+        """Fold the draft steps the device has finished into the step-time EMA, in order,
+        without waiting (on CUDA a step's end event may still be queued: it is timed at a
+        later step, once reached; on modelled clocks every step at once)."""
+        while self._steps:
+            seconds = self.link.elapsed(*self._steps[0])
+            if seconds is None:
+                return
+            self.step_s.update(seconds)
+            self._steps.pop(0)
+
+    def _time_waits(self, wait: bool = False) -> None:
+        """Add the last-batch waits the device has passed (all of them when `wait`)."""
+        while self._waits:
+            seconds = self.link.elapsed(*self._waits[0], wait=wait)
+            if seconds is None:
+                return
+            self.stats.last_batch_wait_s += seconds
+            self._waits.pop(0)
+
     def _wait_last_batch(self) -> None:
         """Verification starts once every copy this window's plans issued has landed (the
         artifact blocks on the last batch's event; one FIFO copy engine: the same instant).
         The wait is the link's (exposed) and counted in `last_batch_wait_ms`."""
-        t0 = self.link.now()
+        t0 = self.link.mark()
         for l, experts in enumerate(self.loaded):
             for e in sorted(experts):
                 self.cache.wait(l, e)  # no-op once landed and waited for
-        self.stats.last_batch_wait_s += self.link.now() - t0
+        self._waits.append((t0, self.link.mark()))
+        self._time_waits()
 
     def end_window(self) -> None:
         """After verification: score the window's plan against the target's demand."""

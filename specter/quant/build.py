@@ -56,17 +56,21 @@ def kernel_choice_path(cache_dir: Path, device: torch.device) -> Path:
 
 
 def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int],
-                    cache_dir: Path | None = None) -> tuple[str, str]:
+                    cache_dir: Path | None = None, counted: bool = False) -> tuple[str, str]:
     """(backend, why): `quant.backend`, or for `auto` the fastest INT4 backend measured on this
     kind of device (kernel_bench --write-choice, at a real model's expert shape and one token:
     a draft step) among those that can run here, when that measurement exists; else triton on
-    CUDA, cpu_int4 on the CPU."""
+    CUDA, cpu_int4 on the CPU. `counted`: a counted profile's virtual clock on the CPU
+    (specter/offload/counted.py) charges the operations the draft issues, so auto takes
+    gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's)."""
     if name not in BACKENDS + ("auto",):
         raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
     if name != "auto":
         return name, "quant.backend"
     if bits != 4:
         return "reference", "auto: not 4-bit"
+    if counted and device.type == "cpu":
+        return "gather_int4", "auto: a counted profile on the CPU charges a GPU's operations"
     int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
         usable = {"reference", "gather_int4", *(["triton"] if triton_available() else []),
@@ -143,6 +147,8 @@ def draft_for(ctx) -> Draft:
         experts, path, reused = calibrate.ensure_quantized(
             model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
-    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir)
+    hw = ctx.cfg.hardware
+    counted = hw.clock == "virtual" and (hw.host_op_s > 0 or hw.sync_s > 0)
+    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted)
     graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device)
     return Draft(experts, path, reused, backend, why, graphs, graphs_why)
