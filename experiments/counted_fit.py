@@ -12,15 +12,17 @@ produced its real timings:
 - device TPOT: the same code on the virtual clock with every framework cost at 0 (copies,
   their exposed waits and the roofline only);
 - launching, syncs per committed token: the counter's totals over decoding (all but the
-  prefill). Syncs are everything that makes the GPU wait, as far as a CPU run sees it:
-  syncing operations, host reads, the CUDA clock's reads (`torch.cuda.synchronize` in
-  `CudaLink.now()` of that code) and one blocking upload of token ids per forward.
+  prefill; experiments/hotpath.py's `hotpath.csv`). Syncs are everything that makes the GPU
+  wait: syncing operations, host reads, blocking uploads and `torch.cuda.synchronize`. The
+  stored counts of 968087c were made before the counter saw the last two; they carry that
+  code's CUDA clock reads (`clock_reads`) and get one upload of token ids per forward added.
 
-    python -m experiments.counted_fit [--dir docs/measurements/counted-2026-12-01]
-        [--real docs/measurements/h200-2026-11-30/real_cuda_records.csv] [--source run2_bench]
-        [--repeat 1] [--fit resident,lru]
+    python -m experiments.counted_fit [--counts CSV] [--zero CSV] [--real CSV]
+        [--source run2_bench] [--repeat 1] [--fit resident,lru] [--out DIR]
 
-prints the fit and the held-out table (markdown) and writes `fit.json` into --dir.
+Defaults: the counts and device-only TPOT of 968087c in docs/measurements/counted-2026-12-01/
+against the H200's run 2; a GPU session's own `hotpath` stage (scripts/gpu_check.sh) gives
+both sides from one code. Prints the fit and the held-out table and writes `fit.json` to --out.
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ def per_token(counts: pd.DataFrame) -> pd.DataFrame:
     """Launching operations and syncs per committed token, per system (decoding, no prefill)."""
     d = counts[counts["phase"] == "decoding (all but prefill)"].set_index("system")
     tokens = d["committed_tokens"]
-    syncs = d["syncs"] + d["host_reads"] + d["clock_reads"] + d["forwards"]  # + one upload each
+    syncs = d["syncs"] + d["host_reads"]
+    if "clock_reads" in d:  # counted before uploads and CUDA syncs were: one upload a forward
+        syncs = syncs + d["clock_reads"] + d["forwards"]
     return pd.DataFrame({"launching": d["launching"] / tokens, "syncs": syncs / tokens,
                          "forwards": d["forwards"] / tokens})
 
@@ -58,11 +62,13 @@ def fit(table: pd.DataFrame, on: list[str]) -> tuple[float, float]:
     return float(op_s), float(sync_s)
 
 
-def build(dir_: Path, real: Path, source: str, repeat: int) -> pd.DataFrame:
-    counts = pd.read_csv(dir_ / "counts_968087c.csv")
-    zero = pd.read_csv(dir_ / "virtual_zero_968087c.csv")
-    rec = pd.read_csv(real)
-    rec = rec[(rec["source"] == source) & (rec["repeat"] == repeat)]
+def build(counts: Path, zero: Path, real: Path, source: str | None, repeat: int) -> pd.DataFrame:
+    """Per system: counts per token, real and device-only TPOT (ms), over `real`'s records of
+    `source` (None: all) and `repeat`."""
+    counts, zero, rec = pd.read_csv(counts), _records(zero), _records(real)
+    if source is not None and "source" in rec:
+        rec = rec[rec["source"] == source]
+    rec = rec[rec["repeat"] == repeat]
     table = per_token(counts)
     table["real_ms"] = rec.groupby("system")["tpot_ms"].mean()
     table["real_spread_ms"] = rec.groupby("system")["tpot_ms"].agg(lambda s: s.max() - s.min())
@@ -70,15 +76,26 @@ def build(dir_: Path, real: Path, source: str, repeat: int) -> pd.DataFrame:
     return table.dropna(subset=["real_ms", "device_ms"])
 
 
+def _records(path: Path) -> pd.DataFrame:
+    """A CSV of records, or a records folder (experiments.records)."""
+    if path.is_dir():
+        from experiments import records
+
+        return records.load(path)
+    return pd.read_csv(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", type=Path, default=DIR)
+    ap.add_argument("--counts", type=Path, default=DIR / "counts_968087c.csv")
+    ap.add_argument("--zero", type=Path, default=DIR / "virtual_zero_968087c.csv")
     ap.add_argument("--real", type=Path, default=REAL)
-    ap.add_argument("--source", default="run2_bench")
+    ap.add_argument("--source", default="run2_bench", help="records' source column ('' : all)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--fit", default="resident,lru")
+    ap.add_argument("--out", type=Path, default=DIR)
     args = ap.parse_args(argv)
-    table = build(args.dir, args.real, args.source, args.repeat)
+    table = build(args.counts, args.zero, args.real, args.source or None, args.repeat)
     on = [s for s in args.fit.split(",") if s]
     op_s, sync_s = fit(table, on)
     table["counted_ms"] = table["device_ms"] + 1e3 * (op_s * table["launching"]
@@ -96,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
            "within": within, "source": args.source, "repeat": args.repeat,
            "rows": {s: {k: (None if isinstance(v, float) and math.isnan(v) else v)
                         for k, v in r.items()} for s, r in table.iterrows()}}
-    (args.dir / "fit.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fit.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
     return 0
 
 

@@ -71,9 +71,20 @@ echo "== hot path: operations, launches and syncs per committed token on CUDA" |
 for graphs in off on; do
   echo "-- quant.graphs=$graphs" | tee -a "$OUT/hotpath.txt"
   timeout -k 10 $((HOTPATH_TIMEOUT_S / 2)) "$PY" -m experiments.hotpath "$OUT/hotpath_graphs_$graphs" \
-    hardware=cuda quant.graphs=$graphs model="${MODEL:-small_deepseek}" 2>&1 | tee -a "$OUT/hotpath.txt"
+    hardware=cuda quant.graphs=$graphs workload.repeats=2 model="${MODEL:-small_deepseek}" 2>&1 \
+    | tee -a "$OUT/hotpath.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
+# the counted profile refit on this GPU: the same code's counts and real TPOT (graphs off),
+# its device-only TPOT on the virtual clock (h200_measured without host costs), held out;
+# repeat 1 of 2 (repeat 0 is the CUDA warm-up)
+timeout -k 10 120 "$PY" run.py -m system=resident,lru,specmoeoff,specter model="${MODEL:-small_deepseek}" \
+  budget=high dataset=gsm8k workload.items=2 workload.repeats=1 workload.max_new_tokens=64 \
+  quant.backend=gather_int4 hardware=h200_measured hardware.host_op_s=0 hardware.sync_s=0 \
+  hardware.charge=own progress=false out_dir="$OUT/hotpath_device_only" 2>&1 | tail -n 3 | tee -a "$OUT/hotpath.txt"
+"$PY" -m experiments.counted_fit --counts "$OUT/hotpath_graphs_off/hotpath.csv" \
+  --zero "$OUT/hotpath_device_only" --real "$OUT/hotpath_graphs_off/records" --source '' \
+  --repeat 1 --out "$OUT/hotpath_fit" 2>&1 | tee -a "$OUT/hotpath.txt"
 fi
 
 if want calibration; then

@@ -15,6 +15,8 @@ dispatcher cannot see:
   on a CPU run every tensor is on the host, so the code says it.
 - `launched(kind)`: a kernel launch that is not an aten operation (a Triton kernel, a CUDA
   graph's replay): counted as a launching operation.
+- `upload()`: a blocking copy of host data to the device, which a CPU run cannot see (its
+  `.to(device)` is a no-op): counted there as the launch and the sync it is on a GPU.
 
 Without a counter entered, each is a no-op.
 
@@ -25,7 +27,7 @@ What counts as what (per phase, `Counter` keys):
   (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
   `bincount`, `repeat_interleave` by counts), `equal`; on a GPU run also a blocking copy from
   the host to the device (torch synchronises the stream after it) and `torch.cuda.synchronize`
-  (a real clock's read), which a CPU run cannot see;
+  (a real clock's read), which a CPU run cannot see (it counts `upload()` marks instead);
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
   for a device tensor: an upper bound;
@@ -65,6 +67,16 @@ def host_side():
         for c in list(_ACTIVE):
             stack.enter_context(c._depth("host"))
         yield
+
+
+def upload() -> None:
+    """A blocking copy of a host tensor to the device (the batch cache's token ids): a GPU
+    run's counter sees the copy itself; a CPU run's, where `.to(device)` dispatches nothing,
+    counts the launch and the sync it would be."""
+    for c in list(_ACTIVE):
+        if c.cpu_run and not c.paused:
+            c.count("launching")
+            c.count("sync")
 
 
 def launched(kind: str) -> None:

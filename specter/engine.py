@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specter.counting import host_side
+from specter.counting import host_side, upload
 
 
 @dataclass
@@ -143,9 +143,15 @@ class BatchCache:
             holes = not bool(self.mask.all())
         kwargs = {}
         if holes:
+            upload()
+            upload()
             kwargs = {"attention_mask": self.mask.to(self.device, torch.long),
                       "position_ids": pos.to(self.device)}
-        ids = ids.to(self.device) if device_ids is None else device_ids
+        if device_ids is None:
+            upload()
+            ids = ids.to(self.device)
+        else:
+            ids = device_ids
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                          logits_to_keep=logits_to_keep, **kwargs)
         return out.logits

@@ -5,9 +5,11 @@ decoder layer, per MLP call, per fused draft layer, per offloaded MoE layer, eac
 code of its day. They cannot see a change to the hot path. A counted profile (`host_op_s` or
 `sync_s` set, every one of those constants 0) charges instead, while the run decodes on the
 virtual clock, each launching operation the code dispatches (specter/counting.py: not views,
-plus Triton launches and graph replays) at `host_op_s`, and each host sync or host read of a
-device tensor at `sync_s`. Host-side bookkeeping (`counting.host_side()`) and the clock's own
-pricing (`counting.charging_only()`) are not charged.
+plus Triton launches and graph replays) at `host_op_s`, and each host sync, host read of a
+device tensor or blocking upload at `sync_s`. Host-side bookkeeping (`counting.host_side()`:
+the batch cache's mask, a few operations per forward for every system alike) and the clock's
+own pricing (`counting.charging_only()`) are not charged: the rates were fit on counts of
+the same kinds.
 
 Real sizes: an operation inside a modelled decoder layer stands for those of the real layers
 that layer stands for, as the cost model's compute does (attention and norms by
