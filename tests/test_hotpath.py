@@ -116,3 +116,17 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
     assert got == want and want[0] == plain[0][:2] and len(want[1]) <= 3
     assert reads == 1  # the window's one read of its proposals
     assert dev_counts["syncs"] < host_counts["syncs"]
+
+
+def test_a_greedy_draft_step_never_waits_for_the_host(counted):
+    """issue 25 item 1, the budget per phase: Specter's draft steps (the fixed-shape
+    gather_int4 backend, the greedy choice kept on the device) read nothing from the device
+    and sync only to upload each window's first input (the token acceptance chose on the
+    host); the window's reads are bookkeeping: its proposals once, acceptance once, the ELB
+    once per plan (two plans a window at K = 4)."""
+    rows, _ = counted
+    draft, book = _by(rows, "specter", "draft"), _by(rows, "specter", "bookkeeping")
+    windows = _by(rows, "specter", "verify")["forwards"]
+    assert draft["forwards"] > windows and draft["host_reads"] == 0, draft
+    assert draft["syncs"] <= windows, draft  # at most one upload per window, none per step
+    assert book["syncs"] + book["host_reads"] <= 4 * windows, book
