@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from experiments.hotpath import markdown
+
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "docs" / "measurements" / "counted-2026-12-01"
 REAL = ROOT / "docs" / "measurements" / "h200-2026-11-30" / "real_cuda_records.csv"
@@ -106,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     within = held.index[(held["counted/real"] - 1).abs() <= TOLERANCE].tolist()
     print(f"fit on {', '.join(on)}: host_op_s = {op_s * 1e6:.2f} us per launching op, "
           f"sync_s = {sync_s * 1e6:.2f} us per sync")
-    print(table.round(3).to_markdown() if _has_tabulate() else table.round(3).to_string())
+    print(markdown(table.round(3)))
     print(f"held out within {TOLERANCE:.0%}: {', '.join(within) or 'none'}; beyond: "
           f"{', '.join(s for s in held.index if s not in within) or 'none'}")
     out = {"fit_on": on, "host_op_s": op_s, "sync_s": sync_s, "tolerance": TOLERANCE,
@@ -116,14 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "fit.json").write_text(json.dumps(out, indent=1, default=float) + "\n")
     return 0
-
-
-def _has_tabulate() -> bool:
-    try:
-        import tabulate  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 if __name__ == "__main__":

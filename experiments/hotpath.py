@@ -158,18 +158,19 @@ def main(argv: list[str] | None = None) -> int:
     df = table(rows)
     out.mkdir(parents=True, exist_ok=True)
     df.to_csv(out / "hotpath.csv", index=False)
-    md = df.to_markdown(index=False, floatfmt=".1f") if _has_tabulate() else df.to_string(index=False)
+    md = markdown(df, index=False, floatfmt=".1f")
     (out / "hotpath.md").write_text(md + "\n")
     print(md)
     return 0
 
 
-def _has_tabulate() -> bool:
+def markdown(df, **kwargs) -> str:
+    """`df` as a markdown table where tabulate is installed, else as plain text."""
     try:
         import tabulate  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return df.to_string(index=kwargs.get("index", True))
+    return df.to_markdown(**kwargs)
 
 
 if __name__ == "__main__":

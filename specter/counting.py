@@ -52,21 +52,21 @@ _ACTIVE: list["OpCounter"] = []  # entered counters, innermost last
 
 
 @contextlib.contextmanager
+def _every_counter(depth: str):
+    with contextlib.ExitStack() as stack:
+        for c in list(_ACTIVE):
+            stack.enter_context(c._depth(depth))
+        yield
+
+
 def charging_only():
     """Host work that only charges a modelled clock: not counted."""
-    with contextlib.ExitStack() as stack:
-        for c in list(_ACTIVE):
-            stack.enter_context(c._depth("paused"))
-        yield
+    return _every_counter("paused")
 
 
-@contextlib.contextmanager
 def host_side():
     """Operations on host-resident tensors: counted as host-side work."""
-    with contextlib.ExitStack() as stack:
-        for c in list(_ACTIVE):
-            stack.enter_context(c._depth("host"))
-        yield
+    return _every_counter("host")
 
 
 def upload() -> None:
