@@ -24,6 +24,7 @@ MAIN_OUT ?= results/main_job
 run: .venv/.installed
 	$(PY) run.py -m experiment=quickstart out_dir=$(MAIN_OUT) $(ARGS)
 	$(PY) -m experiments.summarize $(MAIN_OUT) --short
+	$(PY) -m experiments.plots $(MAIN_OUT) --out $(MAIN_OUT)/figures --only quickstart_tpot
 
 test: .venv/.installed
 	$(PY) -m pytest -q $(ARGS)

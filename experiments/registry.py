@@ -25,6 +25,7 @@ SYSTEMS: dict[str, str] = {
     "mo_sm": "baselines.mo_sm",
     "quasi_hidden": "baselines.quasi_hidden",
     "transformers": "baselines.transformers_offload",
+    "vllm_offload": "baselines.vllm_offload",  # vLLM's cpu_offload_gb, modelled
     "lru_s": "baselines.lru_s",
     "specmoeoff": "baselines.specmoeoff",
     "specter": "specter.system",

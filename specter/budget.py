@@ -41,12 +41,25 @@ class ResolvedBudget:
     whole_layers: int | None = None  # Transformers baseline: MoE layers kept whole on the device ...
     whole_layers_of: int | None = None  # ... of this many (those of the model the bytes are of)
     accounting: str = ""  # the GiB arithmetic, printed and recorded
+    # vLLM's cpu_offload_gb (system=vllm_offload): the decoder layers' bytes left on the host,
+    # of all the decoder layers' bytes (both of the model the bytes are of)
+    offload_bytes: int | None = None
+    layer_bytes: int | None = None
+
+    @property
+    def offload_share(self) -> float:
+        """The share of the decoder layers' bytes offloaded (0 when nothing is)."""
+        return min(1.0, self.offload_bytes / self.layer_bytes) if self.layer_bytes else 0.0
 
     def as_record(self) -> dict:
-        return {"budget_gb": self.gb if self.gb is not None else float("nan"),
-                "budget_staging": self.staging,
-                "budget_whole_layers": -1 if self.whole_layers is None else self.whole_layers,
-                "budget_rule": self.rule}
+        rec = {"budget_gb": self.gb if self.gb is not None else float("nan"),
+               "budget_staging": self.staging,
+               "budget_whole_layers": -1 if self.whole_layers is None else self.whole_layers,
+               "budget_rule": self.rule}
+        if self.offload_bytes is not None:
+            rec.update({"budget_offload_bytes": self.offload_bytes,
+                        "budget_offload_share": self.offload_share})
+        return rec
 
 
 def resolve_slots(budget: BudgetConfig, model: ModelConfig, num_experts: int,
@@ -128,6 +141,7 @@ class Footprint:
     int4_draft: bool = False  # the INT4 copy of every routed expert (a device-resident draft)
     second_instance: bool = False  # a second copy of the non-expert weights and a second KV cache
     whole_layers: bool = False  # accelerate's device map: whole experts modules, not slots
+    offloads_weights: bool = False  # vLLM's cpu_offload_gb: whatever does not fit, by bytes
 
 
 def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv_tokens: int,
@@ -154,6 +168,20 @@ def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv
     left = int(gb * GIB) - sum(b for _, b in fixed)
     lines = [f"  budget.gb={gb:g} GiB, bytes of {sizes_of}:"]
     lines += [f"    - {what:<58} {b / GIB:9.3f} GiB" for what, b in fixed]
+    if footprint.offloads_weights:  # vLLM: every weight on the device that fits, the rest offloaded
+        experts = spec.num_moe_layers * spec.num_experts * per_expert
+        outside = spec.outside_layer_bytes
+        layer_bytes = spec.non_expert_bytes - outside + experts
+        offload = max(0, min(layer_bytes, experts - left))
+        lines.append(f"    = {left / GIB:.3f} GiB for the routed experts' {experts / GIB:.3f} GiB "
+                     f"-> cpu_offload_gb = {offload / GIB:.3f} GiB of the decoder layers' "
+                     f"{layer_bytes / GIB:.3f} GiB, first layers first")
+        if left + offload < experts:
+            raise UserError(f"budget.gb={gb:g} GiB does not hold the weights outside the decoder "
+                            f"layers, the KV cache and the reserve ({sizes_of}); raise budget.gb.")
+        return ResolvedBudget(name=name, slots=minimum, rule=f"budget.gb={gb:g} (cpu_offload_gb)",
+                              gb=gb, staging=staging, offload_bytes=int(offload),
+                              layer_bytes=int(layer_bytes), accounting="\n".join(lines))
     if footprint.whole_layers:
         per_layer = spec.num_experts * per_expert
         layers = max(0, min(spec.num_moe_layers, left // per_layer)) if left > 0 else 0
@@ -219,9 +247,14 @@ def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: i
     # A model no paper gives slots for (model.budget_slots empty) names its budgets in GiB
     # only: those resolve by the byte accounting, as budget.gb does.
     by_gb = budget.gb is not None or (ref_gb is not None and not model.budget_slots)
-    if not by_gb and not footprint.whole_layers:
+    by_bytes = footprint.whole_layers or footprint.offloads_weights  # a device map, not slots
+    if not by_gb and not by_bytes:
         r = resolve_slots(budget, model, num_experts, top_k)
         return dataclasses.replace(r, gb=ref_gb, staging=budget.staging)
+    if ref_gb is None and footprint.offloads_weights:
+        raise UserError(f"system=vllm_offload sizes cpu_offload_gb from device GiB, and "
+                        f"budget={budget.name} of model={model.name} names none: give "
+                        "budget=gb budget.gb=N.")
     if ref_gb is None:  # accelerate with no GiB to size its map from: the slots' bytes, as layers
         r = resolve_slots(budget, model, num_experts, top_k)
         return dataclasses.replace(r, staging=budget.staging, note=(r.note + "; " if r.note else "")
@@ -230,7 +263,7 @@ def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: i
     spec, sizes_of = bytes_spec(model, checkpoint)
     r = resolve_gb(ref_gb, spec, sizes_of, footprint, kv_tokens, budget.staging, budget.reserve_gb,
                    minimum, group, name=budget.name)
-    if footprint.whole_layers and budget.gb is None:  # keep the named budget's slots for the record
+    if by_bytes and budget.gb is None:  # keep the named budget's slots for the record
         slots = resolve_slots(budget, model, num_experts, top_k)
         r = dataclasses.replace(r, slots=slots.slots,
                                 rule=f"model.budget_gb.{budget.name}={ref_gb:g} (device map)")

@@ -118,3 +118,22 @@ def test_named_budgets_carry_the_papers_gib_and_accelerate_sizes_from_it():
     assert hf.slots == 16 and hf.whole_layers == 19 and hf.gb == 24
     low = resolve(BudgetConfig(name="low"), ds, None, 64, 6, Footprint(whole_layers=True), 144)
     assert low.whole_layers < hf.whole_layers
+
+
+def test_cpu_offload_gb_is_what_the_device_gib_does_not_hold():
+    """vLLM's cpu_offload_gb from the GiB (system=vllm_offload): every FP16 weight, the KV cache
+    and the reserve, minus the GiB, taken from the decoder layers (never the embeddings or
+    the head); none when it all fits; one sentence when not even what stays fits."""
+    from specter.budget import GIB, Footprint, resolve_gb
+
+    spec = _ds_spec()
+    fp = Footprint(offloads_weights=True)
+    need = GIB + spec.non_expert_bytes + 144 * spec.kv_bytes_per_token \
+        + 26 * 64 * spec.expert_bytes
+    r = resolve_gb(24, spec, "real", fp, 144, 0, 1.0, 6)
+    assert r.offload_bytes == need - 24 * GIB
+    assert r.layer_bytes == spec.non_expert_bytes - spec.outside_layer_bytes + 26 * 64 * spec.expert_bytes
+    assert 0 < r.offload_share < 1 and 0 < spec.outside_layer_bytes < spec.non_expert_bytes
+    assert resolve_gb(48, spec, "real", fp, 144, 0, 1.0, 6).offload_bytes == 0
+    with pytest.raises(UserError, match="does not hold the weights outside the decoder layers"):
+        resolve_gb(1.2, spec, "real", fp, 144, 0, 1.0, 6)

@@ -43,6 +43,10 @@ def synthetic_rows() -> list[dict]:
     for (system, t), dataset in itertools.product(tpot.items(), ["gsm8k", "humaneval"]):
         extra = _spec(8) if system in ("specmoeoff", "specter") else {}
         rows.append(_row("main", system, "small_qwen", dataset=dataset, tpot_ms=t, **extra))
+    for system, t in tpot.items():  # make run's main job: one dataset, the same columns
+        if system != "transformers":
+            extra = _spec(16) if system in ("specmoeoff", "specter") else {}
+            rows.append(_row("quickstart", system, tpot_ms=t, **extra))
     for system, budget in itertools.product(["lru", "specter"], ["low", "high", "xhigh"]):
         spec = system == "specter"
         rows.append(_row("cache", system, budget=budget, tpot_ms=50.0, hit_rate=0.5 + SLOTS[budget] / 100,

@@ -29,6 +29,7 @@ class MoESpec:
     expert_bytes: int  # one routed expert (gate, up, down) at the model's dtype
     non_expert_bytes: int  # every parameter that is not a routed expert
     kv_bytes_per_token: int  # KV cache bytes one token adds across all layers
+    outside_layer_bytes: int = 0  # parameters in no decoder layer (embeddings, final norm, head)
 
     @property
     def num_moe_layers(self) -> int:
@@ -111,11 +112,14 @@ def moe_spec(model: nn.Module) -> MoESpec:
     expert_ids = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
     non_expert = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in expert_ids)
     shared = any(("shared_expert" in n) for n, _ in model.named_modules())
+    in_layers = {id(p) for p in _decoder_layers(model).parameters()}
+    outside = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in in_layers)
     return MoESpec(
         arch=cfg.model_type, num_layers=cfg.num_hidden_layers, moe_layers=tuple(i for i, _ in mods),
         num_experts=e, top_k=cfg.num_experts_per_tok, hidden=h, expert_inter=two_i // 2,
         shared_experts=shared, expert_bytes=per_expert, non_expert_bytes=non_expert,
         kv_bytes_per_token=_kv_bytes_per_token(cfg, first.gate_up_proj.dtype),
+        outside_layer_bytes=outside,
     )
 
 
