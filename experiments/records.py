@@ -136,9 +136,10 @@ class CaseStore:
         if path.exists():
             raise FileExistsError(f"row already recorded: {path}")
         table = pa.Table.from_pylist([row])
-        fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=_tmp_prefix(), suffix=".parquet")
-        os.close(fd)
-        try:
+        tmp = None
+        try:  # from the temp file's creation on: an interrupt anywhere leaves no temp file
+            fd, tmp = tempfile.mkstemp(dir=self.dir, prefix=_tmp_prefix(), suffix=".parquet")
+            os.close(fd)
             pq.write_table(table, tmp)
             # Publish without replacing: of two workers finishing the same row at once (one
             # case run twice, possibly on two machines sharing the folder) exactly one link
@@ -150,16 +151,21 @@ class CaseStore:
             except OSError:  # a file system without hard links: last writer wins, whole
                 os.replace(tmp, path)
         finally:
-            if os.path.exists(tmp):
+            if tmp is not None and os.path.exists(tmp):
                 os.unlink(tmp)
         return path
 
 
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_tmp_prefix())
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_tmp_prefix())
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def row_files(out_dir: str | Path) -> list[Path]:
