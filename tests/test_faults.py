@@ -260,6 +260,8 @@ PREFLIGHT = [
     ({"system": {"name": "specter", "top_m": 100}}, "system.top_m (100) exceeds"),
     ({"system": {"name": "lru_s"}, "quant": {"backend": "triton"}},
      "quant.backend=triton needs a CUDA device"),
+    ({"system": {"name": "specter"}, "quant": {"graphs": "on"}},
+     "quant.graphs=on replays CUDA graphs, and this run is on cpu"),
     ({"model": {"name": "tiny_olmoe", "source": "project", "budget_slots": {"high": 16}},
       "hardware_charge": "real", "system": {"name": "lru"}},
      "hardware.charge=real needs a model that stands for a real one"),
