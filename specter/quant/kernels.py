@@ -299,16 +299,16 @@ class GatherInt4Experts(ReferenceExperts):
         self.table = byte_table(dtype, dev)
         self.gate_up = self.down = None  # the stacked copy is the one kept
 
-    def _weights(self, experts: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    def _weights(self, experts: torch.Tensor | slice, gate_up: bool) -> torch.Tensor:
         codes, scales, group = ((self.gu_codes, self.gu_scales, self.gu_group) if gate_up
                                 else (self.dn_codes, self.dn_scales, self.dn_group))
         return _dequantize_stacked(codes[experts], scales[experts], group, self.table)
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        ids = torch.tensor([e], device=self.gu_codes.device)
+        one = slice(e, e + 1)  # a view: no index tensor to upload
         xd = x.to(self.dtype)
-        h = self.act(nn.functional.linear(xd, self._weights(ids, True)[0]))
-        return nn.functional.linear(h, self._weights(ids, False)[0]).to(x.dtype)
+        h = self.act(nn.functional.linear(xd, self._weights(one, True)[0]))
+        return nn.functional.linear(h, self._weights(one, False)[0]).to(x.dtype)
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         T, k = top_k_index.shape
