@@ -184,6 +184,9 @@ class SpecConfig:
     profile_ks: list[int] = field(default_factory=lambda: [2, 4, 6, 8, 12, 16, 20, 24, 32])
     profile_prompts: int = 25
     profile_runs: int = 3
+    # spec.k=auto profiles a system with its own K (SpecMoEOff, SpecMoE) too: a tuned-depth
+    # baseline, a variant beside the one at its paper's depth
+    tune_own_k: bool = False
 
 
 @dataclass

@@ -285,6 +285,34 @@ def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     assert bad.returncode == 2 and "spec.k must be a positive integer, auto or adaptive" in bad.stderr
 
 
+def test_auto_depth_keeps_a_baselines_own_k_unless_it_is_tuned(tmp_path):
+    """spec.k=auto profiles the systems without a K of their own; SpecMoEOff keeps its paper's
+    K = 3 (and says why), unless spec.tune_own_k=true makes it a tuned-depth variant."""
+    from conftest import run_cli
+    from experiments import records
+    from specter.models.zoo import default_cache_dir
+
+    shared = default_cache_dir()
+    for sub in ("models", "tokenizer", "quant"):
+        (shared / sub).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "cache" / sub).parent.mkdir(exist_ok=True)
+        (tmp_path / "cache" / sub).symlink_to(shared / sub, target_is_directory=True)
+    common = ["system=specmoeoff", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
+              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
+              "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
+              "spec.profile_ks=[1,2]", "spec.profile_prompts=1", "spec.profile_runs=1",
+              f"cache_dir={tmp_path}/cache", "progress=false"]
+    own = run_cli(f"out_dir={tmp_path}/own", *common)
+    assert own.returncode == 0, own.stderr
+    assert "depth profile: K=" not in own.stdout
+    df = records.load(tmp_path / "own")
+    assert (df["k"] == 3).all() and df["k_source"].str.contains("keeps a system's own K").all()
+    tuned = run_cli(f"out_dir={tmp_path}/tuned", *common, "spec.tune_own_k=true")
+    assert tuned.returncode == 0, tuned.stderr
+    assert "depth profile: K= 1" in tuned.stdout
+    assert records.load(tmp_path / "tuned")["k"].isin([1, 2]).all()
+
+
 def test_verification_block_equals_token_by_token_within_fp32_rounding():
     """The verify forward groups the block's tokens by expert (one GEMM per expert over its
     tokens, scattered back) in the offload runtime: its logits equal K+1 single-token

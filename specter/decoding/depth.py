@@ -1,9 +1,11 @@
 """The draft depth K: the one rule every speculative system follows, and the depth profiler.
 
-The rule (`settle_k`): `spec.k=N` -> N; `spec.k=auto` -> the profiled K (below);
+The rule (`settle_k`): `spec.k=N` -> N; `spec.k=auto` -> the profiled K (below), except for a
+system with its own K, which keeps it (a baseline runs at the depth its paper or artifact
+uses) unless `spec.tune_own_k=true` (a tuned-depth baseline, reported as its own variant);
 `spec.k=adaptive` -> a K per window (`AdaptiveDepth`, starting from the unset rule's K, at most
-`spec.k_max`); unset -> the system's own K if its recipe has one (SpecMoEOff and SpecMoE: 3, as
-their papers run them), else the model's paper K (`model.paper_k`), else DEFAULT_K. Every
+`spec.k_max`); unset -> the system's own K if its recipe has one (SpecMoEOff: 3, SpecMoE: 4,
+as their papers run them), else the model's paper K (`model.paper_k`), else DEFAULT_K. Every
 record says which one applied (`k_source`).
 
 The profiler owns `spec.k=auto`. For a (model, budget, hardware, system, draft) it runs the system's
@@ -48,6 +50,9 @@ def settle_k(ctx, engine, default_k: int | None = None, default_k_name: str = ""
         engine.k = min(engine.k, k_max)
         engine.depth = AdaptiveDepth(engine.k, k_max)
         engine.k_source = f"adaptive (from K={engine.k}, {engine.k_source}; k_max={k_max})"
+    if k == "auto" and default_k is not None and not ctx.cfg.spec.tune_own_k:
+        engine.k_source += " (spec.k=auto keeps a system's own K; spec.tune_own_k=true tunes it)"
+        return
     if k == "auto":
         from specter.models.zoo import default_cache_dir
 
