@@ -250,22 +250,29 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
     assert bad > chi2_crit_999(df_bad), (bad, df_bad)
 
 
+def _depth_run(tmp_path, system, ks, prompts):
+    """run.py arguments of a spec.k=auto run of `system` on tiny_deepseek, profiling `ks` on
+    `prompts` prompts, with a fresh depth store beside the shared cache's model, tokenizer and
+    INT4 draft (linked: no rebuild)."""
+    from specter.models.zoo import default_cache_dir
+
+    shared, cache = default_cache_dir(), tmp_path / "cache"
+    for sub in ("models", "tokenizer", "quant"):
+        (shared / sub).mkdir(parents=True, exist_ok=True)
+        (cache / sub).parent.mkdir(exist_ok=True)
+        (cache / sub).symlink_to(shared / sub, target_is_directory=True)
+    return [f"system={system}", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
+            "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
+            "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
+            f"spec.profile_ks={ks}", f"spec.profile_prompts={prompts}", "spec.profile_runs=1",
+            f"cache_dir={cache}", "progress=false"]
+
+
 def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     from conftest import run_cli
     from experiments import records
-    from specter.models.zoo import default_cache_dir
 
-    # A fresh depth store, the shared cache's model, tokenizer and INT4 draft (no rebuild).
-    shared = default_cache_dir()
-    for sub in ("models", "tokenizer", "quant"):
-        (shared / sub).mkdir(parents=True, exist_ok=True)
-        (tmp_path / "cache" / sub).parent.mkdir(exist_ok=True)
-        (tmp_path / "cache" / sub).symlink_to(shared / sub, target_is_directory=True)
-    common = ["system=lru_s", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
-              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
-              "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
-              "spec.profile_ks=[1,3]", "spec.profile_prompts=2", "spec.profile_runs=1",
-              f"cache_dir={tmp_path}/cache", "progress=false"]
+    common = _depth_run(tmp_path, "lru_s", "[1,3]", 2)
     first = run_cli(f"out_dir={tmp_path}/a", *common)
     assert first.returncode == 0, first.stderr
     assert "depth profile: K= 1" in first.stdout and "depth profile: K= 3" in first.stdout
@@ -290,18 +297,8 @@ def test_auto_depth_keeps_a_baselines_own_k_unless_it_is_tuned(tmp_path):
     K = 3 (and says why), unless spec.tune_own_k=true makes it a tuned-depth variant."""
     from conftest import run_cli
     from experiments import records
-    from specter.models.zoo import default_cache_dir
 
-    shared = default_cache_dir()
-    for sub in ("models", "tokenizer", "quant"):
-        (shared / sub).mkdir(parents=True, exist_ok=True)
-        (tmp_path / "cache" / sub).parent.mkdir(exist_ok=True)
-        (tmp_path / "cache" / sub).symlink_to(shared / sub, target_is_directory=True)
-    common = ["system=specmoeoff", "model=tiny_deepseek", "dataset=gsm8k", "workload.items=1",
-              "workload.max_new_tokens=8", "workload.repeats=1", "hardware=a100_pcie4_ideal",
-              "budget.slots=6", "quant.group=32", "quant.calib_tokens=512", "spec.k=auto",
-              "spec.profile_ks=[1,2]", "spec.profile_prompts=1", "spec.profile_runs=1",
-              f"cache_dir={tmp_path}/cache", "progress=false"]
+    common = _depth_run(tmp_path, "specmoeoff", "[1,2]", 1)
     own = run_cli(f"out_dir={tmp_path}/own", *common)
     assert own.returncode == 0, own.stderr
     assert "depth profile: K=" not in own.stdout
