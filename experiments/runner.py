@@ -122,6 +122,10 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["quant"]["graphs"]
     if "spec" in d and not d["spec"]["tune_own_k"]:  # the case of runs before the knob
         del d["spec"]["tune_own_k"]
+    hw = d["hardware"]
+    if not hw["expert_bits"] and not hw["attn_bits"]:  # unquantized: the case of runs before
+        for key in ("expert_bits", "attn_bits", "quant_group"):
+            del hw[key]
     return d
 
 

@@ -124,6 +124,12 @@ class HardwareConfig:
     # instead of the constants above (which a counted profile sets to 0).
     host_op_s: float = 0.0
     sync_s: float = 0.0
+    # Charged as a publication deploys the model (0: the model's own dtype): bits per weight
+    # of the routed experts and of the attention, one scale and zero per quant_group weights
+    # (e.g. Mixtral-offloading's HQQ: expert_bits=2 or 3, attn_bits=4).
+    expert_bits: int = 0
+    attn_bits: int = 0
+    quant_group: int = 64
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
     # hardware=auto on a machine without a GPU: decoding systems run on the virtual clock of
@@ -241,6 +247,13 @@ class RunConfig:
             raise UserError(f"model.weights=random builds a real model from its published config; "
                             f"model={self.model.name} is project-made (its weights are built "
                             "already): use model=deepseek, qwen, phi, mixtral, qwen3, olmoe or glm.")
+        if self.hardware.quant_group < 1:
+            raise UserError(f"hardware.quant_group must be at least 1 (got "
+                            f"{self.hardware.quant_group}).")
+        for key in ("expert_bits", "attn_bits"):
+            if getattr(self.hardware, key) not in (0, 2, 3, 4, 8):
+                raise UserError(f"hardware.{key} must be 0 (unquantized), 2, 3, 4 or 8 (got "
+                                f"{getattr(self.hardware, key)}).")
         if self.model.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise UserError(f"model.dtype must be auto, float32, float16 or bfloat16 "
                             f"(got '{self.model.dtype}').")

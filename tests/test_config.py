@@ -98,7 +98,8 @@ ZERO_MEANS = {  # numeric settings where 0 is a meaning, not an error
                                 "layer_overhead_s", "expert_overhead_s", "draft_overhead_s",
                                 "offload_layer_overhead_s", "h2d_bandwidth_Bps",
                                 "h2d_latency_s", "host_matrix_flops",
-                                "host_mem_bandwidth_Bps", "host_op_s", "sync_s")),
+                                "host_mem_bandwidth_Bps", "host_op_s", "sync_s",
+                                "expert_bits", "attn_bits")),
 }
 
 
@@ -160,5 +161,6 @@ def test_every_numeric_setting_refuses_what_no_consumer_accepts(key, system, int
         with pytest.raises(UserError) as err:
             RunConfig.from_dict(_with(key, value, system))
         assert "\n" not in str(err.value) and key.split(".")[-1] in str(err.value), (key, value)
-    good = {"spec.profile_ks": [1], "quant.bits": 4}.get(key, 1)
+    good = {"spec.profile_ks": [1], "quant.bits": 4, "hardware.expert_bits": 4,
+            "hardware.attn_bits": 4}.get(key, 1)
     RunConfig.from_dict(_with(key, good, system))

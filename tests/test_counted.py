@@ -63,3 +63,4 @@ def test_a_profile_cannot_count_and_charge_constants_at_once(tiny_models, tmp_pa
     with pytest.raises(UserError, match="a counted profile sets those to 0"):
         _tpot(tmp_path, "both", "system=resident", "hardware.host_op_s=1e-5",
               "hardware.expert_overhead_s=1e-4")
+

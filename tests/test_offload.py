@@ -347,3 +347,38 @@ def test_a_batch_of_32_is_charged_by_hand_arithmetic_on_deepseek_sizes():
     e = s.expert_params
     assert cost.expert_s(7) == pytest.approx(
         (max(2 * 7 * e / 312e12, e * 2 / 1.555e12) + 3 * 5e-6) * s.moe_multiplier, rel=1e-12)
+
+
+def test_quantized_experts_and_attention_are_charged_at_their_bits(tiny_models, tmp_path):
+    """hardware.expert_bits / attn_bits (issue 26: a publication's deployment, e.g. HQQ 2-bit
+    experts and 4-bit attention): each expert move carries its bits plus a scale and zero per
+    group; the tokens are the same, the time less."""
+    from experiments import records
+
+    tiny_models("tiny_deepseek")
+    fp16 = ["model=tiny_deepseek", "system=lru", "workload.items=1", "workload.max_new_tokens=8",
+            "workload.stop_on_eos=false", "hardware=a100_pcie4_ideal", "hardware.charge=own",
+            "progress=false"]
+
+    def rows(name, *extra):
+        from hydra import compose, initialize_config_dir
+        from omegaconf import OmegaConf
+
+        from experiments.runner import run
+        from run import CONF, typed_overrides
+        from specter.config import RunConfig
+
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=typed_overrides(
+                [*fp16, *extra, f"out_dir={tmp_path / name}"]))
+        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        return records.load(tmp_path / name).iloc[0]
+
+    full = rows("fp16")
+    low = rows("q2", "hardware.expert_bits=2", "hardware.attn_bits=4", "hardware.quant_group=16")
+    params, elem = int(full["charged.expert_params"]), int(full["charged.elem_bytes"])
+    per_expert = params * 2 // 8 + -(-params // 16) * 4
+    assert low["output_tokens"].tolist() == full["output_tokens"].tolist()
+    assert low["n_transfers"] == full["n_transfers"] > 0
+    assert low["h2d_bytes"] * (params * elem) == full["h2d_bytes"] * per_expert
+    assert low["tpot_ms"] < full["tpot_ms"] and low["charged.expert_bits"] == 2

@@ -118,6 +118,13 @@ def charges_real_sizes(charge: str, model_name: str, stands_for: str | None) -> 
 
 
 def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:
+    """The charged sizes (own or real) at the weights' bits `hw` charges."""
+    sizes = _sizes_for(model, hw, model_name, stands_for)
+    return dataclasses.replace(sizes, expert_bits=hw.expert_bits, attn_bits=hw.attn_bits,
+                               quant_group=hw.quant_group)
+
+
+def _sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:
     elem = next(model.parameters()).element_size()
     if not charges_real_sizes(hw.charge, model_name, stands_for):
         return charged_sizes(model, f"own:{model_name}", elem)

@@ -76,10 +76,28 @@ class ChargedSizes:
     dense_multiplier: float = 1.0
     unmodelled_dense_layers: int = 0  # real dense layers with no modelled counterpart
     hidden: int = 0  # the residual width: bytes of a token's activations / elem_bytes
+    # Quantized weights as a publication deploys them (0: `elem_bytes` per parameter): the
+    # routed experts' and the attention's bits per weight, with one scale and one zero per
+    # group of `quant_group` weights at `quant_meta_bytes` for both (HQQ's and GPTQ's layouts).
+    expert_bits: int = 0
+    attn_bits: int = 0
+    quant_group: int = 64
+    quant_meta_bytes: int = 4
+
+    def _bytes(self, params: int, bits: int) -> int:
+        if not bits:
+            return params * self.elem_bytes
+        return int(params * bits // 8 + -(-params // self.quant_group) * self.quant_meta_bytes)
 
     @property
     def expert_bytes(self) -> int:
-        return self.expert_params * self.elem_bytes
+        """One routed expert's weights as charged (moved over the link, read from memory)."""
+        return self._bytes(self.expert_params, self.expert_bits)
+
+    @property
+    def attn_bytes(self) -> int:
+        """One layer's attention (and norms) weights as charged."""
+        return self._bytes(self.attn_params, self.attn_bits)
 
     def as_record(self) -> dict:
         return {f"charged.{k}": v for k, v in asdict(self).items()}
@@ -164,12 +182,14 @@ class CostModel:
     def __init__(self, hw: HardwareProfile, sizes: ChargedSizes):
         self.hw, self.sizes = hw, sizes
 
-    def matmul_s(self, tokens: int, params: int, kernels: int = 1) -> float:
-        """tokens x params GEMM/GEMV: max(compute, weight+activation traffic) + launches."""
+    def matmul_s(self, tokens: int, params: int, kernels: int = 1,
+                 weight_bytes: int | None = None) -> float:
+        """tokens x params GEMM/GEMV: max(compute, weight traffic) + launches; `weight_bytes`:
+        the weights' bytes where they are not `elem_bytes` a parameter (quantized)."""
         if params == 0:
             return 0.0
         flops = 2.0 * tokens * params
-        traffic = params * self.sizes.elem_bytes
+        traffic = params * self.sizes.elem_bytes if weight_bytes is None else weight_bytes
         return max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
             + kernels * self.hw.launch_overhead_s
 
@@ -183,7 +203,7 @@ class CostModel:
         its own KV cache and scores its own tokens against it."""
         s = self.sizes
         tokens = sum(t for t, _ in rows)
-        proj = self.matmul_s(tokens, s.attn_params, kernels=6)
+        proj = self.matmul_s(tokens, s.attn_params, kernels=6, weight_bytes=s.attn_bytes)
         kv_read = sum(c for _, c in rows) * s.kv_elems_per_token * s.elem_bytes \
             / self.hw.mem_bandwidth_Bps
         scores = 4.0 * sum(t * c for t, c in rows) * s.heads * s.head_dim / self.hw.matrix_flops
@@ -193,11 +213,12 @@ class CostModel:
     def router_s(self, tokens: int) -> float:
         return self.matmul_s(tokens, self.sizes.router_params, kernels=2) * self.sizes.moe_multiplier
 
-    def mlp_call_s(self, tokens: int, params: int) -> float:
+    def mlp_call_s(self, tokens: int, params: int, weight_bytes: int | None = None) -> float:
         """One MLP call (gate_up GEMM, activation, down GEMM) plus the framework's per-call cost."""
         if params == 0:
             return 0.0
-        return self.matmul_s(tokens, params, kernels=3) + self.hw.expert_overhead_s
+        return self.matmul_s(tokens, params, kernels=3, weight_bytes=weight_bytes) \
+            + self.hw.expert_overhead_s
 
     def shared_s(self, tokens: int) -> float:
         return self.mlp_call_s(tokens, self.sizes.shared_params) * self.sizes.moe_multiplier
@@ -207,7 +228,8 @@ class CostModel:
 
     def expert_s(self, tokens: int) -> float:
         """One routed expert over `tokens` tokens (gate_up GEMM, activation, down GEMM)."""
-        return self.mlp_call_s(tokens, self.sizes.expert_params) * self.sizes.moe_multiplier
+        s = self.sizes
+        return self.mlp_call_s(tokens, s.expert_params, s.expert_bytes) * s.moe_multiplier
 
     def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128) -> float:
         """One MoE layer's routed experts from their quantized copy in one fused kernel (SEE:
@@ -238,7 +260,7 @@ class CostModel:
                              "(host_matrix_flops, host_mem_bandwidth_Bps)")
         p = self.sizes.expert_params
         seconds = max(2.0 * tokens * p / self.hw.host_matrix_flops,
-                      p * self.sizes.elem_bytes / self.hw.host_mem_bandwidth_Bps) \
+                      self.sizes.expert_bytes / self.hw.host_mem_bandwidth_Bps) \
             + self.hw.expert_overhead_s
         return seconds * self.sizes.moe_multiplier
 
