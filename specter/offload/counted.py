@@ -20,7 +20,7 @@ once.
 The host's time is added to the device's (one timeline). A GPU overlaps them between syncs,
 so where the device's own work is long (large models) this over-charges; in the host-bound
 regime of the eager code it is the right first model. The H200 records of 2026-11-30 check
-it (docs/measurements/counted-2026-12-01.md).
+it (docs/measurements/counted-2026-12-01/README.md).
 """
 
 from __future__ import annotations

@@ -164,25 +164,26 @@ class Orchestrator(WindowPrefetcher):
         else:  # Prefetch Overlap: the next chunk computes while this batch moves
             self.boundary = i + planner.next_chunk_steps(batch_s, self.step_s.value)
 
-    def _time_steps(self) -> None:
-        """Fold the draft steps the device has finished into the step-time EMA, in order,
-        without waiting (on CUDA a step's end event may still be queued: it is timed at a
-        later step, once reached; on modelled clocks every step at once)."""
-        while self._steps:
-            seconds = self.link.elapsed(*self._steps[0])
+    def _timed(self, spans: list[tuple], add, wait: bool = False) -> None:
+        """Pass each (start, end) mark pair the device has passed to `add(seconds)`, in order,
+        without waiting unless `wait` (on CUDA an end event may still be queued: it is timed
+        later, once reached; on modelled clocks every span at once)."""
+        while spans:
+            seconds = self.link.elapsed(*spans[0], wait=wait)
             if seconds is None:
                 return
-            self.step_s.update(seconds)
-            self._steps.pop(0)
+            add(seconds)
+            spans.pop(0)
+
+    def _time_steps(self) -> None:
+        """The draft steps the device has finished, into the step-time EMA."""
+        self._timed(self._steps, self.step_s.update)
 
     def _time_waits(self, wait: bool = False) -> None:
-        """Add the last-batch waits the device has passed (all of them when `wait`)."""
-        while self._waits:
-            seconds = self.link.elapsed(*self._waits[0], wait=wait)
-            if seconds is None:
-                return
+        """The last-batch waits the device has passed (all of them when `wait`)."""
+        def add(seconds):
             self.stats.last_batch_wait_s += seconds
-            self._waits.pop(0)
+        self._timed(self._waits, add, wait)
 
     def _wait_last_batch(self) -> None:
         """Verification starts once every copy this window's plans issued has landed (the

@@ -217,11 +217,9 @@ class TritonExperts:
                 raise UserError(f"the triton backend runs 4-bit weights only (got {qm.bits}-bit).")
         self.act = act
         dev = device if device is not None else gate_up[0].codes.device
-        self.gu_codes = torch.stack([m.codes for m in gate_up]).to(dev)  # [E, 2I, H/2]
-        self.gu_scales = torch.stack([m.scales for m in gate_up]).to(dev)  # [E, 2I, H/g]
-        self.dn_codes = torch.stack([m.codes for m in down]).to(dev)
-        self.dn_scales = torch.stack([m.scales for m in down]).to(dev)
-        self.gu_group, self.dn_group = gate_up[0].group, down[0].group
+        # codes [E, N, K/2], scales [E, N, K/g]
+        self.gu_codes, self.gu_scales, self.gu_group = _stack(gate_up, dev, "triton")
+        self.dn_codes, self.dn_scales, self.dn_group = _stack(down, dev, "triton")
 
     def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out, ieee):
         E, N, _ = codes.shape
@@ -250,12 +248,13 @@ class TritonExperts:
 
 
 # -- gather_int4: fixed shapes in plain torch --------------------------------------------------
-def _stack(mats: list[QuantizedMatrix], device) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _stack(mats: list[QuantizedMatrix], device, backend: str = "gather_int4"
+           ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(codes [E, N, K/2], scales [E, N, K/g], group) of one projection's experts, stacked where
     they are and then moved (one device copy)."""
     groups = {m.group for m in mats}
     if len(groups) != 1:
-        raise UserError(f"the gather_int4 backend needs one group size per projection (got "
+        raise UserError(f"the {backend} backend needs one group size per projection (got "
                         f"{sorted(groups)}); use the reference backend.")
     return (torch.stack([m.codes for m in mats]).to(device),
             torch.stack([m.scales for m in mats]).to(device), groups.pop())
@@ -331,7 +330,6 @@ class GraphedExperts:
     def __init__(self, inner, max_tokens: int = 16):
         self.inner, self.max_tokens = inner, max_tokens
         self.graphs: dict[tuple, tuple] = {}
-        self.num_experts = getattr(inner, "num_experts", None)
 
     def _capture(self, hidden, top_k_index, top_k_weights):
         import torch.cuda as cuda
