@@ -126,6 +126,9 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
     if not hw["expert_bits"] and not hw["attn_bits"]:  # unquantized: the case of runs before
         for key in ("expert_bits", "attn_bits", "quant_group"):
             del hw[key]
+    for key, default in (("quant_meta_bytes", 4), ("attn_quant_group", 0)):
+        if hw[key] == default or "expert_bits" not in hw:  # the case of runs before the knob
+            del hw[key]
     return d
 
 

@@ -11,8 +11,10 @@ beside the paper's, per engine profile.
    the routing fidelity of the INT4 draft (profile-independent); and the batch-32 case (Specter,
    SpecMoEOff, MO-SM, Transformers decoding 32 interleaved prompts together, `dataset=mix`).
 2. Writes OUT/validation.md and OUT/validation.parquet with the columns
-   `quantity, model, system, profile, paper, ours, ratio, note` (ratio = ours / paper), and the
-   median absolute log-ratio per profile.
+   `source, quantity, model, system, profile, paper, ours, ratio, note` (ratio = ours / paper),
+   and the median absolute log-ratio per profile. Where `python -m experiments.anchors OUT` has
+   recorded into the same tree, its rows (publications other than the Specter paper, each
+   with its `source`) follow, with their medians per source, kind and engine.
 
 The paper's numbers come from experiments/plots/paper.py (an A100 40 GB, PCIe 4.0 x16, real
 models, means over five datasets); ours from the virtual clock with the real models' sizes
@@ -41,6 +43,9 @@ NOISE_HIGH = 0.75
 DEPTHS = (4, 8, 16, 32)  # Specter's K swept per profile: the chosen K* = argmin mean TPOT
 BATCH = 32  # the paper's batched case: DeepSeek-V2-Lite, 32 sequences together
 BATCH_SYSTEMS = tuple(paper.BATCH32_DEEPSEEK)
+# The `source` of this table's own rows (docs/paper-notes.md gives each number's place in the
+# paper); rows of experiments.anchors carry their publication, table or figure.
+SOURCE = "Specter paper (docs/paper-notes.md)"
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,8 @@ def batch_cases(profiles, models=MODELS) -> list[Case]:
             for hw in profiles for system in BATCH_SYSTEMS]
 
 
-def run_cases(out: Path, todo: list[Case], common: list[str], log=print) -> int:
+def run_cases(out: Path, todo: list[Case], common: list[str], log=print,
+              experiment: str = "validate") -> int:
     """Each case through the runner in this process (Hydra's compose API, the configs of
     run.py); returns how many failed (their one-sentence errors printed)."""
     from hydra import compose, initialize_config_dir
@@ -113,15 +119,15 @@ def run_cases(out: Path, todo: list[Case], common: list[str], log=print) -> int:
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         for i, case in enumerate(todo, 1):
             overrides = typed_overrides([*case.overrides, *common, f"out_dir={out}",
-                                               "experiment=validate", "progress=false"])
-            log(f"[validate] case {i}/{len(todo)}: {' '.join(case.overrides)}")
+                                               f"experiment={experiment}", "progress=false"])
+            log(f"[{experiment}] case {i}/{len(todo)}: {' '.join(case.overrides)}")
             try:
                 cfg = compose(config_name="config", overrides=overrides)
                 run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
                     log=lambda *_: None)
             except UserError as e:
                 failed += 1
-                log(f"[validate]   error: {e}")
+                log(f"[{experiment}]   error: {e}")
     return failed
 
 
@@ -182,8 +188,8 @@ def table(df: pd.DataFrame) -> pd.DataFrame:
 
     def add(quantity, model, system, profile, paper_v, ours, note=""):
         ratio = ours / paper_v if paper_v and not (math.isnan(ours) or math.isnan(paper_v)) else math.nan
-        rows.append({"quantity": quantity, "model": model, "system": system, "profile": profile,
-                     "paper": paper_v, "ours": ours, "ratio": ratio, "note": note})
+        rows.append({"source": SOURCE, "quantity": quantity, "model": model, "system": system,
+                     "profile": profile, "paper": paper_v, "ours": ours, "ratio": ratio, "note": note})
 
     df = df[df["system"] != "fidelity"] if "system" in df else df
     size = pd.to_numeric(df["cfg.workload.batch"], errors="coerce").fillna(1) \
@@ -303,7 +309,7 @@ def profile_free(fid: pd.DataFrame) -> pd.DataFrame:
         fam = fam_of.get(model)
         if fam in paper.FIDELITY_GPTQ4:
             ours = _mean(g, "fidelity_topk")
-            rows.append({"quantity": "routing fidelity, INT4 GPTQ top-k match", "model": fam,
+            rows.append({"source": SOURCE, "quantity": "routing fidelity, INT4 GPTQ top-k match", "model": fam,
                          "system": "fidelity", "profile": "-", "paper": paper.FIDELITY_GPTQ4[fam],
                          "ours": ours, "ratio": ours / paper.FIDELITY_GPTQ4[fam], "note": ""})
     from experiments.memory_table import rows as memory_rows
@@ -314,18 +320,19 @@ def profile_free(fid: pd.DataFrame) -> pd.DataFrame:
             for q, p, o in (("GPU memory, shared instance, Qwen 12K (GB)", m["shared_GB"], r["shared_GB"]),
                             ("GPU memory, two models, Qwen 12K (GB)", m["separate_GB"], r["separate_GB"]),
                             ("GPU memory saving of sharing, Qwen 12K", m["saving"], r["saving"])):
-                rows.append({"quantity": q, "model": "qwen", "system": "specter", "profile": "-",
+                rows.append({"source": SOURCE, "quantity": q, "model": "qwen", "system": "specter", "profile": "-",
                              "paper": p, "ours": o, "ratio": o / p,
                              "note": f"byte arithmetic at {r['slots']} slots/layer"})
     return pd.DataFrame(rows)
 
 
-def median_abs_log_ratio(t: pd.DataFrame) -> dict[str, float]:
+def median_abs_log_ratio(t: pd.DataFrame, by: str | list[str] = "profile") -> dict:
+    """Median |log(ours / paper)| per profile (or per `by`, e.g. ["source", "profile"])."""
     out = {}
-    for hw, g in t.groupby("profile"):
+    for key, g in t.groupby(by):
         r = pd.to_numeric(g["ratio"], errors="coerce").dropna()
         r = r[r > 0]
-        out[hw] = float(r.map(lambda v: abs(math.log(v))).median()) if len(r) else math.nan
+        out[key] = float(r.map(lambda v: abs(math.log(v))).median()) if len(r) else math.nan
     return out
 
 
@@ -346,6 +353,8 @@ def wide(t: pd.DataFrame) -> pd.DataFrame:
 def write(out: Path, t: pd.DataFrame) -> list[Path]:
     from experiments.plots.base import markdown
 
+    src = t["source"] if "source" in t else pd.Series(SOURCE, index=t.index)
+    others, t = t[src != SOURCE], t[src == SOURCE]
     med = median_abs_log_ratio(t)
     note = ("paper: A100 40 GB, PCIe 4.0 x16, real models, means over five datasets. ours: virtual "
             "clock with the real models' sizes charged, routing and tokens from the project-made "
@@ -355,9 +364,17 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
     md = out / "validation.md"
     pq = out / "validation.parquet"
     out.mkdir(parents=True, exist_ok=True)
-    md.write_text(markdown(wide(t), "Validation: the paper's numbers beside ours, per profile", note)
-                  + "\n" + markdown(t, "The same, one row per number (with notes)", ""))
-    t.to_parquet(pq, index=False)
+    text = (markdown(wide(t), "Validation: the paper's numbers beside ours, per profile", note)
+            + "\n" + markdown(t, "The same, one row per number (with notes)", ""))
+    if len(others):  # experiments.anchors' rows, recorded in the same tree
+        from experiments import anchors
+
+        text += "\n" + markdown(anchors.medians(others), "Independent anchors: median |log(ours / "
+                                "publication)| per source, kind and engine", "experiments/anchors.py")
+        text += "\n" + markdown(others, "Independent anchors (the `paper` column is the "
+                                 "publication's number)", "")
+    md.write_text(text)
+    pd.concat([t, others], ignore_index=True).to_parquet(pq, index=False)
     return [md, pq]
 
 
@@ -387,14 +404,21 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"error: no records under {out}", file=sys.stderr)
         return 2
+    every = df
     df = df[df["experiment"] == "validate"]
     t = pd.concat([table(df[df["system"] != "fidelity"]), profile_free(df[df["system"] == "fidelity"])],
                   ignore_index=True)
+    anchored = every[every["experiment"] == "anchors"]
+    if len(anchored):  # python -m experiments.anchors OUT ran into this tree
+        from experiments import anchors
+
+        t = pd.concat([t, anchors.table(anchored)], ignore_index=True)
     paths = write(out, t)
     with pd.option_context("display.width", 220, "display.max_columns", 20, "display.max_colwidth", 60):
         print(t.drop(columns="note").to_string(index=False, float_format=lambda v: f"{v:.4g}"))
-    for hw, v in median_abs_log_ratio(t).items():
-        print(f"median |log(ours/paper)| {hw}: {v:.3f} (a typical factor of {math.exp(v):.2f})")
+    for (source, hw), v in median_abs_log_ratio(t, ["source", "profile"]).items():
+        print(f"median |log(ours/published)| {source}, {hw}: {v:.3f} (a typical factor of "
+              f"{math.exp(v):.2f})")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if failed else 0
 

@@ -11,7 +11,7 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, batch, hybrid, fidelity, routing, memory, kernel, validate, figures), then `--` and extra run.py overrides.
+# working_set, batch, hybrid, fidelity, routing, memory, kernel, anchors, validate, figures), then `--` and extra run.py overrides.
 # On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
 # modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
 # docs/calibration.md), and the figures show them side by side.
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 
 PROFILE="" OUT="" FIGS="" ONLY="" EXTRA=()
-STEPS="main cache ablation latency oracle depth working_set batch hybrid fidelity routing memory kernel validate figures"
+STEPS="main cache ablation latency oracle depth working_set batch hybrid fidelity routing memory kernel anchors validate figures"
 need_value() {  # an option that takes a value got none
   [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || {
     echo "reproduce_all.sh: $1 needs a value (see the header of this script)." >&2; exit 2; }
@@ -63,6 +63,7 @@ case "$PROFILE" in
     # spec.k=auto (the main step): the depth profiler on 2 prompts, one run (the clock is exact)
     PROFILER=(spec.profile_prompts=2 spec.profile_runs=1 "spec.profile_ks=[4,8,16,32]")
     VALIDATE=(--items 1 --tokens 32 --datasets gsm8k)
+    ANCHORS=(--items 2 --tokens 32 --datasets gsm8k)
     MAIN_DATASETS=gsm8k
     DEPTH_KS=2,4,8,16,32
     WS_KS=1,2,4,8,16,32
@@ -77,6 +78,7 @@ case "$PROFILE" in
     WL=(workload.repeats=1)  # the artifact's 5 items x 128 tokens; the virtual clock needs 1 repeat
     PROFILER=(spec.profile_runs=1)
     VALIDATE=(--items 5 --tokens 128 --datasets gsm8k,wikitext2,humaneval,gpqa,c4)
+    ANCHORS=(--items 5 --tokens 64 --datasets gsm8k,wikitext2)
     MAIN_DATASETS=gsm8k,wikitext2,humaneval,gpqa,c4
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
@@ -94,6 +96,7 @@ case "$PROFILE" in
     WL=()  # the artifact's workload: 5 items x 128 tokens x 3 repeats
     PROFILER=()
     VALIDATE=()  # the validation table compares virtual-clock profiles: not a --full step
+    ANCHORS=()  # so do the independent anchors
     MAIN_DATASETS=gsm8k,wikitext2,humaneval,gpqa,c4
     DEPTH_KS=2,4,6,8,12,16,20,24,32
     WS_KS=1,2,4,8,16,32
@@ -191,6 +194,11 @@ fi
 if want kernel; then
   header "kernel: INT4 draft kernel and verification reordering microbenchmark"
   "$PY" -m experiments.kernel_bench --out "$OUT/kernel" "${KERNEL[@]}"
+fi
+if want anchors && [[ ${#ANCHORS[@]} -gt 0 ]]; then
+  # into the validation tree: the validate step appends these rows to its table
+  header "anchors: publications other than the Specter paper, in their own settings"
+  "$PY" -m experiments.anchors "$OUT/validate" "${ANCHORS[@]}"
 fi
 if want validate && [[ ${#VALIDATE[@]} -gt 0 ]]; then
   header "validate: every paper number beside ours, per engine profile"

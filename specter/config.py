@@ -126,10 +126,14 @@ class HardwareConfig:
     sync_s: float = 0.0
     # Charged as a publication deploys the model (0: the model's own dtype): bits per weight
     # of the routed experts and of the attention, one scale and zero per quant_group weights
-    # (e.g. Mixtral-offloading's HQQ: expert_bits=2 or 3, attn_bits=4).
+    # (e.g. Mixtral-offloading's HQQ: expert_bits=2 or 3, attn_bits=4). quant_meta_bytes: the
+    # scale and zero of one group together (4: two fp16 values; HQQ's 8-bit quantized scale and
+    # zero: 2); attn_quant_group: the attention's group size where it differs (0: quant_group).
     expert_bits: int = 0
     attn_bits: int = 0
     quant_group: int = 64
+    quant_meta_bytes: int = 4
+    attn_quant_group: int = 0
     h2d_bandwidth_Bps: float = 0.0
     h2d_latency_s: float = 0.0
     # hardware=auto on a machine without a GPU: decoding systems run on the virtual clock of
@@ -247,9 +251,13 @@ class RunConfig:
             raise UserError(f"model.weights=random builds a real model from its published config; "
                             f"model={self.model.name} is project-made (its weights are built "
                             "already): use model=deepseek, qwen, phi, mixtral, qwen3, olmoe or glm.")
-        if self.hardware.quant_group < 1:
-            raise UserError(f"hardware.quant_group must be at least 1 (got "
-                            f"{self.hardware.quant_group}).")
+        for key in ("quant_group", "quant_meta_bytes"):
+            if getattr(self.hardware, key) < 1:
+                raise UserError(f"hardware.{key} must be at least 1 (got "
+                                f"{getattr(self.hardware, key)}).")
+        if self.hardware.attn_quant_group < 0:
+            raise UserError(f"hardware.attn_quant_group must be 0 (quant_group's) or a group size "
+                            f"(got {self.hardware.attn_quant_group}).")
         for key in ("expert_bits", "attn_bits"):
             if getattr(self.hardware, key) not in (0, 2, 3, 4, 8):
                 raise UserError(f"hardware.{key} must be 0 (unquantized), 2, 3, 4 or 8 (got "

@@ -99,7 +99,7 @@ ZERO_MEANS = {  # numeric settings where 0 is a meaning, not an error
                                 "offload_layer_overhead_s", "h2d_bandwidth_Bps",
                                 "h2d_latency_s", "host_matrix_flops",
                                 "host_mem_bandwidth_Bps", "host_op_s", "sync_s",
-                                "expert_bits", "attn_bits")),
+                                "expert_bits", "attn_bits", "attn_quant_group")),
 }
 
 

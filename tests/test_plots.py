@@ -20,7 +20,7 @@ HW = {"hardware": "a100_pcie4_ideal", "clock": "virtual", "device": "cpu", "data
 CHARGED = {"deepseek": "real:deepseek-ai/DeepSeek-V2-Lite", "qwen": "real:Qwen/Qwen1.5-MoE-A2.7B"}
 MODELS = {"small_deepseek": "deepseek", "small_qwen": "qwen", "small_dense": "deepseek"}
 SLOTS = {"low": 8, "high": 16, "xhigh": 32}
-NO_PAPER = {"kernel", "hybrid"}  # results whose tables have no paper column
+NO_PAPER = {"kernel", "hybrid", "anchors"}  # results whose tables have no paper (A100) column
 
 
 def _row(experiment, system, model="small_deepseek", budget="high", dataset="gsm8k", rid=0,
@@ -98,6 +98,17 @@ def synthetic_rows() -> list[dict]:
         rows.append(_row("hybrid", system, budget=budget, tpot_ms=tpot,
                          host_frac=0.5 if hybrid else 0.0, host_experts=10 if hybrid else 0,
                          hit_rate=None if system == "resident" else 0.6))
+    from experiments import anchors
+    from experiments.validate import _value
+
+    for i, case in enumerate(anchors.runs()):  # every anchor case, its config read back
+        row = {"experiment": "anchors", "cfg.experiment": "anchors", "clock": "virtual",
+               "dataset": "gsm8k", "request_id": f"gsm8k-{i:03d}", "repeat": 0,
+               "tpot_ms": 100.0 + i}
+        for o in case:
+            key, _, value = o.partition("=")
+            row[anchors.GROUPS.get(key, f"cfg.{key}")] = _value(value)
+        rows.append(row)
     for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
         rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",
                      "tokens": tokens, "ms": 0.1 * tokens, "clock": "wall", "device": "cpu",

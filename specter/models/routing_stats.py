@@ -38,6 +38,18 @@ def reuse(topk: torch.Tensor) -> float:
     return float(same.mean())
 
 
+def repeats(topk: torch.Tensor) -> tuple[float, float]:
+    """(first-choice repeat, any-overlap repeat): the share of consecutive positions whose
+    top-1 experts are the same, and whose top-k sets share at least one expert. These are the
+    Mixtral paper's "repeated expert assignments" (Jiang et al. 2024, section 5: first choice,
+    and first or second choice); `topk` lists each position's experts best first."""
+    if topk.shape[0] < 2:
+        return math.nan, math.nan
+    first = float((topk[1:, 0] == topk[:-1, 0]).float().mean())
+    anyk = (topk[1:].unsqueeze(2) == topk[:-1].unsqueeze(1)).any(dim=2).any(dim=1)
+    return first, float(anyk.float().mean())
+
+
 def load_entropy(topk: torch.Tensor, experts: int) -> float:
     """Entropy of the layer's expert load over these positions, divided by log(E)."""
     counts = torch.bincount(topk.flatten(), minlength=experts).float()
@@ -99,6 +111,8 @@ def measure(model, prompts: list[list[int]], tokens: int = TOKENS,
             "random_working_set": {n: random_working_set(experts, k, n) for n in WINDOWS},
             "growth_1_to_17": curve[17] / curve[1],
             "reuse": _mean([reuse(t) for layer in per_layer for t in layer]),
+            "repeat_first": _mean([repeats(t)[0] for layer in per_layer for t in layer]),
+            "repeat_any": _mean([repeats(t)[1] for layer in per_layer for t in layer]),
             "load_entropy": _mean([load_entropy(torch.cat(layer), experts) for layer in per_layer]),
             "distinct_4": _mean(d4), "prompts": len(prompts), "tokens": tokens}
 

@@ -121,7 +121,8 @@ def sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None
     """The charged sizes (own or real) at the weights' bits `hw` charges."""
     sizes = _sizes_for(model, hw, model_name, stands_for)
     return dataclasses.replace(sizes, expert_bits=hw.expert_bits, attn_bits=hw.attn_bits,
-                               quant_group=hw.quant_group)
+                               quant_group=hw.quant_group, quant_meta_bytes=hw.quant_meta_bytes,
+                               attn_quant_group=hw.attn_quant_group)
 
 
 def _sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | None) -> ChargedSizes:

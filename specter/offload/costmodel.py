@@ -83,21 +83,22 @@ class ChargedSizes:
     attn_bits: int = 0
     quant_group: int = 64
     quant_meta_bytes: int = 4
+    attn_quant_group: int = 0  # the attention's group size where it differs (0: quant_group)
 
-    def _bytes(self, params: int, bits: int) -> int:
+    def _bytes(self, params: int, bits: int, group: int) -> int:
         if not bits:
             return params * self.elem_bytes
-        return int(params * bits // 8 + -(-params // self.quant_group) * self.quant_meta_bytes)
+        return int(params * bits // 8 + -(-params // group) * self.quant_meta_bytes)
 
     @property
     def expert_bytes(self) -> int:
         """One routed expert's weights as charged (moved over the link, read from memory)."""
-        return self._bytes(self.expert_params, self.expert_bits)
+        return self._bytes(self.expert_params, self.expert_bits, self.quant_group)
 
     @property
     def attn_bytes(self) -> int:
         """One layer's attention (and norms) weights as charged."""
-        return self._bytes(self.attn_params, self.attn_bits)
+        return self._bytes(self.attn_params, self.attn_bits, self.attn_quant_group or self.quant_group)
 
     def as_record(self) -> dict:
         return {f"charged.{k}": v for k, v in asdict(self).items()}

@@ -1,0 +1,130 @@
+"""The independent anchors (experiments/anchors.py, issue 26): every row's setting composes into
+a valid run on existing profiles, the table computes ours from the right records, and the
+charged sizes of a quantized deployment are the publication's bits."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+from experiments import anchors
+
+
+def test_every_anchor_case_composes_on_existing_profiles():
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from run import CONF, typed_overrides
+    from specter.config import RunConfig
+
+    cases = anchors.runs()
+    assert len(cases) == len(set(cases))
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for case in cases:
+            cfg = compose(config_name="config", overrides=typed_overrides(
+                [*case, "experiment=anchors", "workload.items=1"]))
+            rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+            rc.validate()
+            hw = rc.hardware
+            assert hw.clock == "virtual" and hw.matrix_flops > 0 and hw.h2d_bandwidth_Bps > 0
+            assert hw.engine == case[0].rsplit("_", 1)[1]  # <gpu>_ideal / <gpu>_hf
+            assert rc.model.stands_for in ("mixtral", "deepseek", "qwen3")
+
+
+def test_the_publications_rows_are_all_there():
+    a = anchors.anchors()
+    by = lambda src, kind: [x for x in a if x.source == src and x.kind == kind]  # noqa: E731
+    assert len(by(anchors.MO, "absolute")) == 23  # Table 2: 4 GPUs x 6 entries, less one typo
+    assert {x.paper for x in by(anchors.MO, "absolute") if x.gpu == "t4"} == {
+        2.092, 1.603, 1.567, 0.661, 1.168, 0.580}
+    assert len(by(anchors.MI, "absolute")) == 6
+    assert len(by(anchors.SE, "within")) == 4  # copy share + prefetch gain on three GPUs
+    assert all(x.runs for x in a)
+
+
+def _fake_records(tpot_of) -> pd.DataFrame:
+    """One record per case, its configuration columns as the runner writes them."""
+    from experiments.validate import _value
+
+    rows = []
+    for case in anchors.runs():
+        r = {"experiment": "anchors"}
+        for o in case:
+            key, _, value = o.partition("=")
+            r[anchors.GROUPS.get(key, f"cfg.{key}")] = _value(value)
+        r["tpot_ms"] = tpot_of(r)
+        rows.append(r)
+    return pd.DataFrame(rows)
+
+
+def test_table_reads_each_rows_own_records():
+    def tpot(r):  # distinct per system and profile, so a wrong pick changes the numbers
+        base = {"mo_sm": 400.0, "lru": 500.0, "transformers": 1000.0, "resident": 50.0,
+                "quasi_hidden": 450.0, "vllm_offload": 200.0}[r["system"]]
+        return base * (2.0 if r["hardware"].endswith("_hf") else 1.0) \
+            * (1.25 if r.get("cfg.hardware.expert_bits") == 3 else 1.0)
+
+    t = anchors.table(_fake_records(tpot))
+    assert t["ours"].notna().all()
+    row = lambda q, prof: t[(t["quantity"] == q) & (t["profile"] == prof)].iloc[0]  # noqa: E731
+    full = row("tokens/s, full algorithm, 2-bit experts", "t4_hf")
+    assert full["ours"] == pytest.approx(1e3 / 800.0)
+    assert full["ratio"] == pytest.approx(full["ours"] / 2.092)
+    assert row("tokens/s, full algorithm, 3-bit experts", "t4_ideal")["ours"] == pytest.approx(2.0)
+    assert row("speed ratio, full / accelerate (2-bit)", "rtx3060_ideal")["ours"] == pytest.approx(2.5)
+    assert row("speed ratio A100 / T4, accelerate offload, 2-bit experts",
+               "a100_sxm_80g_hf/t4_hf")["ours"] == pytest.approx(1.0)
+    share = row("copy share of TPOT under on-demand loading", "rtx_a6000_ideal")
+    assert share["ours"] == pytest.approx(0.9) and share["note"].startswith("inside the published range: no")
+    gain = row("TPOT with next-layer prefetch / TPOT on demand", "gh200_hf")
+    assert gain["ours"] == pytest.approx(0.9) and not gain["matched"]  # another model there
+    vllm = t[t["system"] == "vllm_offload"]
+    assert set(vllm[vllm["kind"] == "absolute"]["engine"]) == {"ideal"}  # vLLM's engine only
+    assert row("s/token, vLLM 0.8.5 (cpu_offload_gb)", "rtx_a5000_ideal")["ours"] == pytest.approx(0.2)
+    med = anchors.medians(t)
+    assert set(med["source"]) == {anchors.MO, anchors.MI, anchors.SE}
+    assert (med["rows"] > 0).all() and med["median |log ratio|"].map(math.isfinite).all()
+
+
+def test_missing_records_leave_ours_empty_not_zero():
+    t = anchors.table(pd.DataFrame({"experiment": [], "tpot_ms": []}))
+    assert len(t) and t["ours"].isna().all()
+
+
+def test_hqq_deployment_charges_the_publications_bits():
+    from specter.offload.costmodel import ChargedSizes
+
+    base = dict(source="x", elem_bytes=2, attn_params=64 * 1000, router_params=0, shared_params=0,
+                dense_mlp_params=0, expert_params=16 * 1000, lm_head_params=0,
+                kv_elems_per_token=0, heads=1, head_dim=1)
+    s = ChargedSizes(**base, expert_bits=2, attn_bits=4, quant_group=16, attn_quant_group=64,
+                     quant_meta_bytes=2)
+    assert s.expert_bytes * 8 / s.expert_params == pytest.approx(3.0)  # 2 + 16 bits / 16
+    assert s.attn_bytes * 8 / s.attn_params == pytest.approx(4.25)  # 4 + 16 bits / 64
+    old = ChargedSizes(**base, expert_bits=2, attn_bits=4, quant_group=16)  # fp16 scale + zero
+    assert old.expert_bytes * 8 / old.expert_params == pytest.approx(4.0)
+    assert old.attn_bytes == 64 * 1000 // 2 + 4000 * 4
+
+
+def test_a_recorded_run_is_found_by_its_case(tmp_path):
+    """A real run of an anchor-shaped case (quantized charges, slots, a new profile) on a tiny
+    model reads back through the same selection the table uses."""
+    from experiments.validate import Case, run_cases
+
+    case = ("hardware=t4_ideal", "model=tiny_mixtral", "system=mo_sm", "budget=high",
+            "budget.slots=4", *anchors.hqq(2))
+    assert run_cases(tmp_path, [Case(case)], ["workload.items=1", "workload.max_new_tokens=6",
+                                             "workload.repeats=1"], experiment="anchors",
+                     log=lambda *_: None) == 0
+    from experiments import records
+
+    df = records.load(tmp_path)
+    assert set(df["experiment"]) == {"anchors"}
+    tp = anchors._tpot(df, case)
+    assert tp > 0 and tp == pytest.approx(float(df["tpot_ms"].mean()))
+    fp16_meta = tuple("hardware.quant_meta_bytes=4" if o.startswith("hardware.quant_meta_bytes")
+                      else o for o in case)
+    assert math.isnan(anchors._tpot(df, fp16_meta))  # another deployment's case is not this one
+    assert int(df["charged.quant_meta_bytes"].iloc[0]) == 2
