@@ -60,11 +60,14 @@ case "$PROFILE" in
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
     HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
+    # the main case: several windows per request (3 items x 64 tokens x 2 datasets), so its
+    # Specter / SpecMoEOff ratios stay within 10% of --small's (ARTIFACT.md, A.5)
+    MAIN_WL=(workload.items=3 workload.max_new_tokens=64 workload.repeats=1)
     # spec.k=auto (the main step): the depth profiler on 2 prompts, one run (the clock is exact)
     PROFILER=(spec.profile_prompts=2 spec.profile_runs=1 "spec.profile_ks=[4,8,16,32]")
     VALIDATE=(--items 1 --tokens 32 --datasets gsm8k)
     ANCHORS=(--items 2 --tokens 32 --datasets gsm8k)
-    MAIN_DATASETS=gsm8k
+    MAIN_DATASETS=gsm8k,humaneval
     DEPTH_KS=2,4,8,16,32
     WS_KS=1,2,4,8,16,32
     FIDELITY=("quant.method=rtn quant.bits=2,3,4,8" "quant.method=gptq quant.bits=4")
@@ -76,6 +79,7 @@ case "$PROFILE" in
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
     HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.repeats=1)  # the artifact's 5 items x 128 tokens; the virtual clock needs 1 repeat
+    MAIN_WL=("${WL[@]}")
     PROFILER=(spec.profile_runs=1)
     VALIDATE=(--items 5 --tokens 128 --datasets gsm8k,wikitext2,humaneval,gpqa,c4)
     ANCHORS=(--items 5 --tokens 64 --datasets gsm8k,wikitext2)
@@ -94,6 +98,7 @@ case "$PROFILE" in
     DS="deepseek model.path=$DEEPSEEK_PATH"
     HW=(hardware=cuda); HW1=(hardware=cuda)
     WL=()  # the artifact's workload: 5 items x 128 tokens x 3 repeats
+    MAIN_WL=()
     PROFILER=()
     VALIDATE=()  # the validation table compares virtual-clock profiles: not a --full step
     ANCHORS=()  # so do the independent anchors
@@ -121,11 +126,17 @@ run() {  # run.py multirun with the profile's common settings; $1 = experiment n
 }
 
 if want main; then
+  WL_ALL=("${WL[@]}"); WL=("${MAIN_WL[@]}")
   for m in "${MOE[@]}"; do
     header "main: TPOT of every system x budget x dataset, model=${m%% *}"
     # shellcheck disable=SC2086
     run main model=$m dataset="$MAIN_DATASETS" "${PROFILER[@]}"
+    # SpecMoEOff at the profiled K instead of its own K = 3: its own bar in the figure
+    # shellcheck disable=SC2086
+    run main model=$m dataset="$MAIN_DATASETS" "${PROFILER[@]}" system=specmoeoff \
+      spec.tune_own_k=true budget=high
   done
+  WL=("${WL_ALL[@]}")
 fi
 # shellcheck disable=SC2086  # $DS and $m may carry "model.path=..." as a second word
 if want cache; then

@@ -43,6 +43,9 @@ def synthetic_rows() -> list[dict]:
     for (system, t), dataset in itertools.product(tpot.items(), ["gsm8k", "humaneval"]):
         extra = _spec(8) if system in ("specmoeoff", "specter") else {}
         rows.append(_row("main", system, "small_qwen", dataset=dataset, tpot_ms=t, **extra))
+    for dataset in ("gsm8k", "humaneval"):  # SpecMoEOff at the profiled K: its own bar
+        rows.append(_row("main", "specmoeoff", "small_qwen", dataset=dataset, tpot_ms=45.0,
+                         **_spec(32, **{"cfg.spec.tune_own_k": True})))
     for system, t in tpot.items():  # make run's main job: one dataset, the same columns
         if system != "transformers":
             extra = _spec(16) if system in ("specmoeoff", "specter") else {}
@@ -205,6 +208,9 @@ def test_tables_hold_our_numbers_beside_the_papers(tree, tmp_path, capsys):
     # small_qwen, all datasets: specmoeoff 60 / specter 40 = 1.5x; paper 35.3 ms and 66.4/35.3
     specter_all = next(line for line in main_md.splitlines() if "| specter | all |" in line)
     assert "| 40 | 1.5 |" in specter_all and "35.3" in specter_all and "1.881" in specter_all
+    tuned = next(line for line in main_md.splitlines() if "| specmoeoff_tuned_k | all |" in line)
+    assert "| 45 | 1.333 |" in tuned  # beside, not instead of, SpecMoEOff at its own K
+    assert "over SpecMoEOff at its tuned K 1.12x mean" in main_md
     assert "yes (1/1)" in (out / "oracle.md").read_text()
     ws = (out / "working_set.md").read_text()
     assert "31.7" in ws and "small_dense" in ws

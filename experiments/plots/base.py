@@ -352,7 +352,23 @@ def write_table(df: pd.DataFrame, out: Path, stem: str, title_text: str, note: s
 
 # ---------------------------------------------------------------------------- shared tables
 SYSTEM_ORDER = ["resident", "transformers", "lru", "lru_hybrid", "mo_sm", "quasi_hidden", "lru_s", "specmoeoff",
-                "specmoe", "sp_e", "sp_l", "specter", "specter_hybrid", "fidelity"]
+                "specmoeoff_tuned_k", "specmoe", "specmoe_tuned_k", "sp_e", "sp_l", "specter",
+                "specter_hybrid", "fidelity"]
+TUNED_SUFFIX = "_tuned_k"  # a system run at the profiled K instead of its own (spec.tune_own_k)
+
+
+def tuned_apart(df: pd.DataFrame) -> pd.DataFrame:
+    """Rows of a system run with `spec.tune_own_k=true` (SpecMoEOff, SpecMoE at the profiled K
+    instead of their own) named `<system>_tuned_k`, so tables and figures show them as a
+    labelled system of their own beside the same system at its own K."""
+    if "cfg.spec.tune_own_k" not in df:
+        return df
+    tuned = df["cfg.spec.tune_own_k"].map(lambda v: v is True or v == 1.0 or v == "true")
+    if not tuned.any():
+        return df
+    df = df.copy()
+    df.loc[tuned, "system"] = df.loc[tuned, "system"].astype(str) + TUNED_SUFFIX
+    return df
 
 
 def system_key(name) -> tuple[int, str]:
