@@ -24,7 +24,6 @@ what is assumed; docs/anchors.md says what each source states. A ratio far from 
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from dataclasses import dataclass
@@ -353,15 +352,10 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.validate import Case, run_cases
+    from experiments.validate import Case, run_cases, table_cli, workload_overrides
 
-    ap = argparse.ArgumentParser(prog="python -m experiments.anchors", description=__doc__.splitlines()[0])
-    ap.add_argument("out", help="results tree (records are added under OUT/records)")
+    ap = table_cli("python -m experiments.anchors", __doc__.splitlines()[0], 48, "comma-separated")
     ap.add_argument("--engines", default=",".join(ENGINES), help="ideal, hf or both")
-    ap.add_argument("--items", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=48)
-    ap.add_argument("--datasets", default="gsm8k", help="comma-separated")
-    ap.add_argument("--table-only", action="store_true", help="tabulate the records already there")
     args = ap.parse_args(argv)
     out = Path(args.out)
     engines = tuple(e for e in args.engines.split(",") if e)
@@ -371,10 +365,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = 0
     if not args.table_only:
-        common = [f"workload.items={args.items}", f"workload.max_new_tokens={args.tokens}",
-                  "workload.repeats=1"]
         todo = [Case((*c, f"dataset={ds}")) for ds in args.datasets.split(",") for c in runs(engines)]
-        failed = run_cases(out, todo, common, experiment="anchors")
+        failed = run_cases(out, todo, workload_overrides(args), experiment="anchors")
     from experiments import records
 
     df = records.load(out)

@@ -378,21 +378,33 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
     return [md, pq]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m experiments.validate", description=__doc__.splitlines()[0])
+def table_cli(prog: str, description: str, tokens: int, datasets_help: str) -> argparse.ArgumentParser:
+    """The options a table of cases shares (this one, experiments.anchors'): the results tree,
+    the workload of every case, and --table-only."""
+    ap = argparse.ArgumentParser(prog=prog, description=description)
     ap.add_argument("out", help="results tree (records are added under OUT/records)")
-    ap.add_argument("--profiles", default=",".join(PROFILES))
     ap.add_argument("--items", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--datasets", default="gsm8k", help="comma-separated; the paper averages five")
+    ap.add_argument("--tokens", type=int, default=tokens)
+    ap.add_argument("--datasets", default="gsm8k", help=datasets_help)
     ap.add_argument("--table-only", action="store_true", help="tabulate the records already there")
+    return ap
+
+
+def workload_overrides(args) -> list[str]:
+    return [f"workload.items={args.items}", f"workload.max_new_tokens={args.tokens}",
+            "workload.repeats=1"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = table_cli("python -m experiments.validate", __doc__.splitlines()[0], 64,
+                   "comma-separated; the paper averages five")
+    ap.add_argument("--profiles", default=",".join(PROFILES))
     args = ap.parse_args(argv)
     out = Path(args.out)
     profiles = tuple(p for p in args.profiles.split(",") if p)
     failed = 0
     if not args.table_only:
-        common = [f"workload.items={args.items}", f"workload.max_new_tokens={args.tokens}",
-                  "workload.repeats=1"]
+        common = workload_overrides(args)
         todo = [Case((*c.overrides, f"dataset={ds}")) for ds in args.datasets.split(",")
                 for c in cases(profiles)]
         failed = run_cases(out, todo, common)
