@@ -180,6 +180,7 @@ class OffloadConfig:
     """How offloaded experts' device slots are managed (every offloading system)."""
 
     policy: str = "lru"  # eviction: a name in specter/offload/policy.py POLICIES (lru | lfu)
+    grouped: bool | str = "auto"  # resident experts as grouped GEMMs: auto (where offered) | true | false
 
 
 @dataclass
@@ -312,6 +313,8 @@ class RunConfig:
         if self.offload.policy not in POLICIES:
             raise UserError(f"unknown offload.policy '{self.offload.policy}'; choose one of: "
                             f"{', '.join(sorted(POLICIES))}.")
+        if self.offload.grouped not in ("auto", True, False):
+            raise UserError(f"offload.grouped must be auto, true or false (got {self.offload.grouped!r}).")
         b = self.budget
         if b.slots is not None and b.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")

@@ -15,8 +15,9 @@ dispatcher cannot see:
   on a CPU run every tensor is on the host, so the code says it.
 - `launched(kind)`: a kernel launch that is not an aten operation (a Triton kernel, a CUDA
   graph's replay): counted as a launching operation.
-- `upload()`: a blocking copy of host data to the device, which a CPU run cannot see (its
-  `.to(device)` is a no-op): counted there as the launch and the sync it is on a GPU.
+- `upload()`: a copy of host data to the device, which a CPU run cannot see (its
+  `.to(device)` is a no-op): counted there as the launch it is on a GPU, and the sync when it
+  blocks (pageable memory; `upload(blocking=False)`: from pinned memory, no sync).
 
 Without a counter entered, each is a no-op.
 
@@ -69,14 +70,16 @@ def host_side():
     return _every_counter("host")
 
 
-def upload() -> None:
-    """A blocking copy of a host tensor to the device (the batch cache's token ids): a GPU
-    run's counter sees the copy itself; a CPU run's, where `.to(device)` dispatches nothing,
-    counts the launch and the sync it would be."""
+def upload(blocking: bool = True) -> None:
+    """A copy of a host tensor to the device (the batch cache's token ids: blocking; indices
+    from pinned memory: `blocking=False`): a GPU run's counter sees the copy itself; a CPU
+    run's, where `.to(device)` dispatches nothing, counts the launch, and the sync a blocking
+    one would be."""
     for c in list(_ACTIVE):
         if c.cpu_run and not c.paused:
             c.count("launching")
-            c.count("sync")
+            if blocking:
+                c.count("sync")
 
 
 def launched(kind: str) -> None:

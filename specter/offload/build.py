@@ -209,4 +209,6 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
                         transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
     runtime = OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher)
     runtime.rates = timing.cost or timing.rates
+    g = ctx.cfg.offload.grouped
+    runtime.grouped = None if g == "auto" else g
     return runtime

@@ -190,6 +190,14 @@ class ExpertCache:
             return self.layout.views(self.pool[lc.staged[e]])
         return self.layout.views(lc.buf[lc.slot_of[e]])
 
+    def slot(self, l: int, e: int) -> int | None:
+        """The slot of layer `l` holding `e`; None for a staged expert (or one not resident)."""
+        return self.layers[l].slot_of.get(e)
+
+    def slot_buffers(self, l: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `l`'s slots as stacked (gate_up [S, 2I, H], down [S, H, I]) views."""
+        return self.layout.stacked_views(self.layers[l].buf)
+
     @property
     def staging(self) -> int:
         """Staging buffers in the pool (budget.staging)."""

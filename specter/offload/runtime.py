@@ -3,8 +3,9 @@
 Owns: registering the `specter` experts implementation (transformers calls it once per MoE
 layer with the router's choice; routers, attention, norms and shared experts stay Hugging
 Face's and untouched), executing a layer's routed experts from device slots (resident ones
-first while misses stream in, results summed in expert order exactly as HF's eager path
-does, so outputs are bitwise those of the resident model), the per-request demand
+first while misses stream in, as grouped GEMMs where offered: offload/grouped.py; results
+summed in expert order exactly as HF's eager path does, so outputs are bitwise those of its
+eager loop), the per-request demand
 statistics, and `Charger`: forward hooks that charge each compute step to the clock with the
 cost model (a no-op charge on real clocks).
 Does not own: what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what to
@@ -26,6 +27,7 @@ from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import CostModel
+from specter.offload.grouped import LayerSum, grouped_available, grouped_products
 from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
@@ -164,6 +166,10 @@ class OffloadRuntime:
         self.host_compute = False
         self.rates = cost
         self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
+        # Resident experts as grouped GEMMs (offload/grouped.py): None = where offered,
+        # True = required, False = one GEMM per expert and projection (offload.grouped)
+        self.grouped: bool | None = None
+        self._grouped_ok: bool | None = None
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -228,31 +234,74 @@ class OffloadRuntime:
             self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
         # 3. Resident experts compute first while misses stream in; a computed expert is
         # released, so a forward needing more experts than slots streams them through.
+        # Grouped (`self.grouped`): the ready experts in one grouped GEMM per projection
+        # before the first wait for a copy, the rest in one more after the last; while misses
+        # are still waiting for a slot, each expert computes (and frees its slot) at once.
+        total = LayerSum(hidden, top_k_index) if self.grouping() else None
+        pending: dict[int, int] = {}  # charged, not yet computed: expert -> its slot
+        waited = False
+
+        def flush():
+            if pending:
+                grouped_products(hidden, groups, top_k_weights, pending, cache.slot_buffers(l),
+                                 module._apply_gate, total)
+            for e in pending:
+                cache.unprotect(l, e)
+            pending.clear()
+
         for e in hits + misses:
             if not cache.resident(l, e):
+                flush()
                 waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
                 if not cache.resident(l, e):
                     raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
+            if not waited and not cache.ready(l, e):
+                flush()  # what is resident computes while this copy lands
+                waited = True
             cache.wait(l, e)
-            token_idx, out = self._expert(module, l, e, hidden, groups, top_k_weights)
-            if self.serial:
-                for _ in range(token_idx.numel()):
-                    self.charge("expert_s", 1)
-            else:
-                self.charge("expert_s", token_idx.numel())
+            n = groups.counts[e]
+            for _ in range(n if self.serial else 1):
+                self.charge("expert_s", 1 if self.serial else n)
             cache.touch(l, e)
-            cache.unprotect(l, e)
-            outs[e] = (token_idx, out)
+            slot = cache.slot(l, e)
+            if total is not None and slot is not None and not waiting:
+                pending[e] = slot
+            else:
+                token_idx, out = self._expert(module, l, e, hidden, groups, top_k_weights)
+                if total is None:
+                    outs[e] = (token_idx, out)
+                else:
+                    total.place(*groups.of(e), out)
+                cache.unprotect(l, e)
             if waiting:
                 waiting = self._issue(l, waiting)
+        flush()
         for e, (token_idx, job) in zip(host, jobs):  # back before the layer's sum
-            outs[e] = (token_idx, self.link.wait_host(job).to(hidden.device))
+            out = self.link.wait_host(job).to(hidden.device)
+            if total is None:
+                outs[e] = (token_idx, out)
+            else:
+                total.place(*groups.of(e), out)
         for e in host:
             cache.unprotect(l, e)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
-        final = sum_in_expert_order(hidden, outs, needed)
+        final = sum_in_expert_order(hidden, outs, needed) if total is None else total.result()
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         return final
+
+    def grouping(self) -> bool:
+        """Whether this forward's resident experts compute as grouped GEMMs: `grouped`
+        (None: where the backend offers them, `grouped_available`), never in the
+        token-by-token ablation (`serial`)."""
+        if self.serial or self.grouped is False:
+            return False
+        if self._grouped_ok is None:
+            self._grouped_ok = grouped_available(self.device, self.cache.layout.dtype)
+        if self.grouped and not self._grouped_ok:
+            raise RuntimeError(f"offload.grouped=true, but grouped GEMMs are not offered for "
+                               f"{self.cache.layout.dtype} on {self.device} "
+                               "(specter/offload/grouped.py): use offload.grouped=auto.")
+        return self._grouped_ok
 
     def _host_side(self, misses: list[int], tokens_of: dict[int, int],
                    late: dict[int, float | None] | None = None) -> list[int]:
@@ -309,6 +358,7 @@ class OffloadRuntime:
         w = self.host_weights
         rec["host_ready_hits"] = w.ready_hits if w is not None and not w.same else 0
         rec["host_prepares"] = w.prepares if w is not None and not w.same else 0
+        rec["grouped_experts"] = self.grouping()
         return rec
 
     def host_weights_for(self) -> HostWeights:

@@ -43,6 +43,12 @@ class ExpertLayout:
         return (flat[:split].view(2 * self.inter, self.hidden),
                 flat[split:].view(self.hidden, self.inter))
 
+    def stacked_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [S, 2I, H], down [S, H, I]) views of S flat expert buffers [S, numel]."""
+        split, S = 2 * self.inter * self.hidden, flat.shape[0]
+        return (flat[:, :split].view(S, 2 * self.inter, self.hidden),
+                flat[:, split:].view(S, self.hidden, self.inter))
+
     @classmethod
     def of(cls, module: nn.Module, dtype: torch.dtype | None = None) -> "ExpertLayout":
         """The layout of an experts module's fused parameters (their shapes: real or meta)."""
