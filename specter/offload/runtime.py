@@ -276,12 +276,13 @@ class OffloadRuntime:
             if waiting:
                 waiting = self._issue(l, waiting)
         flush()
-        for e, (token_idx, job) in zip(host, jobs):  # back before the layer's sum
-            out = self.link.wait_host(job).to(hidden.device)
-            if total is None:
-                outs[e] = (token_idx, out)
-            else:
-                total.place(*groups.of(e), out)
+        back = [self.link.wait_host(job).to(hidden.device) for _, job in jobs]  # before the sum
+        if total is None:
+            outs.update({e: (token_idx, out) for e, (token_idx, _), out in zip(host, jobs, back)})
+        elif host:  # every host-computed expert's products placed at once
+            pairs = [groups.of(e) for e in host]
+            total.place(*(torch.cat(t) if len(t) > 1 else t[0] for t in zip(*pairs)),
+                        torch.cat(back) if len(back) > 1 else back[0])
         for e in host:
             cache.unprotect(l, e)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
