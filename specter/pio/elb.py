@@ -27,4 +27,4 @@ class ExpertLookaheadBuffer:
     def snapshot(self) -> list[list[int]]:
         """The counts on the host: the one synchronization of a planning boundary."""
         self.snapshots += 1
-        return self.counts.cpu().tolist()
+        return self.counts.tolist()  # one read (a GPU's copy and wait), no host tensor between
