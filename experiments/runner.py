@@ -120,6 +120,8 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["model"]["attn"]
     if d["quant"]["graphs"] == "auto":  # resolved with the draft: the runner adds it when on
         del d["quant"]["graphs"]
+    if d["offload"]["grouped"] == "auto":  # the same timeline either way: runs before the knob
+        del d["offload"]["grouped"]
     if "spec" in d and not d["spec"]["tune_own_k"]:  # the case of runs before the knob
         del d["spec"]["tune_own_k"]
     hw = d["hardware"]

@@ -157,6 +157,19 @@ def test_spec_settings_are_part_of_the_case_only_for_speculative_systems():
     assert case("lru_s", 4) != case("lru_s", 8) and case("lru_s", 4)["spec"]["k"] == 4
 
 
+def test_grouped_experts_at_auto_keep_the_case_of_runs_before_the_knob():
+    """offload.grouped=auto changes no timeline (tests/test_grouped.py): its case is the one
+    recorded before the knob, so earlier results resume; false is a case of its own."""
+    def case(grouped):
+        d = smoke_cfg("x").to_dict()
+        d["system"] = {"name": "lru"}
+        d["offload"] = {**d["offload"], "grouped": grouped}
+        return runner.case_of(RunConfig.from_dict(d), 4)
+
+    assert case("auto")["offload"] == {"policy": "lru"}
+    assert case(False)["offload"] == {"policy": "lru", "grouped": False}
+
+
 def test_auto_hardware_keeps_real_clocks_where_asked(tmp_path):
     import torch
 
