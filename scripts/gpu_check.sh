@@ -68,6 +68,20 @@ fi
 # graphs (on): the records under each folder hold TPOT and draft/verify ms per window.
 if want hotpath; then
 echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
+# which dtypes torch's grouped GEMM takes here (offload.grouped=auto uses it for bfloat16 only,
+# torch's documented input): runs or not, and its largest difference from one GEMM per group
+"$PY" - <<'PROBE' 2>&1 | tee -a "$OUT/hotpath.txt"
+import torch, torch.nn.functional as F
+for dt in (torch.float16, torch.bfloat16, torch.float32):
+    x, w = torch.randn(96, 2048, device="cuda", dtype=dt), torch.randn(16, 2816, 2048, device="cuda", dtype=dt)
+    offs = torch.arange(6, 97, 6, device="cuda", dtype=torch.int32)
+    try:
+        y = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+        ref = torch.cat([F.linear(x[6 * g:6 * g + 6], w[g]) for g in range(16)])
+        print(f"grouped_mm {dt}: runs, max |grouped - loop| = {(y - ref).abs().max().item():.3g}")
+    except Exception as e:
+        print(f"grouped_mm {dt}: refused ({type(e).__name__}: {str(e)[:120]})")
+PROBE
 for graphs in off on; do
   echo "-- quant.graphs=$graphs" | tee -a "$OUT/hotpath.txt"
   timeout -k 10 $((HOTPATH_TIMEOUT_S / 2)) "$PY" -m experiments.hotpath "$OUT/hotpath_graphs_$graphs" \

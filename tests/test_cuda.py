@@ -243,3 +243,32 @@ def test_the_cuda_clock_marks_without_waiting():
     assert counter.counts["bookkeeping"]["syncs"] == 0
     seconds = link.elapsed(start, end, wait=True)
     assert seconds > 0 and (early is None or early == pytest.approx(seconds))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0),
+                    reason="grouped GEMMs need compute capability 8.0")
+def test_grouped_experts_on_cuda_match_the_loop(tmp_path):
+    """bfloat16 on the device: the grouped GEMMs are used (`grouped_experts`) and decode the
+    tokens the per-expert loop decodes (a kernel of its own: equal tokens, not equal bits)."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from experiments import records
+    from experiments.runner import run
+    from run import CONF, typed_overrides
+    from specter.config import RunConfig
+
+    tokens = {}
+    for grouped in ("true", "false"):
+        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=typed_overrides(
+                ["model=tiny_deepseek", "model.dtype=bfloat16", "hardware=cuda", "system=lru",
+                 "budget.slots=4", "workload.items=2", "workload.max_new_tokens=24",
+                 "workload.stop_on_eos=false", f"offload.grouped={grouped}", "progress=false",
+                 f"out_dir={tmp_path / grouped}"]))
+        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        df = records.load(tmp_path / grouped).sort_values("request_id")
+        assert (df["grouped_experts"] == (grouped == "true")).all()
+        tokens[grouped] = df["output_tokens"].map(tuple).tolist()
+    assert tokens["true"] == tokens["false"]

@@ -13,7 +13,9 @@ Does not own: which experts are resident or when a batch is computed (offload/ru
 
 Where grouped GEMMs are offered: the CPU (torch >= 2.9), and CUDA devices of compute
 capability 8.0 or more in bfloat16 (torch's documented inputs); elsewhere the runtime keeps
-its loop of one GEMM per expert and projection (`grouped_available`).
+its loop of one GEMM per expert and projection (`grouped_available`). A CUDA run's default
+dtype is float16 (`model.dtype=auto`), so there it is the loop unless `model.dtype=bfloat16`;
+`scripts/gpu_check.sh`'s hotpath stage probes which dtypes the device's grouped GEMM takes.
 """
 
 from __future__ import annotations
