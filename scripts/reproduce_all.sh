@@ -62,9 +62,8 @@ case "$PROFILE" in
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
     # the main case: several windows per request (3 items x 128 tokens, gsm8k and wikitext2), so
     # its Specter / SpecMoEOff ratios stay within 10% of --small's. Measured (ARTIFACT.md): 64
-    # tokens over gsm8k and humaneval gave ratios 12-21% below --small's (fewer K = 32 windows to
-    # amortise a request's first one over; the two datasets with the smallest leads), 128 tokens
-    # over gsm8k and wikitext2 within 3%
+    # tokens over gsm8k and humaneval gave ratios 12-21% below --small's (the shorter requests, and
+    # the two datasets with the smallest leads), 128 tokens over gsm8k and wikitext2 within 3%
     MAIN_WL=(workload.items=3 workload.max_new_tokens=128 workload.repeats=1)
     # spec.k=auto (the main step): the depth profiler on 2 prompts, one run (the clock is exact)
     PROFILER=(spec.profile_prompts=2 spec.profile_runs=1 "spec.profile_ks=[4,8,16,32]")
