@@ -266,6 +266,34 @@ def test_main_tpot_is_log_scale_with_a_speedup_panel(tree):
         base.plt.close(fig)
 
 
+def test_tpot_axis_is_linear_from_zero_when_the_bars_are_close(tmp_path):
+    """make run's four systems span 45-73 ms: on a log axis cut at 45 ms Specter's bar all but
+    vanished, so a narrow spread is drawn linear from 0; the speedup panel labels ticks
+    inside its narrow range, not only 1x."""
+    tpot = {"resident": 66.1, "lru": 73.4, "specmoeoff": 60.8, "specter": 45.4}
+    rows = [_row("quickstart", s, tpot_ms=t, **(_spec(16) if s.startswith("spec") else {}))
+            for s, t in tpot.items()]
+    for i, r in enumerate(rows):
+        records.CaseStore(tmp_path, {"i": i, "experiment": "quickstart"}).write(r)
+    df = load_all(tmp_path)
+    [(stem, fig)] = main_tpot.figures(main_tpot.table(df), df)
+    try:
+        top, bottom = _visible(fig)
+        assert top.get_yscale() == "linear" and top.get_ylim()[0] == 0
+        assert top.get_ylim()[1] >= 73.4 and "log" not in top.get_ylabel()
+        labels = [t.get_text() for t in bottom.get_yticklabels()]
+        assert "1x" in labels and len(labels) >= 3, labels  # 0.83x-1.34x: 0.9x, 1.1x, 1.25x too
+    finally:
+        base.plt.close(fig)
+    wide = main_tpot.table(load_all(tmp_path).assign(tpot_ms=[6.0, 73.4, 60.8, 45.4]))
+    [(stem, fig)] = main_tpot.figures(wide, df)
+    try:
+        top = _visible(fig)[0]
+        assert top.get_yscale() == "log" and top.get_ylim()[0] < 6.0  # every bar has length
+    finally:
+        base.plt.close(fig)
+
+
 @pytest.mark.slow
 def test_two_profiles_render_side_by_side(tree2, tmp_path, capsys):
     out = tmp_path / "figures"

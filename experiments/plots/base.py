@@ -189,6 +189,54 @@ def log_axis(ax, axis: str = "y", suffix: str = "") -> None:
     a.set_minor_formatter(NullFormatter())
 
 
+def _nice_floor(v: float) -> float:
+    """The largest 1, 2 or 5 x 10^n at or below v (v > 0)."""
+    import math
+
+    e = math.floor(math.log10(v))
+    return max(m * 10.0 ** e for m in (1, 2, 5) if m * 10.0 ** e <= v * (1 + 1e-9))
+
+
+def value_axis(axes, values, label: str, linear_span: float = 8.0) -> None:
+    """The value axis of bar panels, one scale on all of them. Linear from 0 when the largest
+    plotted value is at most `linear_span` times the smallest, so bar lengths compare as the
+    values do; log otherwise (an eager Transformers bar at 20-40x the others would flatten
+    them), with the bottom a 1-2-5 step below the smallest value so every bar has length."""
+    import math
+
+    v = [float(x) for x in values if x is not None and not isnan(x) and math.isfinite(x) and x > 0]
+    if not v:
+        return
+    lo, hi = min(v), max(v)
+    for ax in axes:
+        if hi / lo <= linear_span:
+            ax.set_yscale("linear")
+            ax.set_ylim(0, hi * 1.08)
+            ax.set_ylabel(label)
+        else:
+            log_axis(ax)
+            ax.set_ylim(_nice_floor(lo / 1.5), hi * 1.4)
+            ax.set_ylabel(f"{label}, log scale")
+
+
+RATIO_TICKS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0,
+               3.0, 4.0, 5.0, 10.0, 20.0, 50.0, 100.0)
+
+
+def ratio_ticks(ax, suffix: str = "x") -> None:
+    """Labelled ticks on a log ratio axis inside its current limits: the 1-2-5 steps, and the
+    finer ones (0.8x, 1.25x, ...) where the span holds fewer than three of those."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    lo, hi = sorted(ax.get_ylim())
+    coarse = [t for t in RATIO_TICKS if lo <= t <= hi and t / _nice_floor(t) in (1.0, 2.0, 5.0)]
+    ticks = coarse if len(coarse) >= 3 else [t for t in RATIO_TICKS if lo <= t <= hi]
+    ax.yaxis.set_major_locator(FixedLocator(ticks))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{suffix}"))
+    ax.yaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_minor_formatter(NullFormatter())
+
+
 def charged(df: pd.DataFrame) -> pd.Series:
     """The sizes the virtual clock charged (`charged.source`), '-' for real-time clocks."""
     return col(df, "charged.source", "-").fillna("-").astype(str)

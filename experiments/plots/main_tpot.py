@@ -2,11 +2,12 @@
 speedup over SpecMoEOff in the same case, and the paper's high-budget TPOTs beside.
 
 One figure per model and budget (and clock / charged sizes where those vary): one column of
-panels per engine profile in the records (same y scales across profiles), a log-scale TPOT
-panel on top (bars: systems, one per dataset; red diamonds: the paper's A100 TPOTs, on every
-profile's panel) and below it the speedup over SpecMoEOff (TPOT(SpecMoEOff) / TPOT(system),
-the mean over datasets; TPOT(resident) / TPOT(system) where the case has no SpecMoEOff), so
-the hundreds of ms of an eager Transformers baseline do not flatten the other systems."""
+panels per engine profile in the records (same y scales across profiles). On top the TPOT
+panel (bars: systems, one per dataset; red diamonds: the paper's A100 TPOTs, on every
+profile's panel), linear from 0 when the largest value is at most 8x the smallest, log when an
+eager Transformers baseline's hundreds of ms would flatten the others. Below it the speedup
+over SpecMoEOff (TPOT(SpecMoEOff) / TPOT(system), the mean over datasets; TPOT(resident) /
+TPOT(system) where the case has no SpecMoEOff), bars from 1x on a log axis."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import pandas as pd
 from experiments.plots import paper
 from experiments.plots.base import (PAPER_LABEL, RENAME, TUNED_SUFFIX, Result, agg, bars, by_profile,
                                     case_columns, clock_note, dedup_legend, isnan, log_axis, palette,
-                                    panel_title, paper_marker, prepare, same_limits, save_figure,
-                                    slug, subplots, system_key, title, tuned_apart, write_table)
+                                    panel_title, paper_marker, prepare, ratio_ticks, same_limits,
+                                    save_figure, slug, subplots, system_key, title, tuned_apart,
+                                    value_axis, write_table)
 
 NAME = "main_tpot"
 CASE = ["model", "budget", "budget_slots", "hardware", "engine", "clock", "charged"]
@@ -69,7 +71,7 @@ def _headline(g: pd.DataFrame) -> pd.DataFrame:
 
 
 def case_figure(t: pd.DataFrame, df: pd.DataFrame, model, budget):
-    """The TPOT (log) and speedup panels of one case, one column per profile; returns
+    """The TPOT and speedup panels of one case, one column per profile; returns
     (figure, TPOT axes, speedup axes) unsaved."""
     systems = sorted(t["system"].unique(), key=system_key)
     datasets = sorted({str(d) for d in t["dataset"] if d != "all"})
@@ -84,16 +86,17 @@ def case_figure(t: pd.DataFrame, df: pd.DataFrame, model, budget):
     px = [(i, paper_tpot(fam, budget, s)) for i, s in enumerate(systems)]
     px = [(i, v) for i, v in px if not isnan(v)]
     plabel = f"{PAPER_LABEL}: {paper.MODELS.get(fam, fam)}, high budget"
+    plotted: list[float] = []  # every TPOT drawn, for one value axis over the profiles
     for j, (prof, g) in enumerate(split):
         ax = tops[j]
         per = g[g["dataset"] != "all"]
         series = {d: [per[(per["system"] == s) & (per["dataset"].astype(str) == d)]["tpot_ms"].mean()
                       for s in systems] for d in datasets}
         bars(ax, systems, series, colors=colors)
+        plotted += [v for vs in series.values() for v in vs]
         if px:
             paper_marker(ax, [i for i, _ in px], [v for _, v in px], label=plabel)
-        log_axis(ax)
-        ax.set_ylabel("mean TPOT (ms, log scale)")
+            plotted += [v for _, v in px]
         ax.set_title(panel_title("TPOT", prof), fontsize=9)
         ax.grid(axis="y", which="both", alpha=0.3)
         if not ref:
@@ -125,8 +128,10 @@ def case_figure(t: pd.DataFrame, df: pd.DataFrame, model, budget):
     if not ref:
         for ax in tops:
             ax.set_xlabel("system")
-    same_limits(tops)
+    value_axis(tops, plotted, "mean TPOT (ms)")
     same_limits(bottoms)
+    for ax in bottoms:
+        ratio_ticks(ax)
     dedup_legend(tops[-1], outside=True, also=tops[:-1], title="dataset")
     if ref:
         dedup_legend(bottoms[-1], outside=True, also=bottoms[:-1])
