@@ -2,8 +2,9 @@
 # Every experiment of the paper, then every figure and table from the parquet they wrote.
 #
 #   scripts/reproduce_all.sh --quick     small project-made models, short workload, virtual clock
-#                                        of a modelled A100 + PCIe 4.0 (2 CPU cores, < 1 hour with
-#                                        a cold model cache; see ARTIFACT.md)
+#                                        of a modelled A100 + PCIe 4.0 (2 CPU cores: about 75 min
+#                                        on a warm model cache, plus 11-22 min per small model's
+#                                        first build; see ARTIFACT.md, "Time")
 #   scripts/reproduce_all.sh --small     the same models with the artifact's full workload
 #                                        (5 items x 128 tokens per dataset; hours on a CPU)
 #   scripts/reproduce_all.sh --full      real DeepSeek-V2-Lite, Qwen1.5-MoE, Phi-3.5-MoE on the GPU
@@ -48,7 +49,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 if [[ -z "$PROFILE" ]]; then
-  echo "reproduce_all.sh: choose a profile: --quick (CPU, < 1 hour), --small (CPU, hours) or --full (GPU, real models)." >&2
+  echo "reproduce_all.sh: choose a profile: --quick (CPU, about 75 min warm), --small (CPU, hours) or --full (GPU, real models)." >&2
   exit 2
 fi
 OUT="${OUT:-results/$PROFILE}"
