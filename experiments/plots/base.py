@@ -191,8 +191,6 @@ def log_axis(ax, axis: str = "y", suffix: str = "") -> None:
 
 def _nice_floor(v: float) -> float:
     """The largest 1, 2 or 5 x 10^n at or below v (v > 0)."""
-    import math
-
     e = math.floor(math.log10(v))
     return max(m * 10.0 ** e for m in (1, 2, 5) if m * 10.0 ** e <= v * (1 + 1e-9))
 
@@ -202,9 +200,7 @@ def value_axis(axes, values, label: str, linear_span: float = 8.0) -> None:
     plotted value is at most `linear_span` times the smallest, so bar lengths compare as the
     values do; log otherwise (an eager Transformers bar at 20-40x the others would flatten
     them), with the bottom a 1-2-5 step below the smallest value so every bar has length."""
-    import math
-
-    v = [float(x) for x in values if x is not None and not isnan(x) and math.isfinite(x) and x > 0]
+    v = [float(x) for x in values if x is not None and math.isfinite(x) and x > 0]
     if not v:
         return
     lo, hi = min(v), max(v)
