@@ -59,7 +59,8 @@ def _accelerate():
 
 class _ClockStreamer:
     """`generate`'s streamer: the first `put` is the prompt, each later one a committed token;
-    stamps each token with the clock's time."""
+    stamps each token with a mark of the clock (read as seconds after the request: no device
+    wait per token)."""
 
     def __init__(self, clock):
         self.clock, self.times, self.prompt_seen = clock, [], False
@@ -68,7 +69,7 @@ class _ClockStreamer:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
-        self.times.append(self.clock.now())
+        self.times.append(self.clock.mark())
 
     def end(self) -> None:
         pass
@@ -205,11 +206,13 @@ class TransformersOffloadEngine:
                            device=self.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts],
                             device=self.device)
-        start = self.link.now()
+        start = self.link.mark()
         out = self.model.generate(input_ids=ids, attention_mask=mask,
                                   generation_config=gc, streamer=streamer)
         assert len(streamer.times) == out.sequences.shape[1] - width, \
             "the streamer saw every decoding step"
+        times = [self.link.timestamp(m) for m in streamer.times]
+        start = self.link.timestamp(start)
         self.memory.observe_cache(out.cache)
         peak, source = self.memory.peak()
         per_move = self.moved_bytes / self.moves if self.moves else 0.0
@@ -233,14 +236,15 @@ class TransformersOffloadEngine:
                 if t in stop:
                     tokens = row[:i + 1]
                     break
-            gen = Generation(tokens=tokens, commit_times_s=streamer.times[:len(tokens)],
+            gen = Generation(tokens=tokens, commit_times_s=times[:len(tokens)],
                              start_time_s=start, peak_mem_bytes=peak, peak_mem_source=source)
             gen.stats.update(shared)
             gens.append(gen)
         return gens
 
     def _cuda_copy_record(self) -> dict:
-        torch.cuda.synchronize(self.device)
+        if self.cuda_copies:  # after the request: the compute stream's last copy event
+            self.cuda_copies[-1][1].synchronize()
         h2d_s = sum(a.elapsed_time(b) for a, b in self.cuda_copies) / 1e3
         return {"n_transfers": len(self.cuda_copies), "h2d_bytes": self.moved_bytes,
                 "h2d_ms": h2d_s * 1e3, "exposed_wait_ms": h2d_s * 1e3,  # synchronous copies

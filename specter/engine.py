@@ -78,9 +78,16 @@ def eos_ids(model) -> set[int]:
 
 
 class Clock(Protocol):
+    """What a decode loop reads time from (a link: offload/link.py). It takes marks on the
+    compute timeline as it goes (no device wait) and reads them as seconds once the request
+    is over."""
     kind: str
 
-    def now(self) -> float: ...
+    def mark(self): ...
+
+    def elapsed(self, start, end, wait: bool = False) -> float | None: ...
+
+    def timestamp(self, mark) -> float: ...
 
 
 def pad_id(model) -> int:
@@ -222,9 +229,9 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     memory.start()
     kv = BatchCache(model, device, len(prompts))
     tell = before_forward or (lambda *a, **k: None)
-    start = clock.now()
+    start = clock.mark()  # marks: read as seconds after the last token (no device wait)
     tokens: list[list[int]] = [[] for _ in prompts]
-    times: list[list[float]] = [[] for _ in prompts]
+    times: list[list] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the request of each cache row
     # 1. Prefill the prompts; their last logits give the first tokens.
     width = max(len(p) for p in prompts)
@@ -233,7 +240,7 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     while True:
         # 2. Commit each row's greedy token.
         picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
-        now = clock.now()
+        now = clock.mark()
         going = []
         for r, b in enumerate(live):
             tokens[b].append(picked[r])
@@ -249,8 +256,9 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
         tell(1, kv.length + 1, "decode", rows=len(live))
         logits = kv.forward([[tokens[b][-1]] for b in live])
     peak, source = memory.peak()
-    return [Generation(tokens=tokens[b], commit_times_s=times[b], start_time_s=start,
-                       peak_mem_bytes=peak, peak_mem_source=source) for b in range(len(prompts))]
+    return [Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
+                       start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+                       peak_mem_source=source) for b in range(len(prompts))]
 
 
 class DeviceMemory:

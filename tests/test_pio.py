@@ -323,6 +323,9 @@ class _Link:
     def elapsed(self, start, end, wait=False):
         return end - start
 
+    def span(self, t):
+        return (t.start, t.end) if t.done() else None
+
     def compute(self, s):
         self.t += s
 

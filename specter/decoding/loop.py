@@ -12,6 +12,12 @@ prefetched during the draft (the orchestrator).
 
 Invariant between windows: the cache holds the target's KV for every committed token but the
 last one (`pending`), which the next window feeds first.
+
+Time: the loop takes the clock's marks (`mark()`: a CUDA event on the compute stream, never a
+device-wide wait) and turns them into seconds after the request's last token; the host waits
+only to read values (each window's acceptance, the greedy picks), on the compute stream.
+`AdaptiveDepth` hears each window once the device has passed it (at once on the modelled
+clocks, a window or so later on CUDA).
 """
 
 from __future__ import annotations
@@ -237,15 +243,28 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         raise ValueError("every request needs at least one prompt token")
     memory.start()
     kv = BatchCache(model, device, len(prompts))
-    start = clock.now()
+    start = clock.mark()
     n = len(prompts)
     tokens: list[list[int]] = [[] for _ in range(n)]
-    times: list[list[float]] = [[] for _ in range(n)]
+    times: list[list] = [[] for _ in range(n)]  # the clock's mark at each commit
     stats = [SpecStats(k=k) for _ in range(n)]
     limit = [max_new_tokens] * n
     tell = before_forward or (lambda *a, **kw: None)
     live = list(range(n))  # the request of each cache row
     q_rows: list[list[torch.Tensor]] = [[] for _ in range(n)]  # draft probabilities (sampling)
+    spans: list[list[tuple]] = [[] for _ in range(n)]  # per row, (draft, verify, done) marks
+    heard: list[tuple] = []  # windows `depth` has not heard yet: (k, accepted, rejected,
+    #                          steps, draft mark, verify mark, done mark)
+
+    def tell_depth() -> None:
+        """Each window the device has passed, in order, to `depth` (no wait)."""
+        while heard:
+            k_w, acc, rej, steps, t0, t1, t2 = heard[0]
+            verify_s = clock.elapsed(t1, t2)
+            if verify_s is None:
+                return
+            depth.observe(k_w, acc, rej, clock.elapsed(t0, t1), steps, verify_s)
+            heard.pop(0)
 
     def pick(b: int, row: torch.Tensor) -> int:
         if sampling:
@@ -280,7 +299,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     tell(width, width, "prefill", rows=n)
     logits = kv.forward([list(p) for p in prompts])
     pending = [pick(b, logits[b, -1]) for b in range(n)]
-    now = clock.now()
+    now = clock.mark()
     seqs = [list(p) + [pending[b]] for b, p in enumerate(prompts)]  # committed ids per row
     memory.observe_cache(kv.cache)
     if separate is not None:
@@ -289,13 +308,15 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
 
     while live:
         # 2. Draft: per row at most the tokens still wanted after the target's next one.
+        if depth is not None:
+            tell_depth()
         k_now = depth.next_k() if depth is not None else k
         k_effs = [min(k_now, limit[b] - len(tokens[b]) - 1) for b in live]
         proposals: list[list[int]] = [[] for _ in live]
         for b in live:
             q_rows[b] = []
         base = kv.length
-        t_draft = clock.now()
+        t_draft = clock.mark()
         if max(k_effs) > 0 and separate is not None:
             separate.sync(kv)
             proposals = separate.propose([seqs[b] for b in live], k_effs,
@@ -307,7 +328,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                                         lambda r, row: pick(live[r], row), tell, stop,
                                         after_draft_step, on_device=not sampling)
             kv.crop(base)
-        t_verify = clock.now()
+        t_verify = clock.mark()
         # 3. Verify every row's pending token + proposals in one target forward.
         blocks = [[pending[b]] + proposals[r] for r, b in enumerate(live)]
         width = max(len(block) for block in blocks)
@@ -317,7 +338,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         #    (greedy), or by speculative sampling.
         if not sampling:
             targets = logits.argmax(dim=-1).tolist()  # host sync: acceptance is a host decision
-        now = clock.now()
+        now = clock.mark()
         going, kept = [], []
         accepted = rejected = 0
         for r, b in enumerate(live):
@@ -341,8 +362,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
             st.drafted += len(props)
             st.accepted += n_acc
             st.accepted_lens.append(n_acc)
-            st.draft_s.append(t_verify - t_draft)
-            st.verify_s.append(now - t_verify)
+            spans[b].append((t_draft, t_verify, now))
             if not commit(b, new, now):
                 going.append(r)
             # the draft's KV of the tokens it fed that were kept (a separate draft's own)
@@ -353,8 +373,9 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
             kv.keep(r, len(seqs[b]) - 1)
         kv.trim()
         if depth is not None:
-            depth.observe(k_now, accepted, rejected, t_verify - t_draft,
-                          max(len(p) for p in proposals), now - t_verify)
+            heard.append((k_now, accepted, rejected, max(len(p) for p in proposals),
+                          t_draft, t_verify, now))
+            tell_depth()
         if separate is not None and max(k_effs) > 0:
             separate.commit(kept)
         memory.observe_cache(kv.cache)
@@ -363,9 +384,13 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         leave(going)
     peak, source = memory.peak()
     gens = []
-    for b in range(n):
-        gen = Generation(tokens=tokens[b], commit_times_s=times[b], start_time_s=start,
-                         peak_mem_bytes=peak, peak_mem_source=source)
-        gen.stats.update(stats[b].as_record())
+    for b in range(n):  # the request is over: its marks read as seconds
+        st = stats[b]
+        st.draft_s = [clock.elapsed(t0, t1, wait=True) for t0, t1, _ in spans[b]]
+        st.verify_s = [clock.elapsed(t1, t2, wait=True) for _, t1, t2 in spans[b]]
+        gen = Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
+                         start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+                         peak_mem_source=source)
+        gen.stats.update(st.as_record())
         gens.append(gen)
     return gens

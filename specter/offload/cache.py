@@ -2,8 +2,11 @@
 
 Owns: slot storage on the device (one flat buffer per slot, so a move is one copy), the
 expert <-> slot maps, in-flight copies, protection (experts in use, in flight or prefetched
-for the current window are never evicted), and the fixed initial resident set that `reset`
-restores before every request (outside timing). Eviction order is the policy's (policy.py);
+for the current window are never evicted), the fixed initial resident set that `reset`
+restores before every request (outside timing), and each buffer's read fence: the point on
+the compute stream after the last kernel that read it (`touch` notes a read, `end_forward`
+fences a layer's reads once per forward), which a copy into that buffer waits for and
+nothing else (link.py `copy(after=)`). Eviction order is the policy's (policy.py);
 moving bytes is the link's (link.py).
 Does not own: deciding what to load (systems and prefetchers call `load`).
 """
@@ -30,6 +33,8 @@ class LayerCache:
         self.pinned: set[int] = set()  # planned for the coming verification (prefetch pins)
         self.staged: dict[int, int] = {}  # expert -> staging buffer (prefetched beyond the slots)
         self.policy = policy
+        self.read_fence: list = [None] * slots  # per slot: after its last reader (link.fence)
+        self.reading: set[int] = set()  # slots read in the forward now running, not yet fenced
 
 
 class ExpertCache:
@@ -49,6 +54,7 @@ class ExpertCache:
                        for _ in range(store.num_moe_layers)]
         self.pool = torch.empty(staging, layout.numel, dtype=layout.dtype, device=device)  # [B, flat]
         self.pool_free = list(range(staging))
+        self.pool_fence: list = [None] * staging  # per staging buffer: after its last reader
         self.staged_loads = 0  # prefetches that landed in a staging buffer (since reset)
 
     # --- state -------------------------------------------------------------------------
@@ -61,12 +67,18 @@ class ExpertCache:
             lc.protected.clear()
             lc.pinned.clear()
             lc.staged.clear()
+            lc.reading.clear()
             for s in range(self.slots):
                 lc.buf[s].copy_(self.store.expert(l, s))
                 lc.slot_of[s] = s
                 lc.expert_in[s] = s
             lc.policy.reset(range(self.slots))
+        # the copies above ran on the compute stream: a copy-engine write waits for them
+        fence = self.link.fence()
+        for lc in self.layers:
+            lc.read_fence = [fence] * self.slots
         self.pool_free = list(range(self.pool.shape[0]))
+        self.pool_fence = [fence] * self.pool.shape[0]
         self.staged_loads = 0
 
     def resident(self, l: int, e: int) -> bool:
@@ -145,9 +157,12 @@ class ExpertCache:
             self.wait(l, victim)
             slot = lc.slot_of.pop(victim)
             lc.policy.forget(victim)
+            if slot in lc.reading:  # read earlier in this forward: fence its reads now
+                self._fence_reads(lc)
         lc.expert_in[slot] = e
         lc.slot_of[e] = slot
-        t = self.link.copy(lc.buf[slot], self.store.expert(l, e), nbytes=self.transfer_bytes)
+        t = self.link.copy(lc.buf[slot], self.store.expert(l, e), nbytes=self.transfer_bytes,
+                           after=lc.read_fence[slot])
         lc.inflight[e] = t
         lc.policy.touch(e)
         return t
@@ -160,7 +175,8 @@ class ExpertCache:
             return None
         buf = self.pool_free.pop()
         lc.staged[e] = buf
-        t = self.link.copy(self.pool[buf], self.store.expert(l, e), nbytes=self.transfer_bytes)
+        t = self.link.copy(self.pool[buf], self.store.expert(l, e), nbytes=self.transfer_bytes,
+                           after=self.pool_fence[buf])
         lc.inflight[e] = t
         self.staged_loads += 1
         return t
@@ -169,10 +185,25 @@ class ExpertCache:
         """Layer `l`'s target forward is done: its staged experts leave their buffers (a copy
         still in flight is waited for first: the buffer must not be overwritten under it)."""
         lc = self.layers[l]
+        fence = self.link.fence() if lc.staged else None  # after the forward's reads
         for e, buf in list(lc.staged.items()):
             self.wait(l, e)
             del lc.staged[e]
             self.pool_free.append(buf)
+            self.pool_fence[buf] = fence
+
+    def end_forward(self, l: int) -> None:
+        """Layer `l`'s forward has queued every kernel that reads its slots: one fence after
+        them, which later copies into those slots wait for (link.py `copy(after=)`)."""
+        lc = self.layers[l]
+        if lc.reading:
+            self._fence_reads(lc)
+
+    def _fence_reads(self, lc: LayerCache) -> None:
+        fence = self.link.fence()
+        for s in lc.reading:
+            lc.read_fence[s] = fence
+        lc.reading.clear()
 
     def wait(self, l: int, e: int) -> None:
         """The compute stream waits for `e`'s copy, if one is outstanding."""
@@ -181,8 +212,11 @@ class ExpertCache:
             self.link.wait(t)
 
     def touch(self, l: int, e: int) -> None:
-        if e in self.layers[l].slot_of:  # staged experts are outside the eviction order
-            self.layers[l].policy.touch(e)
+        """`e` is used (the eviction order) and its buffer about to be read by compute."""
+        lc = self.layers[l]
+        if e in lc.slot_of:  # staged experts are outside the eviction order (and fenced
+            lc.policy.touch(e)  # when their buffer is released)
+            lc.reading.add(lc.slot_of[e])
 
     def weights(self, l: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
         lc = self.layers[l]

@@ -20,9 +20,19 @@ profiles"):
 - `cuda`: a dedicated copy stream, `non_blocking` copies and CUDA events; times are read from
   the events. The profile is not used for timing: the real PCIe link is measured.
 
-`copy(dst, src, nbytes=None)` charges `nbytes` to the link when given (the cost model may
-charge a real model's expert size while a small model's tensors are moved); by default the
-size of `src`.
+`copy(dst, src, nbytes=None, after=None)` charges `nbytes` to the link when given (the cost
+model may charge a real model's expert size while a small model's tensors are moved); by
+default the size of `src`. `after` is a fence (`fence()`: a point on the compute stream, taken
+after the last kernel that reads `dst` was queued): the copy waits for it and for nothing
+else, so a prefetch into one slot never waits for compute that reads other slots.
+
+The decode path never waits for the whole device. It takes `mark()`s (a CUDA event recorded
+on the compute stream; the clock's value on the other kinds) and turns them into seconds with
+`elapsed` / `timestamp` once the device has passed them: `elapsed(..., wait=False)` answers
+None until then, and a request's marks are read after its last token, when the host waits on
+the compute stream's last event alone. `now()` on CUDA synchronizes the device: it is for
+code outside decoding (calibration, the transformers baseline's own clock). Decisions made on
+the host (host-computed misses) read `host_now()`, the host's own clock, which never waits.
 """
 
 from __future__ import annotations
@@ -188,9 +198,11 @@ class Link(ABC):
         self.host_wait_s = 0.0
 
     # --- the interface -------------------------------------------------------------------
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None) -> Transfer:
-        """Issue an asynchronous copy of `src` into `dst`; the data really moves."""
-        transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes))
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int | None = None,
+             after=None) -> Transfer:
+        """Issue an asynchronous copy of `src` into `dst`; the data really moves. `after`: the
+        fence of the last compute that reads `dst` (None: nothing queued reads it)."""
+        transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes), after)
         self._transfers.append(transfer)
         if self.kind != "virtual":
             self._prune_pending()
@@ -207,13 +219,33 @@ class Link(ABC):
 
     def mark(self):
         """A point on the compute timeline, taken without waiting for the device; `elapsed`
-        reads the span between two marks later."""
+        reads the span between two marks later, `timestamp` one mark's time."""
         return self.now()
 
     def elapsed(self, start, end, wait: bool = False) -> float | None:
         """Seconds from mark `start` to mark `end`, or None while the device has not reached
         `end` (asking does not wait unless `wait`)."""
         return end - start
+
+    def timestamp(self, mark) -> float:
+        """Mark `mark` in seconds on this link's clock (the value `now()` had there); on CUDA
+        it waits for the compute stream to reach the mark: read a request's marks after it."""
+        return mark
+
+    def span(self, t: Transfer) -> tuple[float, float] | None:
+        """(start, end) of copy `t` on this link's clock once it has completed, else None
+        (asking never waits)."""
+        return (t.start, t.end) if t.done() and t.start is not None else None
+
+    def fence(self):
+        """A point on the compute stream after everything queued so far, for `copy(after=)`:
+        None where compute runs before the host goes on (virtual, wall)."""
+        return None
+
+    def host_now(self) -> float:
+        """The host's clock for host-side estimates (real links: `perf_counter`, never a
+        device wait; virtual: the compute clock)."""
+        return self.now()
 
     @abstractmethod
     def wait(self, t: Transfer) -> None:
@@ -279,14 +311,14 @@ class Link(ABC):
     def host_free(self) -> float:
         """When the host's queue is empty, on this link's clock (real links: now plus the
         estimated seconds of the jobs not finished)."""
-        now = self.now()
+        now = self.host_now()
         return now + (self._host.pending_s() if self._host is not None else 0.0)
 
     def copy_engine_free(self) -> float:
         """When the copy engine's queue is empty (real links: now plus the profile's time for
         the bytes of the copies not finished: an estimate, the clock is real)."""
         self._prune_pending()
-        return self.now() + sum(self.profile.transfer_s(t.nbytes) for t in self._pending)
+        return self.host_now() + sum(self.profile.transfer_s(t.nbytes) for t in self._pending)
 
     def close(self) -> None:
         """Release threads / streams; the link cannot copy afterwards."""
@@ -309,8 +341,8 @@ class Link(ABC):
 
     # --- per kind ------------------------------------------------------------------------
     @abstractmethod
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
-        """Start one copy charged `nbytes` and return its handle."""
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after=None) -> Transfer:
+        """Start one copy charged `nbytes`, after fence `after`, and return its handle."""
 
     def _settle(self) -> None:
         """Make `start` / `end` of every transfer in the window known."""
@@ -370,7 +402,7 @@ class VirtualLink(Link):
             self._tc = job.end
         return job.value
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after=None) -> Transfer:
         # issued at tc, it starts when the engine is free and occupies it for the modelled time
         start = max(self._tc, self._te)
         end = start + self.profile.transfer_s(nbytes)
@@ -466,7 +498,8 @@ class WallLink(Link):
     def now(self) -> float:
         return time.perf_counter()
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after=None) -> Transfer:
+        # compute ran on this thread before the host went on: every read of dst is done
         if self._closed:
             raise RuntimeError("wall link is closed")
         t = WallTransfer(nbytes, time.perf_counter())
@@ -531,30 +564,47 @@ class CudaTransfer(Transfer):
 
 
 class CudaLink(Link):
-    """A dedicated copy stream; times are CUDA event timestamps relative to a base event."""
+    """A dedicated copy stream; times are CUDA event timestamps relative to a base event.
+
+    What the host waits for, and nothing more: a copy waits on the copy stream for the fence
+    of the last compute reading its destination (`copy(after=)`); the compute stream waits for
+    a copy on the GPU (`wait`: an event wait, no host block); marks are events read once the
+    device has passed them; `stats` (after a request) waits on the copy stream's and the
+    compute stream's last events. `cuda` is the `torch.cuda` module, or a stand-in with its
+    Stream / Event / current_stream / stream / synchronize (tests/fake_cuda.py counts the
+    waits a run makes on the CPU)."""
 
     kind = "cuda"
 
-    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+    def __init__(self, profile: LinkProfile, device: torch.device, cuda=None) -> None:
         super().__init__(profile, device)
-        self._stream = torch.cuda.Stream(device=device)
+        self._cuda = cuda if cuda is not None else torch.cuda
+        self._stream = self._cuda.Stream(device=device)
         self._event_waits: list[tuple[torch.cuda.Event, CudaTransfer]] = []
         self._warned_pageable = False
         self._base: torch.cuda.Event  # recorded by reset_stats
         self.reset_stats()
 
     def _compute_stream(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
+        return self._cuda.current_stream(self.device)
 
     def _timing_event(self) -> torch.cuda.Event:
-        return torch.cuda.Event(enable_timing=True)
+        return self._cuda.Event(enable_timing=True)
 
     def now(self) -> float:
-        torch.cuda.synchronize(self.device)  # a host sync: the hot path asks `mark` instead
+        self._cuda.synchronize(self.device)  # a device-wide wait: never on the decode path
+        return time.perf_counter()
+
+    def host_now(self) -> float:
         return time.perf_counter()
 
     def mark(self) -> torch.cuda.Event:
         event = self._timing_event()
+        event.record(self._compute_stream())
+        return event
+
+    def fence(self) -> torch.cuda.Event:
+        event = self._cuda.Event()
         event.record(self._compute_stream())
         return event
 
@@ -565,15 +615,27 @@ class CudaLink(Link):
             return None
         return start.elapsed_time(end) / 1e3
 
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int) -> Transfer:
+    def timestamp(self, mark) -> float:
+        if not mark.query():
+            mark.synchronize()  # the compute stream's event: no wait on the copy stream
+        return self._seconds(mark)
+
+    def span(self, t: Transfer) -> tuple[float, float] | None:
+        if not t.done():  # the end event's query: no wait
+            return None
+        return self._seconds(t.start_event), self._seconds(t.end_event)
+
+    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after=None) -> Transfer:
         if src.device.type == "cpu" and not src.is_pinned() and not self._warned_pageable:
             warnings.warn("cuda link: src is pageable host memory; the copy will not overlap "
                           "compute (pin expert storage)", stacklevel=3)
             self._warned_pageable = True
-        # the destination slot may still be read by compute queued before this call
-        self._stream.wait_stream(self._compute_stream())
+        # the destination may still be read by compute queued before this call: the copy
+        # waits for that compute's fence, not for everything queued on the compute stream
+        if after is not None:
+            self._stream.wait_event(after)
         start, end = self._timing_event(), self._timing_event()
-        with torch.cuda.stream(self._stream):
+        with self._cuda.stream(self._stream):
             start.record(self._stream)
             _copy_data(dst, src, non_blocking=True)
             end.record(self._stream)
@@ -609,7 +671,10 @@ class CudaLink(Link):
         return self._base.elapsed_time(event) / 1e3  # ms -> s since the base event
 
     def _settle(self) -> None:
-        torch.cuda.synchronize(self.device)
+        # after a request: the copy stream's work, then the compute stream's (its stall
+        # events); each stream's own wait, never the whole device
+        self._stream.synchronize()
+        self.mark().synchronize()
         for t in self._transfers:
             t.start, t.end = self._seconds(t.start_event), self._seconds(t.end_event)
             t.release()

@@ -288,6 +288,7 @@ class OffloadRuntime:
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
         final = sum_in_expert_order(hidden, outs, needed) if total is None else total.result()
         cache.release_staged(l)  # staging buffers serve one forward of their layer
+        cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
         return final
 
     def grouping(self) -> bool:
@@ -311,12 +312,13 @@ class OffloadRuntime:
         stays resident), then in order each miss whose host job (after the host's earlier
         jobs) would end before its copy (after the copies queued) lands and computes.
         Seconds from `rates` (the virtual clock's cost model, or a real clock's profile),
-        scaled to the link's clock; on a real clock the queues are the link's estimates."""
+        scaled to the link's clock; on a real clock the queues are the link's estimates, read
+        on the host's own clock (`host_now`: no device wait)."""
         if not misses and not any(t is not None for t in (late or {}).values()):
-            return []  # nothing to decide (and, on a GPU, no clock read: that synchronizes)
+            return []  # nothing to decide
         rates, link = self.rates, self.link
         scale = link.time_scale
-        now = link.now()
+        now = link.host_now()
         host_free, copy_free = max(now, link.host_free()), max(now, link.copy_engine_free())
         copy_s = rates.transfer_s(rates.expert_transfer_bytes()) * scale
         chosen = []

@@ -250,8 +250,9 @@ class Orchestrator(WindowPrefetcher):
     def _measure_bandwidth(self) -> None:
         left = []
         for t in self.inflight:
-            if t.done() and t.start is not None and t.end is not None and t.end > t.start:
-                self.bandwidth.update(t.nbytes / max(t.end - t.start - self.latency_s, 1e-12))
-            elif not t.done():
+            span = self.link.span(t)  # (start, end) once landed; never a wait
+            if span is not None and span[1] > span[0]:
+                self.bandwidth.update(t.nbytes / max(span[1] - span[0] - self.latency_s, 1e-12))
+            elif span is None:
                 left.append(t)
         self.inflight = left

@@ -1,0 +1,112 @@
+"""A stand-in for `torch.cuda` on the CPU that logs every wait a CUDA run would make.
+
+`CudaLink(profile, cpu, cuda=FakeCuda())` runs the real CUDA link's code (its copy stream, its
+events, its waits) over CPU tensors, so a CPU test can count what the decode path asks of a
+GPU: device-wide synchronizes, stream and event synchronizes (by the stream they wait on), and
+cross-stream waits (which stream waits, on which stream's event, or on a whole stream).
+Copies still run at once on the CPU (the data is right); times are `perf_counter` readings
+taken at each event's `record`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class WaitLog:
+    device_syncs: int = 0  # torch.cuda.synchronize: the host waits for every stream
+    stream_syncs: Counter = field(default_factory=Counter)  # Stream.synchronize, by stream
+    event_syncs: Counter = field(default_factory=Counter)  # Event.synchronize, by recording stream
+    # stream -> what it was made to wait on: "<stream>" (an event recorded there) or
+    # "<stream>:all" (wait_stream: everything queued there)
+    stream_waits: list[tuple[str, str]] = field(default_factory=list)
+
+    def host_waits_on(self, stream: str) -> int:
+        """Host blocks that cover `stream`'s work: its syncs, its events' syncs, and every
+        device-wide sync."""
+        return self.stream_syncs[stream] + self.event_syncs[stream] + self.device_syncs
+
+    def snapshot(self) -> "WaitLog":
+        return WaitLog(self.device_syncs, Counter(self.stream_syncs), Counter(self.event_syncs),
+                       list(self.stream_waits))
+
+    def since(self, earlier: "WaitLog") -> "WaitLog":
+        return WaitLog(self.device_syncs - earlier.device_syncs,
+                       self.stream_syncs - earlier.stream_syncs,
+                       self.event_syncs - earlier.event_syncs,
+                       self.stream_waits[len(earlier.stream_waits):])
+
+
+class FakeStream:
+    def __init__(self, cuda: "FakeCuda", name: str):
+        self.cuda, self.name = cuda, name
+
+    def wait_event(self, event: "FakeEvent") -> None:
+        self.cuda.log.stream_waits.append((self.name, event.stream))
+
+    def wait_stream(self, other: "FakeStream") -> None:
+        self.cuda.log.stream_waits.append((self.name, f"{other.name}:all"))
+
+    def synchronize(self) -> None:
+        self.cuda.log.stream_syncs[self.name] += 1
+
+
+class FakeEvent:
+    def __init__(self, cuda: "FakeCuda", enable_timing: bool = False):
+        self.cuda, self.timing = cuda, enable_timing
+        self.stream: str | None = None
+        self.t: float | None = None
+
+    def record(self, stream: FakeStream | None = None) -> None:
+        self.stream = (stream or self.cuda.current).name
+        self.t = time.perf_counter()
+
+    def query(self) -> bool:
+        return self.t is not None
+
+    def synchronize(self) -> None:
+        self.cuda.log.event_syncs[self.stream] += 1
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        if not (self.timing and end.timing):
+            raise RuntimeError("elapsed_time needs two timing events")
+        if self.t is None or end.t is None:
+            raise RuntimeError("elapsed_time of an event not recorded")
+        return (end.t - self.t) * 1e3
+
+
+class FakeCuda:
+    """The parts of `torch.cuda` the CUDA link uses. The compute stream is "compute"; each
+    `Stream()` made is "copy", "copy1", ..."""
+
+    def __init__(self):
+        self.log = WaitLog()
+        self.compute = FakeStream(self, "compute")
+        self.current = self.compute
+        self._made = 0
+
+    def Stream(self, device=None) -> FakeStream:  # noqa: N802 (torch.cuda's name)
+        name = "copy" if self._made == 0 else f"copy{self._made}"
+        self._made += 1
+        return FakeStream(self, name)
+
+    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802
+        return FakeEvent(self, enable_timing)
+
+    def current_stream(self, device=None) -> FakeStream:
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s: FakeStream):
+        before, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def synchronize(self, device=None) -> None:
+        self.log.device_syncs += 1

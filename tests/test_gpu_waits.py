@@ -1,0 +1,125 @@
+"""What a CUDA run of the decode path would wait for, counted on the CPU.
+
+The CUDA link's own code runs over a stand-in for `torch.cuda` (tests/fake_cuda.py) that logs
+every host wait and every cross-stream wait. Per window of specter, specmoeoff and lru_s (and
+per step of lru): no device-wide synchronize, no host wait on the copy stream, and the copy
+stream made to wait only on the fences of the compute that read the slot it overwrites (an
+event, never the whole compute stream). The tokens are still the resident model's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from experiments.registry import BuildContext, build_engine
+from fake_cuda import FakeCuda
+from specter.budget import resolve_slots
+from specter.config import RunConfig
+from specter.decoding import engines
+from specter.models import archs
+from specter.models.loading import load_model
+from specter.offload.build import Timing
+from specter.offload.link import CudaLink, LinkProfile
+
+CPU = torch.device("cpu")
+A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
+        "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
+        "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6,
+        "host_matrix_flops": 2e12, "host_mem_bandwidth_Bps": 100e9}
+PROMPT = "Janet has 3 apples and buys 5 more. How many"
+
+
+def _engine(system: str, monkeypatch, fake: FakeCuda | None, name: str = "tiny_deepseek",
+            **system_kw):
+    cfg = RunConfig.from_dict({
+        "model": {"name": name, "source": "project", "dtype": "float32",
+                  "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
+        "budget": {"name": "low"}, "system": {"name": system, **system_kw},
+        "dataset": {"name": "gsm8k"}, "hardware": A100,
+        "workload": {"stop_on_eos": False}, "spec": {"k": 4}, "progress": False})
+    lm = load_model(cfg.model, CPU, progress=False)
+    budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
+                                               lm.spec.top_k), staging=0)
+    if fake is not None:  # the CUDA link's code, on the stand-in
+        link = CudaLink(LinkProfile(A100["h2d_bandwidth_Bps"], A100["h2d_latency_s"]), CPU,
+                        cuda=fake)
+        monkeypatch.setattr(engines, "timing_for",
+                            lambda ctx: Timing(link=link, cost=None, clock="cuda"))
+    return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
+
+
+def _counted_run(engine, prompt, fake: FakeCuda, n_new: int):
+    """Generate one request, snapshotting the log at each window's (or step's) end: returns
+    the generation and the waits logged from the first window's start to the last's end."""
+    ends = []
+    if hasattr(engine, "window"):
+        end_window = engine.window.end_window
+
+        def counted_end():
+            end_window()
+            ends.append(fake.log.snapshot())
+        engine.window.end_window = counted_end
+        starts = []
+        on_forward = engine.window.on_forward
+
+        def counted_forward(phase):
+            if phase != "prefill" and not starts:
+                starts.append(fake.log.snapshot())
+            on_forward(phase)
+        engine.window.on_forward = counted_forward
+    else:  # greedy: every decode step's forward
+        starts = []
+        before = engine._before_forward
+
+        def counted_before(tokens, context, phase, rows=1):
+            if phase == "decode":
+                (ends if starts else starts).append(fake.log.snapshot())
+            before(tokens, context, phase, rows)
+        engine._before_forward = counted_before
+    engine.reset()
+    gen = engine.generate(prompt, n_new)
+    assert starts and ends, "the request ran windows"
+    return gen, ends[-1].since(starts[0]), len(ends)
+
+
+@pytest.mark.parametrize("system", ["specter", "specmoeoff", "lru_s", "lru"])
+def test_the_decode_path_waits_only_on_the_compute_stream(system, monkeypatch):
+    resident, lm = _engine("resident", monkeypatch, None)
+    prompt = lm.tokenizer(PROMPT)["input_ids"]
+    ref = resident.generate(prompt, 24).tokens
+    fake = FakeCuda()
+    engine, _ = _engine(system, monkeypatch, fake)
+    gen, waits, windows = _counted_run(engine, prompt, fake, 24)
+    assert gen.tokens == ref  # the link's real code still moves the right bytes
+    assert windows >= 3
+    s = engine.runtime.as_record()
+    assert s["demand_misses"] + s.get("prefetches", 0) > 0, "copies were issued"
+    assert waits.device_syncs == 0, f"{waits.device_syncs} device-wide syncs in {windows} windows"
+    assert waits.host_waits_on("copy") == 0, "the host waited on the copy stream"
+    copy_waits = [on for who, on in waits.stream_waits if who == "copy"]
+    assert copy_waits, "copies into slots read before wait for their readers' fences"
+    assert all(on == "compute" for on in copy_waits), copy_waits  # events, never ':all'
+    # the whole request (reset and records included) never waits for the whole device
+    assert fake.log.device_syncs == 0
+    # commit times came from the compute stream's events, read after the request
+    assert len(gen.commit_times_s) == len(gen.tokens)
+    assert all(b >= a for a, b in zip(gen.commit_times_s, gen.commit_times_s[1:]))
+
+
+def test_a_copy_waits_for_the_fence_of_its_slots_last_reader(monkeypatch):
+    """The slot a copy overwrites was last read by compute that the copy must follow; the
+    fence it waits on is recorded after that read and not after later compute."""
+    fake = FakeCuda()
+    engine, lm = _engine("lru", monkeypatch, fake)
+    cache = engine.runtime.cache
+    engine.reset()
+    lc = cache.layers[0]
+    fence_after_reset = lc.read_fence[0]
+    assert fence_after_reset is not None and fence_after_reset.stream == "compute"
+    engine.generate(lm.tokenizer(PROMPT)["input_ids"], 4)
+    # every slot read since the reset has a fence of its own, recorded after its read
+    assert not lc.reading
+    assert all(f is not None and f.stream == "compute" for f in lc.read_fence)
