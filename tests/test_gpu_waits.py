@@ -29,25 +29,27 @@ A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge
         "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
         "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6,
         "host_matrix_flops": 2e12, "host_mem_bandwidth_Bps": 100e9}
+pytestmark = pytest.mark.filterwarnings("ignore:cuda link. src is pageable")  # CPU tensors
 PROMPT = "Janet has 3 apples and buys 5 more. How many"
 
 
 def _engine(system: str, monkeypatch, fake: FakeCuda | None, name: str = "tiny_deepseek",
-            **system_kw):
+            hardware=A100, **system_kw):
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project", "dtype": "float32",
                   "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
         "budget": {"name": "low"}, "system": {"name": system, **system_kw},
-        "dataset": {"name": "gsm8k"}, "hardware": A100,
+        "dataset": {"name": "gsm8k"}, "hardware": hardware,
         "workload": {"stop_on_eos": False}, "spec": {"k": 4}, "progress": False})
     lm = load_model(cfg.model, CPU, progress=False)
     budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
                                                lm.spec.top_k), staging=0)
-    if fake is not None:  # the CUDA link's code, on the stand-in
-        link = CudaLink(LinkProfile(A100["h2d_bandwidth_Bps"], A100["h2d_latency_s"]), CPU,
-                        cuda=fake)
-        monkeypatch.setattr(engines, "timing_for",
-                            lambda ctx: Timing(link=link, cost=None, clock="cuda"))
+    if fake is not None:  # the CUDA link's code, on the stand-in; the profile's rates decide
+        link = CudaLink(LinkProfile(hardware["h2d_bandwidth_Bps"], hardware["h2d_latency_s"]),
+                        CPU, cuda=fake)  # host-computed misses, as on a real clock
+        modelled = engines.timing_for
+        monkeypatch.setattr(engines, "timing_for", lambda ctx: Timing(
+            link=link, cost=None, clock="cuda", rates=modelled(ctx).cost))
     return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
 
 
@@ -85,18 +87,24 @@ def _counted_run(engine, prompt, fake: FakeCuda, n_new: int):
     return gen, ends[-1].since(starts[0]), len(ends)
 
 
-@pytest.mark.parametrize("system", ["specter", "specmoeoff", "lru_s", "lru"])
+SLOW_LINK = dict(A100, h2d_bandwidth_Bps=0.5e9)  # copies dear: misses go to the host
+
+
+@pytest.mark.parametrize("system", ["specter", "specmoeoff", "lru_s", "lru", "specter_hybrid"])
 def test_the_decode_path_waits_only_on_the_compute_stream(system, monkeypatch):
+    hybrid = system.endswith("_hybrid")
     resident, lm = _engine("resident", monkeypatch, None)
     prompt = lm.tokenizer(PROMPT)["input_ids"]
     ref = resident.generate(prompt, 24).tokens
     fake = FakeCuda()
-    engine, _ = _engine(system, monkeypatch, fake)
+    engine, _ = _engine(system, monkeypatch, fake, hardware=SLOW_LINK if hybrid else A100)
     gen, waits, windows = _counted_run(engine, prompt, fake, 24)
     assert gen.tokens == ref  # the link's real code still moves the right bytes
     assert windows >= 3
     s = engine.runtime.as_record()
     assert s["demand_misses"] + s.get("prefetches", 0) > 0, "copies were issued"
+    if hybrid:  # the host thread computed some misses; the device waited for it alone
+        assert s["host_experts"] > 0
     assert waits.device_syncs == 0, f"{waits.device_syncs} device-wide syncs in {windows} windows"
     assert waits.host_waits_on("copy") == 0, "the host waited on the copy stream"
     copy_waits = [on for who, on in waits.stream_waits if who == "copy"]
