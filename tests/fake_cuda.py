@@ -110,3 +110,67 @@ class FakeCuda:
 
     def synchronize(self, device=None) -> None:
         self.log.device_syncs += 1
+
+
+class CountedCuda:
+    """The real `torch.cuda`, with every host wait logged as `FakeCuda` logs them (a CUDA
+    test's counter): `torch.cuda.synchronize`, `Stream.synchronize`, `Event.synchronize` (by
+    the stream the event was recorded on) and cross-stream waits, patched on entry and
+    restored on exit. `names` maps a stream's id to the name the log uses ("compute",
+    "copy"); other streams log as "other"."""
+
+    def __init__(self, names: dict[int, str] | None = None):
+        self.log = WaitLog()
+        self.names = dict(names or {})
+        self._saved: list = []
+
+    def name(self, stream) -> str:
+        return self.names.get(getattr(stream, "cuda_stream", id(stream)), "other")
+
+    def __enter__(self) -> "CountedCuda":
+        import torch
+
+        cuda, log, counter = torch.cuda, self.log, self
+        saved = [(cuda, "synchronize", cuda.synchronize),
+                 (cuda.Stream, "synchronize", cuda.Stream.synchronize),
+                 (cuda.Stream, "wait_event", cuda.Stream.wait_event),
+                 (cuda.Stream, "wait_stream", cuda.Stream.wait_stream),
+                 (cuda.Event, "record", cuda.Event.record),
+                 (cuda.Event, "synchronize", cuda.Event.synchronize)]
+        self._saved = saved
+        fns = {(owner, attr): fn for owner, attr, fn in saved}
+        recorded_on: dict[int, str] = {}
+
+        def synchronize(*a, **k):
+            log.device_syncs += 1
+            return fns[(cuda, "synchronize")](*a, **k)
+
+        def stream_sync(self_):
+            log.stream_syncs[counter.name(self_)] += 1
+            return fns[(cuda.Stream, "synchronize")](self_)
+
+        def wait_event(self_, event):
+            log.stream_waits.append((counter.name(self_), recorded_on.get(id(event), "other")))
+            return fns[(cuda.Stream, "wait_event")](self_, event)
+
+        def wait_stream(self_, other):
+            log.stream_waits.append((counter.name(self_), f"{counter.name(other)}:all"))
+            return fns[(cuda.Stream, "wait_stream")](self_, other)
+
+        def record(self_, stream=None):
+            recorded_on[id(self_)] = counter.name(stream or cuda.current_stream())
+            return fns[(cuda.Event, "record")](self_, stream)
+
+        def event_sync(self_):
+            log.event_syncs[recorded_on.get(id(self_), "other")] += 1
+            return fns[(cuda.Event, "synchronize")](self_)
+
+        for (owner, attr), fn in zip(((o, a) for o, a, _ in saved),
+                                     (synchronize, stream_sync, wait_event, wait_stream, record,
+                                      event_sync)):
+            setattr(owner, attr, fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, fn in self._saved:
+            setattr(owner, attr, fn)

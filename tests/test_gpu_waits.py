@@ -53,7 +53,7 @@ def _engine(system: str, monkeypatch, fake: FakeCuda | None, name: str = "tiny_d
     return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
 
 
-def _counted_run(engine, prompt, fake: FakeCuda, n_new: int):
+def _counted_run(engine, prompt, fake, n_new: int):
     """Generate one request, snapshotting the log at each window's (or step's) end: returns
     the generation and the waits logged from the first window's start to the last's end."""
     ends = []
@@ -131,3 +131,37 @@ def test_a_copy_waits_for_the_fence_of_its_slots_last_reader(monkeypatch):
     # every slot read since the reset has a fence of its own, recorded after its read
     assert not lc.reading
     assert all(f is not None and f.stream == "compute" for f in lc.read_fence)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("system", ["specter", "specmoeoff", "lru_s", "lru"])
+def test_on_cuda_the_decode_path_waits_only_on_the_compute_stream(system, monkeypatch):
+    """The same count on a GPU, with the real torch.cuda patched to log (fake_cuda.CountedCuda):
+    the syncs a real CUDA run of each system makes per window."""
+    from fake_cuda import CountedCuda
+
+    dev = torch.device("cuda")
+    cfg = RunConfig.from_dict({
+        "model": {"name": "tiny_deepseek", "source": "project", "dtype": "float32",
+                  "stands_for": archs.STANDS_FOR["deepseek"]},
+        "budget": {"name": "low"}, "system": {"name": system},
+        "dataset": {"name": "gsm8k"}, "hardware": {"name": "cuda", "device": "cuda",
+                                                   "clock": "wall"},
+        "workload": {"stop_on_eos": False}, "spec": {"k": 4}, "quant": {"method": "rtn"},
+        "progress": False})
+    lm = load_model(cfg.model, dev, progress=False)
+    budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
+                                               lm.spec.top_k), staging=0)
+    engine = build_engine(BuildContext(cfg, lm, budget, dev))
+    link = engine.timing.link
+    assert link.kind == "cuda"
+    names = {torch.cuda.current_stream(dev).cuda_stream: "compute",
+             link._stream.cuda_stream: "copy"}
+    with CountedCuda(names) as counted:
+        gen, waits, windows = _counted_run(engine, lm.tokenizer(PROMPT)["input_ids"],
+                                           counted, 24)
+    print(f"{system}: {windows} windows, device syncs {waits.device_syncs}, host waits on "
+          f"the copy stream {waits.host_waits_on('copy')}, copy-stream waits {waits.stream_waits}")
+    assert waits.device_syncs == 0
+    assert waits.host_waits_on("copy") == 0
+    assert all(on == "compute" for who, on in waits.stream_waits if who == "copy")
