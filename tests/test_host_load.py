@@ -222,7 +222,7 @@ def test_an_offloaded_cpu_run_its_memory_cannot_hold_is_one_sentence():
     GiB = 2**30
     b = CheckpointBytes(expert_bytes=12 * GiB, non_expert_bytes=GiB, tensors=0, expert_tensors=0)
     with pytest.raises(UserError, match=r"needs 23.9 GiB of memory .* 53 slots/layer .* this "
-                                        r"machine has 23.5 GiB: lower the budget\.$") as err:
+                                        r"process can have 23.5 GiB: lower the budget\.$") as err:
         check_cpu_offload_fits("olmoe", b, 53, 64, host_bytes=int(23.5 * GiB))
     assert "\n" not in str(err.value)
     with pytest.raises(UserError, match=r"or load in bfloat16"):

@@ -103,7 +103,7 @@ def test_header_bytes_equal_the_loaded_model_and_refusals_are_one_sentence(tiny_
     phi = CheckpointBytes(expert_bytes=int(78.1 * GiB), non_expert_bytes=int(3.2 * GiB),
                           tensors=1, expert_tensors=1)
     with pytest.raises(UserError, match=r"^model=phi needs 78.1 GiB of host memory for its "
-                                        r"routed experts; this machine has 23.4 GiB.$"):
+                                        r"routed experts; this process can have 23.4 GiB.$"):
         check_fits("phi", phi, True, device_bytes=None, host_bytes=int(23.4 * GiB))
     with pytest.raises(UserError, match=r"needs 3.2 GiB of device memory for its non-expert"):
         check_fits("phi", phi, True, device_bytes=2 * GiB, host_bytes=128 * GiB)

@@ -350,4 +350,4 @@ def skeleton_bytes(model_class, config, dtype: torch.dtype):
         else:
             other += p.numel() * elem
         n += 1
-    return CheckpointBytes(expert, other, n, 2 * len(mods))
+    return CheckpointBytes(expert, other, n, 2 * len(mods), expert_modules=len(mods))

@@ -1,13 +1,15 @@
 """Host-side expert store: every routed expert of every MoE layer as one flat buffer.
 
-Owns: the one host copy of the routed experts, one contiguous buffer per (layer, expert)
-(pinned on CUDA so a copy is one async DMA), filled either from a loaded model's fused 3D
-parameters (`from_model`, freeing each layer's fused copy as it goes) or tensor by tensor
-from the checkpoint's safetensors files (models/host_load.py, so the experts never pass
-through the device); viewing a flat buffer, host or device, as that expert's (gate_up
-[2I, H], down [H, I]); and `expert_weights`, how any code reads one expert's full-precision
-weights wherever they live.
-Does not own: the device slots or what is resident (cache.py), timing (link.py).
+Owns: the one host copy of the routed experts, each expert one contiguous buffer (so a copy
+is one async DMA) inside one of a few large allocations, pinned on CUDA, laid out by
+offload/pinned.py's plan (power-of-two chunks, which torch's pinned allocator does not round
+up further); filled either from a loaded model's fused 3D parameters (`from_model`, freeing
+each layer's fused copy as it goes) or tensor by tensor from the checkpoint's safetensors
+files (models/host_load.py, so the experts never pass through the device); viewing a flat
+buffer, host or device, as that expert's (gate_up [2I, H], down [H, I]); and
+`expert_weights`, how any code reads one expert's full-precision weights wherever they live.
+Does not own: the device slots or what is resident (cache.py), timing (link.py), the
+chunk plan and what the allocator reserves for it (pinned.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from torch import nn
 
 from specter.models.introspect import experts_modules
+from specter.offload.pinned import StorePlan, store_plan
 
 STORE_ATTR = "_specter_host_store"  # the model's HostExpertStore, once its experts are in one
 
@@ -58,15 +61,32 @@ class ExpertLayout:
 
 
 class HostExpertStore:
-    """flat[l][e]: the host copy of expert e of MoE layer l (l counts MoE layers only);
-    `layers[l]`: that MoE layer's decoder-layer index. Made empty (`__init__`), then filled."""
+    """flat[l][e]: the host copy of expert e of MoE layer l (l counts MoE layers only), a
+    contiguous view into one of `chunks` (the allocations `plan` lays out); `layers[l]`: that
+    MoE layer's decoder-layer index. Made empty (`__init__`), then filled."""
 
     def __init__(self, layers: list[int], layout: ExpertLayout, pin: bool):
-        self.layers, self.layout = list(layers), layout
+        self.layers, self.layout, self.pin = list(layers), layout, pin
         self.checksum: str | None = None  # the draft's source checksum, once computed
+        self.plan: StorePlan = store_plan(layout, len(self.layers))
+        elem = layout.nbytes // layout.numel
+        self.chunks: list[torch.Tensor] = [
+            torch.empty(c.nbytes // elem, dtype=layout.dtype, pin_memory=pin)
+            for c in self.plan.chunks]
+        places = self.plan.places()
         self.flat: list[list[torch.Tensor]] = [
-            [torch.empty(layout.numel, dtype=layout.dtype, pin_memory=pin)
-             for _ in range(layout.num_experts)] for _ in layers]
+            [self._slot(*next(places), elem) for _ in range(layout.num_experts)]
+            for _ in self.layers]
+
+    def _slot(self, chunk: int, offset: int, elem: int) -> torch.Tensor:
+        start = offset // elem
+        return self.chunks[chunk][start:start + self.layout.numel]
+
+    @property
+    def reserved_bytes(self) -> int:
+        """The host memory its allocations take (pinned: as torch's pinned allocator
+        reserves them)."""
+        return self.plan.reserved_bytes(self.pin)
 
     @classmethod
     def from_model(cls, model: nn.Module, pin: bool) -> "HostExpertStore":
