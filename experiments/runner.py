@@ -3,6 +3,13 @@
 Owns: the order of a run (validate everything cheap first, so bad input fails before any
 weights load or any file is written; then load, account bytes, and decode every
 (request, repeat) not yet recorded), the columns of a record, and the console output.
+Jobs share one process (a Hydra `-m` sweep calls `run` once per job): each job frees its
+model, engine, slots and draft when it ends (`free_job`: gc, then CUDA's cached blocks), so
+the next job's load-time device peak is its own; what the device held when a job began is
+recorded (`load_base_device_bytes`). In-process rather than a process per job, so that the
+host memory one sweep shares stays drawn: the last random host store
+(specter/models/host_load.py `_LAST_RANDOM_STORE`: DeepSeek-V2-Lite's 27 GiB of experts, drawn,
+pinned and checksummed once) is kept on purpose; the device keeps nothing of a finished job.
 Does not own: Hydra (run.py converts its config before calling `run`), systems (systems.py),
 the record layout (records.py).
 """
@@ -11,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import sys
@@ -211,11 +219,16 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
 
 def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log):
     """From the safetensors headers alone, before any weight loads: the routed experts' bytes
-    (host memory, for a system that offloads them) and the rest's (the device), each checked
-    against what holds it; one sentence when they cannot fit."""
-    from specter.models.checkpoint_bytes import check_fits, checkpoint_bytes, host_memory_bytes
+    (host memory, for a system that offloads them: on CUDA as the host store's pinned chunks
+    take them) and the rest's (the device), each checked against what holds it, the host
+    against the memory this process can have; the INT4 draft's copies and GPTQ's Hessians
+    counted where they live (checkpoint_bytes.run_extras; returned in `host_extra` for the
+    CPU offloading check). One sentence when they cannot fit."""
+    from specter.models.checkpoint_bytes import (check_fits, checkpoint_bytes, host_memory_bytes,
+                                                 run_extras, store_reserved_bytes)
 
     dtype = pick_dtype(cfg.model, device)
+    element_size = torch.finfo(dtype).bits // 8
     if cfg.model.weights == "random":  # no headers: the weightless skeleton's bytes
         from specter.models.host_load import skeleton_bytes
         from specter.models.loading import native_classes
@@ -223,17 +236,27 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
         config, model_class = native_classes(checkpoint)
         b = skeleton_bytes(model_class, config, dtype)
     else:
-        b = checkpoint_bytes(checkpoint, torch.finfo(dtype).bits // 8)
+        b = checkpoint_bytes(checkpoint, element_size)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
     at_load = experts_at_load(cfg)
+    n_experts, _ = read_moe_shape(cfg.model, checkpoint)
+    hidden = json.loads((checkpoint / "config.json").read_text()).get("hidden_size") or 0
+    q = cfg.quant
+    host_extra, device_extra = run_extras(
+        b, n_experts, hidden, element_size, device.type, draft=footprint(cfg.system).int4_draft,
+        bits=q.bits, group=q.group, gptq=q.method == "gptq" and not q.path)
+    b = dataclasses.replace(b, host_extra=host_extra)
     if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
                    torch.cuda.get_device_properties(device).total_memory,
-                   loads_whole=at_load == "device")
-    elif at_load == "device":  # the device is the host: it holds everything
-        check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes())
+                   loads_whole=at_load == "device",
+                   store_bytes=store_reserved_bytes(b, n_experts, pinned=True),
+                   device_extra=device_extra)
+    elif at_load == "device":  # the device is the host: it holds everything, extras too
+        check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes(),
+                   device_extra=host_extra)
     # (on the CPU an offloading run is checked with its slots once the budget is resolved:
-    # check_cpu_offload_fits)
+    # check_cpu_offload_fits, which counts b.host_extra)
     source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
               else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
@@ -330,11 +353,37 @@ def check_writable(cfg: RunConfig) -> None:
 ROWS_WRITTEN = [0]  # rows this process wrote, over every run (a Ctrl-C reports it)
 
 
+def free_job(error: BaseException | None = None) -> None:
+    """Free what a finished job held: the frames of its exception's traceback (which would
+    keep its model and engine alive while the error propagates), its reference cycles
+    (modules, engines and their callbacks refer to each other: only a collection frees them),
+    and, on CUDA, the allocator's cached blocks, so the device holds nothing of it."""
+    import traceback
+
+    if error is not None:
+        traceback.clear_frames(error.__traceback__)
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
     """Every (request, repeat) of `cfg` not recorded yet, decoded and written as rows.
     `decode_context(engine)`: a context manager entered around each decode call only (not
     around loading or the per-request reset): a measurement's hook, e.g. experiments.hotpath
-    counting the operations decoding issues."""
+    counting the operations decoding issues. When it returns or raises, nothing of the job is
+    left alive (`free_job`)."""
+    try:
+        summary = _run_job(cfg, log, decode_context)
+    except BaseException as e:
+        free_job(e)
+        raise
+    free_job()
+    return summary
+
+
+def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
+    """`run`'s job: its locals (model, engine) die with this frame."""
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else None
     # 1. Everything that can be checked without weights: system, device, workload, budget.
     check_system(cfg.system, cfg.workload.temperature)
@@ -367,6 +416,9 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
     prompts = [truncate_prompt(tokenizer, t, cfg.workload.prompt_tokens) for t in workload.texts]
 
     # 2. Load the model and account its device bytes.
+    # what the device holds before loading (the CUDA peak below starts from it): 0 when the
+    # last job was freed
+    base = torch.cuda.memory_allocated(device) if device.type == "cuda" else math.nan
     load = LoadMeter(device)
     loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress,
                         experts=at_load)
@@ -389,7 +441,7 @@ def run(cfg: RunConfig, log=print, decode_context=None) -> RunSummary:
 
     # 3. Decode every (request, repeat) that is not recorded yet.
     engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device))
-    load_rec = load.done()
+    load_rec = {**load.done(), "load_base_device_bytes": base}
     log(f"[specter] loaded in {load_rec['load_s']:.1f} s (ready in {load_rec['setup_s']:.1f} s): "
         f"device peak {size_text(load_rec['load_peak_device_bytes'])} "
         f"({load_rec['load_peak_device_source']}), host peak "

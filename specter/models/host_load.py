@@ -288,8 +288,20 @@ def _random_store(key: tuple, layers: list[int], layout: ExpertLayout, pin: bool
         _LAST_RANDOM_STORE.clear()  # one at a time: free the last model's before drawing
         store = HostExpertStore(layers, layout, pin=pin)
         _random_experts(store, std, seed)
+        store.checksum = random_checksum(key)
         _LAST_RANDOM_STORE[key] = store
     return store
+
+
+def random_checksum(key: tuple) -> str:
+    """The draft's source checksum (quant/calibrate.py `source_checksum`) of random experts:
+    their values follow from `key` (config, dtype, seed, std) and torch's generator, so the key
+    names them without hashing the store's bytes (DeepSeek-V2-Lite's 27 GiB: tens of seconds
+    on one core)."""
+    import hashlib
+
+    blob = repr((key[0], key[1], key[2], key[4], torch.__version__)).encode()
+    return "random-" + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def load_random(model_class, config, dtype: torch.dtype, device: torch.device,

@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The real-size stage's command chain, in one place: scripts/gpu_check.sh stage `real_size`
+# runs it on a GPU with the defaults below; tests/test_real_size.py runs the same chain on the
+# CPU with a tiny project-made model, so a GPU lease is not spent finding a typo.
+#
+# One `run.py -m` sweep in one process (the random host store is drawn, pinned and
+# checksummed once for every job; the runner frees each job's device memory before the next
+# loads): SYSTEMS x (REAL_HW, VIRTUAL_HW) at budget=gb budget.gb=BUDGET_GB with an RTN draft,
+# ITEMS items x TOKENS new tokens, one repeat. Then, optionally (RESIDENT=1), resident at
+# budget=full last (it puts the whole model on the device: 29 GiB for DeepSeek-V2-Lite).
+# Records go to $OUT/records; the verdict (experiments/real_size.py: load-time device peaks
+# against the budget, virtual/real TPOT error table) is printed at the end from them and can
+# be rerun anywhere: python -m experiments.real_size $OUT/records --real-hardware cuda.
+#
+#   MODEL        deepseek        model=...
+#   WEIGHTS      random          model.weights=... (random: the published config, no download;
+#                                checkpoint for a project-made model)
+#   REAL_HW      cuda            the real side (hardware=cuda: real CUDA time, clock "cuda")
+#   VIRTUAL_HW   h200_measured   the virtual side (its virtual clock at the same sizes)
+#   BUDGET_GB    24              budget=gb budget.gb=...
+#   SYSTEMS      lru,specter     system=...
+#   QUANT        rtn             quant.method=... (GPTQ of random weights would cost minutes)
+#   ITEMS        2               workload.items=...
+#   TOKENS       24              workload.max_new_tokens=...
+#   RESIDENT     0               1: resident at budget=full after the sweep (optional, last)
+#   KERNEL_BENCH 0               1: first the INT4 draft backends at DeepSeek's expert shape
+#                                (experiments.kernel_bench --quick --tokens 1 --write-choice:
+#                                quant.backend=auto then takes the fastest measured)
+#   EXTRA        (none)          more run.py overrides for every job, space-separated
+#   OUT          results/real_size
+#   PY           .venv/bin/python
+# Exit status: 1 when a part failed or the verdict failed (a peak above its budget, or nothing
+# paired), else 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+MODEL="${MODEL:-deepseek}"
+WEIGHTS="${WEIGHTS:-random}"
+REAL_HW="${REAL_HW:-cuda}"
+VIRTUAL_HW="${VIRTUAL_HW:-h200_measured}"
+BUDGET_GB="${BUDGET_GB:-24}"
+SYSTEMS="${SYSTEMS:-lru,specter}"
+QUANT="${QUANT:-rtn}"
+ITEMS="${ITEMS:-2}"
+TOKENS="${TOKENS:-24}"
+RESIDENT="${RESIDENT:-0}"
+KERNEL_BENCH="${KERNEL_BENCH:-0}"
+EXTRA="${EXTRA:-}"
+OUT="${OUT:-results/real_size}"
+PY="${PY:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+mkdir -p "$OUT"
+rc=0
+# shellcheck disable=SC2206  # EXTRA: word-split on purpose
+extra=($EXTRA)
+common=(model="$MODEL" model.weights="$WEIGHTS" dataset=gsm8k workload.items="$ITEMS"
+        workload.repeats=1 workload.max_new_tokens="$TOKENS" out_dir="$OUT/records"
+        progress=false ${extra[@]+"${extra[@]}"})
+
+if [ "$KERNEL_BENCH" = 1 ]; then
+  echo "-- INT4 draft backends at DeepSeek's expert shape"
+  "$PY" -m experiments.kernel_bench --out "$OUT/kernel" --device cuda --shapes deepseek \
+    --tokens 1 --quick --write-choice || rc=1
+fi
+echo "-- $SYSTEMS x hardware=$REAL_HW,$VIRTUAL_HW, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS weights)"
+"$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$REAL_HW,$VIRTUAL_HW" \
+  budget=gb budget.gb="$BUDGET_GB" quant.method="$QUANT" || rc=1
+if [ "$RESIDENT" = 1 ]; then
+  echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
+  "$PY" run.py -m "${common[@]}" system=resident budget=full \
+    hardware="$REAL_HW,$VIRTUAL_HW" || rc=1
+fi
+echo "-- verdict"
+"$PY" -m experiments.real_size "$OUT/records" --csv "$OUT/error_table.csv" \
+  --real-hardware "$REAL_HW" --virtual-hardware "$VIRTUAL_HW" || rc=1
+exit $rc
