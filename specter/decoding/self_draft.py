@@ -24,7 +24,7 @@ from torch import nn
 
 from specter.models.introspect import experts_modules
 from specter.quant.calibrate import QuantizedExperts
-from specter.quant.kernels import make_experts
+from specter.quant.kernels import layers_nbytes, make_experts
 
 IMPL_NAME = "specter_self_draft"
 
@@ -81,7 +81,9 @@ class SelfDraft:
                                               m._apply_gate, dtype, device=self.device,
                                               graphs=graphs)
                                  for l, m in enumerate(mods)]
-            self.draft_bytes = quantized.packed_bytes()
+            # what the backend's layers hold, in their layout (cuda_int4's bf16 scales and
+            # zeros included), not the quantized format's packed size
+            self.draft_bytes = layers_nbytes(self.draft_layers)
         for l, m in enumerate(mods):
             m._specter_self_draft = self
             m._specter_self_draft_layer = l

@@ -9,9 +9,12 @@ the source weights) and reused while the source weights and spec are unchanged.
 Does not own: executing quantized experts (kernels.py, draft.py).
 
 Calibration runs one MoE layer at a time (one pass over the calibration windows per layer),
-so only one layer's Hessians exist at once: E x (H^2 + I^2) float64, about 3 GB for
-DeepSeek-V2-Lite. Inputs come from the full-precision model (no sequential re-quantization
-of earlier layers), a common GPTQ simplification, recorded in the metadata.
+and a layer's Hessians are freed before the next layer's are made, so one layer's exist at
+once: E x (H^2 + I^2) float64, 3.16 GB for DeepSeek-V2-Lite. Each expert matrix goes to the
+device only while it is quantized. A layer's peak on the device (`gptq_peak_device_bytes`) is
+its Hessians plus one matrix's GPTQ working set: 3.31 GB for DeepSeek-V2-Lite on a GPU.
+Inputs come from the full-precision model (no sequential re-quantization of earlier layers),
+a common GPTQ simplification, recorded in the metadata.
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ from specter import hermetic
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.offload.store import expert_layout, expert_weights, host_store
-from specter.quant.formats import QuantizedMatrix, rtn_quantize, weights_checksum, weights_checksum_parts
-from specter.quant.gptq import Hessian, gptq_quantize
+from specter.quant.formats import (QuantizedMatrix, effective_group, rtn_quantize,
+                                   weights_checksum, weights_checksum_parts)
+from specter.quant.gptq import Hessian, gptq_quantize, gptq_working_bytes
 
 METHODS = ("gptq", "rtn", "gptqmodel")  # gptqmodel: imported from its checkpoint
 CALIB_DATASETS = ("gsm8k", "wikitext2", "humaneval", "gpqa", "c4")
@@ -112,7 +116,7 @@ def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor]
             token_idx = (top_k_index == e).any(dim=-1).nonzero().squeeze(-1)
             x = hidden[token_idx]
             h_gu[e].add(x)
-            gate_up, _ = expert_weights(model, moe_layer, e, x.device)
+            gate_up = expert_weights(model, moe_layer, e)[0].to(x.device)  # down is not needed
             h_dn[e].add(m._apply_gate(nn.functional.linear(x, gate_up)))
 
     handle = module.register_forward_pre_hook(hook)
@@ -124,6 +128,33 @@ def layer_hessians(model: nn.Module, moe_layer: int, windows: list[torch.Tensor]
     finally:
         handle.remove()
     return h_gu, h_dn
+
+
+def gptq_peak_device_bytes(experts: int, hidden: int, inter: int, group: int = 128,
+                           bits: int = 4, weight_bytes: int = 2, copied: bool = True,
+                           tokens: int = 256, results_held: bool = False) -> int:
+    """The most device bytes one MoE layer's GPTQ holds at once (`quantize_experts` on
+    `device`), from what the code allocates: the layer's Hessians, float64 E (H^2 + I^2),
+    for the whole layer, plus the larger of
+    - quantizing one matrix: its copy on the device in the model's dtype (`weight_bytes` an
+      element; `copied`: False when the experts already live there) and `gptq_working_bytes`
+      of the larger of gate_up [2I, H] and down [H, I]; with `results_held` (the device is
+      the host) every expert's finished codes and scales too;
+    - accumulating a window of `tokens` tokens: an expert's gate_up copy, the routed hidden
+      states and intermediates, their float64 copies and one x^T x product.
+    Not counted: the model forward's own activations for the calibration windows."""
+    hess = 8 * experts * (hidden ** 2 + inter ** 2)
+    mats = ((2 * inter, hidden), (hidden, inter))
+    copy = weight_bytes if copied else 0
+    quant = max(copy * o * c + gptq_working_bytes(o, c, group, bits) for o, c in mats)
+    if results_held:
+        per = 8 // bits if bits in (2, 4, 8) else 1
+        quant += experts * sum(o * c // per + o * (c // effective_group(c, group)) * weight_bytes
+                               for o, c in mats)
+    n = tokens
+    calib = copy * 2 * inter * hidden + n * weight_bytes * (hidden + 4 * inter) + \
+        max(16 * n * hidden + 8 * hidden ** 2, 16 * n * inter + 8 * inter ** 2)
+    return hess + max(quant, calib)
 
 
 def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tensor] | None,
@@ -159,6 +190,7 @@ def quantize_experts(model: nn.Module, spec: QuantSpec, windows: list[torch.Tens
             ) if spec.method == "gptq" else None
             bar.set_postfix_str(where)
             done = _quantize_layer(model, l, spec, hess, bar, device)
+            hess = None  # freed before the next layer's are made: one layer's at a time
             if partial is not None:
                 _save_layer(partial, l, key, *done)
         for out, part in zip((gate_up, down, tokens, fallback), done):
@@ -176,17 +208,17 @@ def _quantize_layer(model: nn.Module, l: int, spec: QuantSpec, hess, bar,
     (each read to `device`, wherever it lives)."""
     gu_l, dn_l, tok_l, fb_l = [], [], [], []
     for e in range(expert_layout(model).num_experts):
-        w_gu, w_dn = expert_weights(model, l, e, device)
+        # Views where the weights live; each matrix goes to `device` only while it is
+        # quantized, and its result to the host at once (the draft goes to the device later,
+        # in its backend's layout).
+        w_gu, w_dn = expert_weights(model, l, e)
         n = hess[0][e].n if hess else 0
         use_rtn = hess is None or n < spec.min_tokens
-        if use_rtn:
-            gu, dn = rtn_quantize(w_gu, spec.bits, spec.group), rtn_quantize(w_dn, spec.bits, spec.group)
-        else:
-            gu = gptq_quantize(w_gu, hess[0][e].h, spec.bits, spec.group, spec.damp)
-            dn = gptq_quantize(w_dn, hess[1][e].h, spec.bits, spec.group, spec.damp)
-        # kept on the host: the draft goes to the device once, in its backend's layout
-        gu_l.append(gu.to("cpu"))
-        dn_l.append(dn.to("cpu"))
+        for w, h, out in ((w_gu, 0, gu_l), (w_dn, 1, dn_l)):
+            q = rtn_quantize(w.to(device), spec.bits, spec.group) if use_rtn else \
+                gptq_quantize(w.to(device), hess[h][e].h, spec.bits, spec.group, spec.damp)
+            out.append(q.to("cpu"))
+            del q  # its device copy, before the next matrix's
         tok_l.append(n)
         fb_l.append(bool(use_rtn and spec.method == "gptq"))
         bar.update(1)

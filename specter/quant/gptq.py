@@ -5,7 +5,8 @@ column-by-column quantization with error feedback through the Cholesky factor of
 (lazy batch updates in blocks of 128 columns; damping `damp * mean(diag H)`; columns never
 seen (zero diagonal) are zeroed; no act-order). Scales are chosen group-wise from the
 error-updated weights when each group starts, as the reference implementation does with
-`static_groups=False`.
+`static_groups=False`. One float64 working copy of W, at most two [in, in] factors at a
+time, codes kept as uint8: `gptq_working_bytes` states what one matrix holds on its device.
 Does not own: which inputs reach which expert (calibrate.py) or execution.
 """
 
@@ -40,14 +41,18 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int,
     """Quantize w [out, in] given H [in, in]; returns codes + scales (w's dtype)."""
     out, cols = w.shape
     g = effective_group(cols, group)
-    W = w.detach().to(torch.float64).clone()
-    H = hessian.to(torch.float64).clone()
+    W = w.detach().to(torch.float64, copy=True)  # the one working copy
+    H = hessian.to(torch.float64, copy=True)
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-    H += damp * torch.mean(torch.diag(H)) * torch.eye(cols, dtype=H.dtype, device=H.device)
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H)), upper=True)
-    Q = torch.zeros_like(W)
+    H.diagonal().add_(damp * torch.mean(torch.diag(H)))  # H + damp * mean(diag H) * I, in place
+    L = torch.linalg.cholesky(H)
+    H = None  # each [in, in] factor freed once the next is made: two at a time
+    Hinv = torch.cholesky_inverse(L)
+    L = None
+    Hinv = torch.linalg.cholesky(Hinv, upper=True)
+    Q = torch.zeros(out, cols, dtype=torch.uint8, device=W.device)  # codes are small integers
     scales = torch.zeros(out, cols // g, dtype=torch.float64, device=W.device)
     scale = None
     for i1 in range(0, cols, block):
@@ -57,7 +62,9 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int,
         for i in range(i2 - i1):
             c = i1 + i
             if c % g == 0:  # a new group: its scale from the current (updated) weights
-                cur = torch.cat([W1[:, i:], W[:, i2:]], dim=1)[:, :g]
+                cur = W1[:, i:i + g]  # the group's first columns from this block, the rest after it
+                if cur.shape[1] < g:
+                    cur = torch.cat([cur, W[:, i2:i2 + g - cur.shape[1]]], dim=1)
                 scale = group_scales(cur, bits)
                 scales[:, c // g] = scale
             col = W1[:, i]
@@ -68,8 +75,28 @@ def gptq_quantize(w: torch.Tensor, hessian: torch.Tensor, bits: int, group: int,
             W1[:, i:] -= err.unsqueeze(1) @ Hinv1[i, i:].unsqueeze(0)
             Err1[:, i] = err
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]
-    return QuantizedMatrix(pack_codes(Q.to(torch.uint8), bits), scales.to(w.dtype), bits, g,
-                           (out, cols))
+    W = Hinv = W1 = Hinv1 = Err1 = cur = None  # freed before the codes are packed
+    return QuantizedMatrix(pack_codes(Q, bits), scales.to(w.dtype), bits, g, (out, cols))
+
+
+def gptq_working_bytes(out: int, cols: int, group: int, bits: int = 4, block: int = 128) -> int:
+    """The most bytes `gptq_quantize` holds at once on its device for one [out, cols] matrix,
+    beyond its inputs: from what it makes, in three phases (the largest counts). Making H's
+    factors: the float64 W and two [cols, cols] factors at a time. The column sweep: W, H^-1's
+    factor, the uint8 codes, the float64 scales, one block's W1 and Err1, a few column vectors
+    and the largest of its passing temporaries (the product that updates the columns after a
+    block; a group's |w|, and its columns gathered when the group runs past a block's end;
+    one column's rank-1 update). Packing: the codes and `pack_codes`' int32 and int64
+    temporaries. Plus 64 (out + cols) for masks and diagonals."""
+    g = effective_group(cols, group)
+    per = 8 // bits if bits in (2, 4, 8) else 1  # codes a byte (formats.pack_codes)
+    b = min(block, cols)
+    oc, sc = out * cols, 8 * out * (cols // g)
+    setup = 8 * oc + 16 * cols * cols
+    passing = max(8 * out * (cols - b), 8 * out * g * (2 if g > b or b % g else 1), 8 * out * b)
+    sweep = 8 * oc + 8 * cols * cols + oc + sc + 16 * out * b + 24 * out + passing
+    pack = oc + sc + (8 * oc + 8 * oc // per + oc // per if per > 1 else 0)
+    return max(setup, sweep, pack) + 64 * (out + cols)
 
 
 def reconstruction_error(w: torch.Tensor, qm: QuantizedMatrix, hessian: torch.Tensor) -> float:

@@ -20,6 +20,9 @@ within an expert, as Hugging Face's eager experts loop does; `triton` and `gathe
 each token's k slots in slot order (a draft's numerics: verification decides the output).
 `GraphedExperts` wraps a fixed-shape backend (`triton`, `gather_int4`) on CUDA: each call
 shape is captured once and replayed (one graph launch instead of the layer's kernels).
+Each backend's `nbytes()` is what it holds: the storages of the tensors it keeps, each
+counted once (`cuda_int4` and `cpu_int4` keep their scales twice over, as scales and zeros);
+`layers_nbytes(layers)` sums a draft's layers: the draft's device bytes the engine reports.
 Does not own: quantization (gptq.py, formats.py) or when the draft runs (draft.py).
 """
 
@@ -41,6 +44,30 @@ FIXED_SHAPE = ("triton", "gather_int4")
 
 
 
+def held_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each storage counted once (views share one)."""
+    seen, total = set(), 0
+    for t in tensors:
+        st = t.untyped_storage()
+        key = (st.device, st.data_ptr())
+        if key not in seen:
+            seen.add(key)
+            total += st.nbytes()
+    return total
+
+
+def layers_nbytes(layers) -> int:
+    """What a draft's backend layers hold, a storage shared between layers counted once."""
+    return held_bytes(t for layer in layers for t in layer.tensors())
+
+
+def cuda_int4_bytes(n: int, k: int, group: int) -> int:
+    """Bytes `cuda_int4` holds for one [n, k] matrix: tinygemm's packed weight, int32
+    [n/8, k/(16 t), 32, t/2] (k/2 bytes a row whatever the tiling t), and bf16
+    scales_and_zeros [k/group, n, 2]."""
+    return n * k // 2 + (k // group) * n * 2 * 2
+
+
 def _route(top_k_index: torch.Tensor, num_experts: int):
     """Per needed expert (ascending): (k-slot positions, token indices) in HF's order, from
     one read of the routing (specter/grouping.py)."""
@@ -56,6 +83,13 @@ class ReferenceExperts:
     def __init__(self, gate_up: list[QuantizedMatrix], down: list[QuantizedMatrix], act):
         self.gate_up, self.down, self.act = gate_up, down, act
         self.num_experts = len(gate_up)
+
+    def tensors(self):
+        """Every tensor this layer keeps."""
+        return [t for qm in self.gate_up + self.down for t in (qm.codes, qm.scales)]
+
+    def nbytes(self) -> int:
+        return held_bytes(self.tensors())
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = self.act(nn.functional.linear(x, self.gate_up[e].dequantize(x.dtype)))
@@ -101,6 +135,9 @@ class CpuInt4Experts(ReferenceExperts):
                        for g, d in zip(gate_up, down)]
         self.gate_up = self.down = None  # the packed copy is the one kept
 
+    def tensors(self):
+        return [t for pair in self.packed for packed in pair for t in packed]
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         (wg, szg), (wd, szd), (gg, gd) = *self.packed[e], self.groups[e]
         xd = x.to(self.dtype)
@@ -137,6 +174,9 @@ class CudaInt4Experts(ReferenceExperts):
         self.packed = [(_int4pack_cuda(g.to(device)), _int4pack_cuda(d.to(device)))
                        for g, d in zip(gate_up, down)]
         self.gate_up = self.down = None
+
+    def tensors(self):  # cuda_int4_bytes per matrix
+        return [t for pair in self.packed for packed in pair for t in packed]
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         (wg, szg), (wd, szd), (gg, gd) = *self.packed[e], self.groups[e]
@@ -221,6 +261,12 @@ class TritonExperts:
         self.gu_codes, self.gu_scales, self.gu_group = _stack(gate_up, dev, "triton")
         self.dn_codes, self.dn_scales, self.dn_group = _stack(down, dev, "triton")
 
+    def tensors(self):
+        return [self.gu_codes, self.gu_scales, self.dn_codes, self.dn_scales]
+
+    def nbytes(self) -> int:
+        return held_bytes(self.tensors())
+
     def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out, ieee):
         E, N, _ = codes.shape
         K = x.shape[1]
@@ -298,6 +344,9 @@ class GatherInt4Experts(ReferenceExperts):
         self.table = byte_table(dtype, dev)
         self.gate_up = self.down = None  # the stacked copy is the one kept
 
+    def tensors(self):
+        return [self.gu_codes, self.gu_scales, self.dn_codes, self.dn_scales, self.table]
+
     def _weights(self, experts: torch.Tensor | slice, gate_up: bool) -> torch.Tensor:
         codes, scales, group = ((self.gu_codes, self.gu_scales, self.gu_group) if gate_up
                                 else (self.dn_codes, self.dn_scales, self.dn_group))
@@ -330,6 +379,15 @@ class GraphedExperts:
     def __init__(self, inner, max_tokens: int = 16):
         self.inner, self.max_tokens = inner, max_tokens
         self.graphs: dict[tuple, tuple] = {}
+
+    def tensors(self):
+        """The inner backend's tensors and each captured graph's input and output buffers
+        (the graphs' private pools for their intermediates are not tensors: not counted)."""
+        return self.inner.tensors() + [t for _, static, out in self.graphs.values()
+                                       for t in (*static, out)]
+
+    def nbytes(self) -> int:
+        return held_bytes(self.tensors())
 
     def _capture(self, hidden, top_k_index, top_k_weights):
         import torch.cuda as cuda
