@@ -217,6 +217,17 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
                         "hardware=a100_pcie4_hf hardware.clock=emulated.")
 
 
+def host_with_held_store() -> int | None:
+    """The host memory this job can have when the last job's random store is still held
+    (host_load.py `_random_store`: this job reuses it or frees it before drawing its own, so
+    its bytes count as available); None (the checks read the memory themselves) otherwise."""
+    from specter.models.checkpoint_bytes import host_memory_bytes
+    from specter.models.host_load import held_random_store_bytes
+
+    held = held_random_store_bytes()
+    return host_memory_bytes() + held if held else None
+
+
 def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log):
     """From the safetensors headers alone, before any weight loads: the routed experts' bytes
     (host memory, for a system that offloads them: on CUDA as the host store's pinned chunks
@@ -246,15 +257,16 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
         b, n_experts, hidden, element_size, device.type, draft=footprint(cfg.system).int4_draft,
         bits=q.bits, group=q.group, gptq=q.method == "gptq" and not q.path)
     b = dataclasses.replace(b, host_extra=host_extra)
+    host = host_with_held_store()
     if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
-                   torch.cuda.get_device_properties(device).total_memory,
+                   torch.cuda.get_device_properties(device).total_memory, host_bytes=host,
                    loads_whole=at_load == "device",
                    store_bytes=store_reserved_bytes(b, n_experts, pinned=True),
                    device_extra=device_extra)
     elif at_load == "device":  # the device is the host: it holds everything, extras too
-        check_fits(cfg.model.name, b, experts_on_host=False, device_bytes=host_memory_bytes(),
-                   device_extra=host_extra)
+        check_fits(cfg.model.name, b, experts_on_host=False,
+                   device_bytes=host or host_memory_bytes(), device_extra=host_extra)
     # (on the CPU an offloading run is checked with its slots once the budget is resolved:
     # check_cpu_offload_fits, which counts b.host_extra)
     source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
@@ -409,6 +421,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         from specter.models.checkpoint_bytes import check_cpu_offload_fits
 
         check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts,
+                               host_bytes=host_with_held_store(),
                                fp32=pick_dtype(cfg.model, device) == torch.float32)
     torch.manual_seed(cfg.seed)
 

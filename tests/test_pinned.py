@@ -319,3 +319,20 @@ def test_host_checks_use_the_measured_memory_when_none_is_given(monkeypatch):
                                         r"now\): lower the budget\.$"):
         check_cpu_offload_fits("olmoe", extra, 64, 64)
     check_cpu_offload_fits("olmoe", extra, 8, 64)  # 4 + 0.5 + 1 + 1 + 1 GiB fit in 10
+
+
+def test_a_held_random_store_counts_as_memory_the_next_job_can_have(monkeypatch):
+    """A sweep's next job reuses the last job's random host store or frees it before drawing
+    its own: its preflight adds the store's bytes to what the process can have now."""
+    from experiments.runner import host_with_held_store
+    from specter.models import checkpoint_bytes, host_load
+
+    monkeypatch.setattr(checkpoint_bytes, "host_memory_bytes", lambda: 10 * 2**30)
+    monkeypatch.setattr(host_load, "_LAST_RANDOM_STORE", {})
+    assert host_with_held_store() is None  # nothing held: the checks read memory themselves
+
+    class Held:
+        reserved_bytes = 27 * 2**30
+
+    monkeypatch.setattr(host_load, "_LAST_RANDOM_STORE", {"key": Held()})
+    assert host_with_held_store() == 37 * 2**30

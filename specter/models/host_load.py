@@ -293,6 +293,13 @@ def _random_store(key: tuple, layers: list[int], layout: ExpertLayout, pin: bool
     return store
 
 
+def held_random_store_bytes() -> int:
+    """Host bytes of the random store this process keeps for the next job (`_random_store`):
+    that job either reuses it or frees it before drawing its own, so a preflight counts them
+    as memory it can have."""
+    return sum(store.reserved_bytes for store in _LAST_RANDOM_STORE.values())
+
+
 def random_checksum(key: tuple) -> str:
     """The draft's source checksum (quant/calibrate.py `source_checksum`) of random experts:
     their values follow from `key` (config, dtype, seed, std) and torch's generator, so the key
