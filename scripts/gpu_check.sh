@@ -89,6 +89,12 @@ timeout -k 10 120 "$PY" run.py -m system=resident,lru,specmoeoff,specter model="
 "$PY" -m experiments.counted_fit --counts "$OUT/hotpath_graphs_off/hotpath.csv" \
   --zero "$OUT/hotpath_device_only" --real "$OUT/hotpath_graphs_off/records" --source '' \
   --repeat 1 --out "$OUT/hotpath_fit" 2>&1 | tee -a "$OUT/hotpath.txt"
+# the waits a window makes on this GPU (tests/test_gpu_waits.py, the real torch.cuda patched to
+# log them): device-wide syncs, host waits on the copy stream, what the copy stream waits on
+echo "-- waits per window (specter, specmoeoff, lru_s, lru on tiny_deepseek)" | tee -a "$OUT/hotpath.txt"
+timeout -k 10 120 "$PY" -m pytest -q -s -m cuda tests/test_gpu_waits.py 2>&1 | tail -n 12 \
+  | tee -a "$OUT/hotpath.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
 if want calibration; then
