@@ -305,10 +305,13 @@ def main(argv: list[str] | None = None) -> int:
                          draft=not args.no_draft, device=device)
         build = loaded.checkpoint / "specter_build.json"
         if build.is_file():  # a project-made model: its recipe beside, the report beside it
+            # (not beside a shipped build: reference_models/ is read-only, and its
+            # specter_build.json already holds the routing on the benchmark prompts)
             b = json.loads(build.read_text())
             r["recipe"] = {k: b.get(k) for k in ("router_balance", "recipe_version", "training",
                                                    "loss_last", "build_seconds")}
-            (loaded.checkpoint / REPORT_FILE).write_text(json.dumps(_json_keys(r), indent=1))
+            if not zoo.is_reference(loaded.checkpoint):
+                (loaded.checkpoint / REPORT_FILE).write_text(json.dumps(_json_keys(r), indent=1))
         rows[entry] = r
         write_record(Path(args.out), entry, loaded.checkpoint, r)
         tg = r["target"]

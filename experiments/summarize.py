@@ -82,6 +82,16 @@ SHORT = {"system": "system", "variant": "variant", "tpot_ms": "TPOT ms", "x_resi
          "hit_rate_cap": "hit-rate cap", "h2d_hidden_frac": "H2D hidden", "acceptance_rate": "acceptance"}
 
 
+def weights_line(df: pd.DataFrame) -> str:
+    """Which weights a project-made model's rows decoded: the shipped reference build or a
+    local one, with the weights' checksum and the CPU that trained them ("" for real ones)."""
+    if "model.origin" not in df:
+        return ""
+    seen = df[["model.origin", "model.weights_sha256", "model.built_on"]].dropna().drop_duplicates()
+    return "\n".join(f"weights: {'shipped reference build' if o == 'reference' else 'local build'}"
+                     f" {sha}, trained on {cpu}" for o, sha, cpu in seen.itertuples(index=False))
+
+
 def short(df: pd.DataFrame) -> str:
     """The main job's table: one block per case (model, budget, clock, profile), fastest first."""
     t = table(df)
@@ -93,6 +103,9 @@ def short(df: pd.DataFrame) -> str:
         out.append(f"model={case['model']} budget={case['budget']} ({case['budget_slots']} slots/layer), "
                    f"{case['clock']} clock, profile {case['hardware']} ({eng.get(case['hardware'], '-')} "
                    f"engine), sizes charged: {case['charged']}")
+        weights = weights_line(df[df["model"] == case["model"]])
+        if weights:
+            out.append(weights)
         g = g.sort_values("tpot_ms")[list(SHORT)].rename(columns=SHORT)
         out.append(g.to_string(index=False, na_rep="-", float_format=lambda v: f"{v:.3g}"))
         out.append("")

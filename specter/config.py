@@ -41,6 +41,10 @@ class ModelConfig:
     # is installed and the architecture supports it, else sdpa; sdpa on the CPU), or eager,
     # sdpa, flash_attention_2 (refused in one sentence where it cannot run)
     attn: str = "auto"
+    # Project-made models: "reference" decodes the build shipped under reference_models/ when
+    # its recipe is today's (the same weights on every machine), "local" trains the recipe on
+    # this CPU (cached under $SPECTER_CACHE); rows say which (`model.origin`)
+    build: str = "reference"
 
 
 @dataclass

@@ -38,7 +38,8 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
                        progress: bool = True) -> Path:
     """The folder to load from; builds project-made models on first use."""
     if cfg.source == "project":
-        return zoo.ensure_project_model(cfg.name, seed=seed, cache_dir=cache_dir, progress=progress)
+        return zoo.ensure_project_model(cfg.name, seed=seed, cache_dir=cache_dir, progress=progress,
+                                        build=cfg.build)
     if cfg.weights == "random":
         return random_folder(cfg, cache_dir)
     if cfg.path:

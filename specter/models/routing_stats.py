@@ -142,6 +142,8 @@ def checkpoint_record(checkpoint) -> dict:
             "model.reuse": r.get("reuse", math.nan),
             "model.load_entropy": r.get("load_entropy", math.nan),
             "model.router_balance": build.get("router_balance", math.nan),
+            # the shipped build (reference_models/) or one trained here; older builds: local
+            "model.origin": build.get("origin", "local") if build else math.nan,
             "model.built_on": build.get("cpu", math.nan),  # the CPU that trained it
             "model.train_seed": build.get("seed", math.nan),  # with $SPECTER_TRAIN_SEED_OFFSET
             "model.weights_sha256": (build.get("weights_sha256") or "")[:16] or math.nan}

@@ -8,6 +8,11 @@ Does not own: what each architecture is (archs.py: configs, sizes, the real mode
 for); loading, devices, dtypes (loading.py); anything about offloading.
 
 Sizes: `tiny_*` are for tests (built in seconds), `small_*` for benchmarks (minutes, once).
+Shipped builds: `reference_models/<name>/` holds a build as it was made (its safetensors,
+tokenizer and specter_build.json, whose `origin` is "reference"). It is used whenever its
+recipe is today's recipe for (name, seed), so every machine decodes the same weights and
+prints the same table; `build="local"` (`model.build=local`), a changed recipe or
+`$SPECTER_TRAIN_SEED_OFFSET` trains the recipe on this CPU instead (`origin` "local").
 A build is the same for a seed whatever the caller's thread count or core count (it trains on
 `hermetic.BUILD_THREADS` threads) on a given CPU kernel family, torch and Python release (the
 stdlib text is part of the training data; its digest is stored with the checkpoint);
@@ -74,19 +79,92 @@ def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
             **({"train_experts_forward": EVERY_EXPERT_IMPL} if arch in DENSE_ARCHS else {})}
 
 
+def recipe_digest(recipe: dict) -> str:
+    """The recipe's hash: the cache key of a local build and the match of a shipped one."""
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
+
+
 def checkpoint_dir(name: str, seed: int = 0, cache_dir: Path | None = None,
                    router_balance: float | None = None) -> Path:
-    """Where the checkpoint for (name, seed) lives; the folder name hashes the recipe."""
+    """Where the local build of (name, seed) lives; the folder name hashes the recipe."""
     recipe = _recipe(name, seed, router_balance)
-    digest = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:10]
-    return (cache_dir or default_cache_dir()) / "models" / f"{name}-s{recipe['seed']}-{digest}"
+    return (cache_dir or default_cache_dir()) / "models" / \
+        f"{name}-s{recipe['seed']}-{recipe_digest(recipe)}"
+
+
+REFERENCE_DIR = Path(__file__).resolve().parents[2] / "reference_models"
+BUILDS = ("reference", "local")  # model.build
+
+
+def reference_checkpoint(name: str, seed: int = 0, router_balance: float | None = None,
+                         root: Path | None = None) -> Path | None:
+    """The shipped build of (name, seed) when its recorded recipe hashes as today's recipe
+    does; None when none is shipped or the recipe has changed since (then a local build)."""
+    folder = (root or REFERENCE_DIR) / name
+    meta = folder / "specter_build.json"
+    if not meta.is_file():
+        return None
+    recipe = _recipe(name, seed, router_balance)
+    build = json.loads(meta.read_text())
+    if recipe_digest({k: build.get(k) for k in recipe}) != recipe_digest(recipe):
+        return None
+    return folder
+
+
+_VERIFIED: set[Path] = set()
+
+
+def verify_reference(folder: Path) -> None:
+    """Once per process: the shipped weights hash to the checksum their build recorded (a
+    clone whose large files did not arrive, e.g. as LFS pointers, is one sentence)."""
+    from specter.errors import UserError
+
+    if folder in _VERIFIED:
+        return
+    recorded = json.loads((folder / "specter_build.json").read_text()).get("weights_sha256")
+    try:
+        found = hermetic.checkpoint_checksum(folder)
+    except Exception as e:  # noqa: BLE001 - a truncated or pointer file: said below
+        found = f"unreadable ({type(e).__name__})"
+    if found != recorded:
+        raise UserError(f"the shipped weights in {folder} do not match their recorded checksum "
+                        f"({recorded[:16] if recorded else None} recorded, {found[:16]} found); "
+                        "restore them (git checkout -- reference_models) or train them here "
+                        "with model.build=local.")
+    _VERIFIED.add(folder)
+
+
+def is_reference(checkpoint: Path) -> bool:
+    """Whether a checkpoint folder is a shipped build (read-only: nothing is written beside)."""
+    return Path(checkpoint).resolve().parent == REFERENCE_DIR
+
+
+def build_id(checkpoint: Path) -> str:
+    """A project-made build's name in result cases: a local build's folder name (it hashes the
+    recipe), a shipped build's name and its weights' checksum (one folder name for every
+    recipe it may be shipped again for)."""
+    checkpoint = Path(checkpoint)
+    if not is_reference(checkpoint):
+        return checkpoint.name
+    sha = json.loads((checkpoint / "specter_build.json").read_text())["weights_sha256"]
+    return f"{checkpoint.name}-reference-{sha[:12]}"
 
 
 def ensure_project_model(name: str, seed: int = 0, cache_dir: Path | None = None,
-                         progress: bool = True, router_balance: float | None = None) -> Path:
-    """Return the checkpoint folder of a project-made model, building it once if needed."""
+                         progress: bool = True, router_balance: float | None = None,
+                         build: str = "reference") -> Path:
+    """The checkpoint folder of a project-made model: the shipped build when `build` is
+    "reference" and its recipe is today's, else the local build, made once if needed."""
     from filelock import FileLock
 
+    from specter.errors import UserError
+
+    if build not in BUILDS:
+        raise UserError(f"unknown model.build '{build}'; choose one of: {', '.join(BUILDS)}.")
+    shipped = reference_checkpoint(name, seed, router_balance) if build == "reference" else None
+    if shipped is not None:
+        verify_reference(shipped)
+        return shipped
     out = checkpoint_dir(name, seed, cache_dir, router_balance)
     if (out / "specter_build.json").exists():
         return out
@@ -181,6 +259,7 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
                 loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
                 routing_load_entropy=load_entropy, routing_benchmark=routing,
                 build_seconds=round(time.time() - t0, 1), **hermetic.environment(),
+                origin="local",  # "reference" once shipped under reference_models/
                 weights_sha256=hermetic.checkpoint_checksum(out))
     (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
 
