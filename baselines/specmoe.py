@@ -61,6 +61,7 @@ from specter.offload.runtime import OffloadRuntime
 
 ENGINE = SpeculativeEngine
 K_DEFAULT = 4
+OWN_K = (K_DEFAULT, f"SpecMoE reading's K={K_DEFAULT}")  # decoding/depth.py
 
 
 @dataclass
@@ -237,5 +238,4 @@ def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) 
         ctx, "specmoe",
         lambda timing, runtime: HostDraft(ctx.loaded.model, runtime, timing, draft_top_k,
                                           renormalize),
-        window=make_window, default_k=K_DEFAULT,
-        default_k_name=f"SpecMoE reading's K={K_DEFAULT}")
+        window=make_window, own_k=OWN_K)

@@ -23,6 +23,7 @@ from specter.quant.build import draft_for
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True, second_instance=True)  # the INT4 copy, a second instance
 K_DEFAULT = 3
+OWN_K = (K_DEFAULT, f"SpecMoEOff's K={K_DEFAULT}")  # decoding/depth.py
 FRACTIONS = (0.2, 0.6)
 
 
@@ -89,4 +90,4 @@ def build(ctx) -> SpeculativeEngine:
         lambda timing, _: SeparateInt4Draft(ctx.loaded.model, second, draft, ctx.device, timing),
         window=lambda runtime, timing, draft: RouteFrequencyPrefetch(
             len(runtime.modules), runtime, ctx.loaded.spec.top_k),
-        default_k=K_DEFAULT, default_k_name=f"SpecMoEOff's K={K_DEFAULT}")
+        own_k=OWN_K)

@@ -103,9 +103,27 @@ def check_setting(name: str, knob: str) -> None:
                        else "no settings."))
 
 
-def build_engine(ctx: BuildContext) -> Engine:
+def build_engine(ctx: BuildContext, log=print) -> Engine:
+    """The system's engine for `ctx`; under spec.k=auto, with its profiled K (the profiler
+    runs the built engine: specter/decoding/depth_profile.py)."""
     check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
-    return recipe(ctx.cfg.system.name).build(ctx)
+    engine = recipe(ctx.cfg.system.name).build(ctx)
+    depth = getattr(engine, "depth", None)
+    if depth is not None and depth.mode == "auto":
+        from specter.decoding.depth_profile import profile
+
+        profile(ctx, engine, log)
+    return engine
+
+
+def depth_of(cfg: RunConfig):
+    """The `Depth` a speculative system's engine will be built with (decoding/depth.py); None
+    for a greedy one."""
+    from specter.decoding.depth import settle_depth
+
+    if not recipe(cfg.system.name).ENGINE.samples:
+        return None
+    return settle_depth(cfg.spec, cfg.model.paper_k, getattr(recipe(cfg.system.name), "OWN_K", None))
 
 
 # RunConfig.from_dict builds each system's own config and refuses a knob it lacks in one sentence

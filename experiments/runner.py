@@ -33,7 +33,8 @@ import torch
 
 from experiments import records
 from experiments.provenance import provenance
-from experiments.registry import BuildContext, build_engine, check_system, footprint, recipe
+from experiments.registry import (BuildContext, build_engine, check_system, depth_of, footprint,
+                                 recipe)
 from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
@@ -42,7 +43,7 @@ from specter.models.loading import (load_model, load_tokenizer, pick_dtype, read
                                     read_moe_shape, remote_code_note, resolve_checkpoint)
 from specter.models.checkpoint_bytes import size_text
 from specter.models.routing_stats import checkpoint_record
-from specter.models.zoo import default_cache_dir
+from specter.models.zoo import build_id, default_cache_dir
 from specter.offload.counted import counted_host_costs
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
@@ -168,17 +169,10 @@ def flatten(d: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def window_tokens(cfg: RunConfig) -> int:
-    """The most positions one speculative window adds beyond the committed tokens (K+1 for
-    the verification block; the largest profiled K under spec.k=auto, spec.k_max under
-    adaptive); 0 for greedy systems."""
-    if not recipe(cfg.system.name).ENGINE.samples:
-        return 0
-    k = cfg.spec.k
-    if k == "auto":
-        k = max(cfg.spec.profile_ks)
-    if k == "adaptive":
-        k = cfg.spec.k_max
-    return (k if isinstance(k, int) else (cfg.model.paper_k or 4)) + 1
+    """The most positions one speculative window adds beyond the committed tokens (its
+    verification block, K+1 at the deepest K the run's `Depth` allows); 0 for greedy systems."""
+    depth = depth_of(cfg)
+    return 0 if depth is None else depth.k_max + 1
 
 
 def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts: int) -> None:
@@ -453,7 +447,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     log("[specter] device byte accounting:\n" + acct.table(budget.slots, spec))
 
     # 3. Decode every (request, repeat) that is not recorded yet.
-    engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device))
+    engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device), log)
     load_rec = {**load.done(), "load_base_device_bytes": base}
     log(f"[specter] loaded in {load_rec['load_s']:.1f} s (ready in {load_rec['setup_s']:.1f} s): "
         f"device peak {size_text(load_rec['load_peak_device_bytes'])} "
@@ -464,8 +458,8 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         case["attn_implementation"] = attn
     if getattr(getattr(getattr(engine, "draft", None), "draft", None), "graphs", False):
         case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
-    if cfg.model.source == "project":  # the folder name hashes the recipe: a rebuilt model
-        case["model_build"] = checkpoint.name  # with another recipe is another case
+    if cfg.model.source == "project":  # a rebuilt model with another recipe, or the shipped
+        case["model_build"] = build_id(checkpoint)  # build, is another case
     store = records.CaseStore(cfg.out_dir, case)
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + uuid.uuid4().hex[:6]
     fixed = {

@@ -26,7 +26,8 @@ def _loop_state():
     while frame is not None and frame.f_code.co_name != "speculative_batch":
         frame = frame.f_back
     assert frame is not None, "steered_draft: not called from speculative_batch"
-    return frame.f_locals["seqs"], frame.f_locals["live"]
+    rows = frame.f_locals["rows"]
+    return rows.seqs, rows.live
 
 
 def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]], vocab: int,
@@ -37,12 +38,12 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
     min(plan, proposals) tokens of each window. Returns request -> the accepted lengths the
     plan implies, filled as the run goes (a window that drafts nothing, the last of a row one
     token short of its limit, never reaches the draft: it accepts 0)."""
-    from specter.decoding import loop
+    from specter.decoding import drafting
 
-    real = loop.draft_steps
+    real = drafting.draft_steps
     expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
 
-    def steered(kv, feeds, k_effs, pick, tell, stop, after_step=None, on_device=False):
+    def steered(kv, feeds, k_effs, pick, tell, stop, out, on_device=False):
         # (the steered choices are made per step on the host: `on_device` is not taken)
         seqs, live = _loop_state()
         step = [0] * len(feeds)
@@ -60,12 +61,11 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
                 wrong[r] = i
             return tok
 
-        out = real(kv, feeds, k_effs, choose, tell, stop, after_step)
+        yield from real(kv, feeds, k_effs, choose, tell, stop, out)
         for r, props in enumerate(out):
             expected[live[r]].append(min(wrong.get(r, len(props)), len(props)))
-        return out
 
-    monkeypatch.setattr(loop, "draft_steps", steered)
+    monkeypatch.setattr(drafting, "draft_steps", steered)
     return expected
 
 

@@ -181,7 +181,7 @@ def _accept_every_proposal(p, q, proposals, g):
 
 
 def test_speculative_sampling_rule_reproduces_the_target_distribution():
-    from specter.decoding.loop import accept_sampled
+    from specter.decoding.acceptance import accept_sampled
 
     p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05]] * 4)
     q = torch.tensor([[0.1, 0.1, 0.5, 0.1, 0.1, 0.1]] * 3)
@@ -197,7 +197,7 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
     the first speculated tokens (the 2nd and 3rd outputs; the 1st comes from the prefill) over
     many seeds follow softmax(target logits / T) given their prefixes, however the draft
     proposes; the same check rejects a rule that keeps the draft's proposals."""
-    import specter.decoding.loop as decode
+    import specter.decoding.acceptance as decode
     from specter.models.introspect import experts_modules
     from specter.quant.formats import rtn_quantize
 
@@ -467,7 +467,7 @@ def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
     for wrong in (False, True):
         lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
         engine = build_engine(BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU))
-        assert engine.depth is not None and "adaptive" in engine.k_source
+        assert engine.adaptive is not None and "adaptive" in engine.k_source
         engine.stop = set()
         if wrong:  # every window's first proposal is one the target does not emit
             expected = steered_draft(monkeypatch, [ids], [ref], lm.model.config.vocab_size,

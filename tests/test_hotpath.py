@@ -94,7 +94,7 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
     window instead of once per step."""
     import torch
 
-    from specter.decoding.loop import draft_steps
+    from specter.decoding.drafting import draft_steps
     from specter.engine import BatchCache
 
     lm = tiny_models("tiny_deepseek")
@@ -105,8 +105,10 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
         logits = kv.forward([list(p) for p in prompts])
         feeds = [[int(logits[r, -1].argmax())] for r in range(len(prompts))]
         with torch.no_grad(), hotpath.OpCounter() as counter:
-            out = draft_steps(kv, feeds, k_effs, lambda r, row: int(row.argmax()),
-                              lambda *a, **k: None, stop, on_device=on_device)
+            out = [[] for _ in feeds]
+            for _ in draft_steps(kv, feeds, k_effs, lambda r, row: int(row.argmax()),
+                                 lambda *a, **k: None, stop, out, on_device=on_device):
+                pass
         return out, counter.counts["bookkeeping"]["host_reads"], counter.counts["bookkeeping"]
 
     plain, _, _ = run(False, set(), [5, 3])

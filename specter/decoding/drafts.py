@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from specter.counting import charging_only
-from specter.decoding.loop import CopiedKVDraft, SeparateDraft
+from specter.decoding.drafting import CopiedKVDraft, SeparateDraft
 from specter.decoding.self_draft import SelfDraft
 from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.decoding.depth import settle_k
+from specter.decoding.depth import Depth, settle_depth
 from specter.decoding.loop import speculative_batch
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
@@ -88,13 +88,14 @@ class SpeculativeEngine:
     batches = True
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
-                 runtime: OffloadRuntime, draft, k: int, k_source: str = "spec.k",
+                 runtime: OffloadRuntime, draft, depth: Depth,
                  window: WindowPrefetcher | None = None, stop_on_eos: bool = True,
                  temperature: float = 0.0):
         self.name, self.model, self.device = name, model, device
         self.timing, self.runtime, self.draft = timing, runtime, draft
-        self.k, self.k_source = k, k_source
-        self.depth = None  # spec.k=adaptive: an AdaptiveDepth choosing each window's K
+        self.depth = depth  # how deep it drafts, settled once (decoding/depth.py)
+        self.k, self.k_source = depth.k, depth.source
+        self.adaptive = depth.policy()  # spec.k=adaptive: each window's K, else None
         self.window = window or WindowPrefetcher()
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device,
@@ -109,8 +110,12 @@ class SpeculativeEngine:
         self.runtime.reset()
         self.draft.reset()
         self.window.reset()
-        if self.depth is not None:
-            self.depth.reset()
+        if self.adaptive is not None:
+            self.adaptive.reset()
+
+    def use_k(self, k: int, source: str) -> None:
+        """Draft K tokens every window from now on (the depth profiler's choice)."""
+        self.k, self.k_source = k, source
 
     def seed_requests(self, seeds: list[int]) -> None:
         """One sampling generator per request of the next batch (workload.temperature > 0)."""
@@ -133,10 +138,8 @@ class SpeculativeEngine:
             if self.temperature > 0 else {}
         gens = speculative_batch(self.model, self.draft.self_draft, prompts, max_new_tokens,
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
-                                 self._before_forward, separate=self.draft.separate,
-                                 after_draft_step=self.window.after_draft_step,
-                                 on_window=lambda _stats: self.window.end_window(),
-                                 depth=self.depth, **sampling)
+                                 self._before_forward, prefetcher=self.window,
+                                 separate=self.draft.separate, depth=self.adaptive, **sampling)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), "k_source": self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
@@ -175,26 +178,26 @@ def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
                         stop_on_eos=ctx.cfg.workload.stop_on_eos)
 
 
-def build_speculative(ctx, name: str, make_draft, window=None, default_k: int | None = None,
-                      default_k_name: str = "", reorder: bool = True, overlap: bool = True,
-                      host_compute: bool = False) -> SpeculativeEngine:
+def build_speculative(ctx, name: str, make_draft, window=None,
+                      own_k: tuple[int, str] | None = None, reorder: bool = True,
+                      overlap: bool = True, host_compute: bool = False) -> SpeculativeEngine:
     """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
     once the target's experts are offloaded (quantize before, from the full-precision
     experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
     window prefetcher, or None. `reorder=False` verifies token by token, `overlap=False` loads
     verification's misses serially (the runtime's ablations). K: the one rule of
-    `decoding/depth.py settle_k` (`default_k`: the system's own K when spec.k is unset)."""
+    `decoding/depth.py settle_depth` (`own_k`: the system's own K and its name, its recipe's
+    `OWN_K`); under spec.k=auto the harness profiles the built engine (depth_profile.py)."""
     timing = timing_for(ctx)
     runtime = offload_model(ctx, timing)
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
-    engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft,
-                               k=1, window=window(runtime, timing, draft) if window else None,
-                               stop_on_eos=ctx.cfg.workload.stop_on_eos,
-                               temperature=ctx.cfg.workload.temperature)
-    settle_k(ctx, engine, default_k, default_k_name)
-    return engine
+    depth = settle_depth(ctx.cfg.spec, ctx.cfg.model.paper_k, own_k)
+    return SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
+                             window=window(runtime, timing, draft) if window else None,
+                             stop_on_eos=ctx.cfg.workload.stop_on_eos,
+                             temperature=ctx.cfg.workload.temperature)
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,
