@@ -62,7 +62,7 @@ case "$PROFILE" in
     HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
     # the main case: several windows per request (3 items x 128 tokens, gsm8k and wikitext2), so
-    # its Specter / SpecMoEOff ratios stay within 10% of --small's. Measured (ARTIFACT.md): 64
+    # its Specter / SpecMoEOff ratios stay within 10% of --small's. Measured (docs/measurements/quick-2026-12-02.md): 64
     # tokens over gsm8k and humaneval gave ratios 12-21% below --small's (the shorter requests, and
     # the two datasets with the smallest leads), 128 tokens over gsm8k and wikitext2 within 3%
     MAIN_WL=(workload.items=3 workload.max_new_tokens=128 workload.repeats=1)

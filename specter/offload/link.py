@@ -9,8 +9,7 @@ policies decide; they call `copy` and `wait`), pinning host memory (the caller p
 cost of compute steps (the cost model supplies the seconds passed to `compute`).
 It moves bytes and keeps time; it decides nothing.
 
-Three kinds behind one interface, chosen once by `make_link` (README, "Clocks and engine
-profiles"):
+Three kinds behind one interface, chosen once by `make_link` (docs/clocks.md):
 - `virtual`: a simulated clock with two resources, the compute stream (time `tc`) and one
   copy engine (free at `te`). Data is copied for real at issue; time moves only by the model,
   so results are deterministic and exact.
