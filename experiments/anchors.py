@@ -19,7 +19,7 @@ the Specter paper, each run in the setting the publication states.
 
 Where a publication is silent (batch size, PCIe generation, cache size) the row's note says
 what is assumed; docs/anchors.md says what each source states. A ratio far from 1 is a finding
-(ARTIFACT.md "Independent anchors"), never a number to tune: nothing here feeds any profile.
+(ARTIFACT.md, A.6, and docs/anchors.md), never a number to tune: nothing here feeds any profile.
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import Callable
 
 import pandas as pd
+
+from experiments.cases import Case, override_value, run_cases, table_cli, workload_overrides
 
 ENGINES = ("ideal", "hf")
 
@@ -282,15 +284,13 @@ GROUPS = {"hardware": "hardware", "model": "model", "system": "system", "budget"
 
 def _select(df: pd.DataFrame, case: tuple[str, ...]) -> pd.DataFrame:
     """The records of one case (its overrides read back from the rows' configuration)."""
-    from experiments.validate import _value
-
     keep = pd.Series(True, index=df.index)
     for o in case:
         key, _, value = o.partition("=")
         column = GROUPS.get(key, f"cfg.{key}")
         if column not in df:
             return df.iloc[0:0]
-        v = _value(value)
+        v = override_value(value)
         if isinstance(v, (int, float)) and not isinstance(v, bool):
             keep &= pd.to_numeric(df[column], errors="coerce") == v
         else:
@@ -352,8 +352,6 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from experiments.validate import Case, run_cases, table_cli, workload_overrides
-
     ap = table_cli("python -m experiments.anchors", __doc__.splitlines()[0], 48, "comma-separated")
     ap.add_argument("--engines", default=",".join(ENGINES), help="ideal, hf or both")
     args = ap.parse_args(argv)

@@ -22,7 +22,8 @@ def crosscheck(model_name: str, group: int, calib_tokens: int, cache_dir: Path |
     import pandas as pd
 
     from specter.config import ModelConfig
-    from specter.models.loading import load_model, resolve_checkpoint
+    from specter.models.loading import resolve_checkpoint
+    from specter.placement.loader import load_model
     from specter.models.zoo import default_cache_dir
     from specter.quant.calibrate import (QuantSpec, calibration_windows, layer_hessians,
                                          quantize_experts, source_checksum)

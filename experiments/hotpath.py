@@ -102,29 +102,23 @@ class HotPath:
 
 def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
     """Each system run through the runner with the counter around its decode calls."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from experiments.runner import run
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
+    from experiments import runner
+    from experiments.configs import compose_run_config, typed_overrides
 
     rows = []
     base = ["model=small_deepseek", "budget=high", "dataset=gsm8k", "hardware=a100_pcie4_hf",
             "workload.items=2", "workload.repeats=1", "workload.max_new_tokens=64",
             "quant.backend=gather_int4", "progress=false"]
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for system in systems:
-            hot = HotPath()
-            cfg = compose(config_name="config", overrides=typed_overrides(
-                [*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"]))
-            run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
-                log=lambda *_: None, decode_context=hot)
-            rows += hot.rows(system)
-            total = rows[-1]
-            log(f"[hotpath] {system}: {total['launching_per_token']:.0f} launching ops, "
-                f"{total['syncs_per_token']:.1f} syncs, {total['host_reads_per_token']:.1f} host "
-                f"reads per committed token ({total['committed_tokens']} tokens)")
+    for system in systems:
+        hot = HotPath()
+        rc = compose_run_config(typed_overrides(
+            [*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"]))
+        runner.run(rc, log=lambda *_: None, decode_context=hot)
+        rows += hot.rows(system)
+        total = rows[-1]
+        log(f"[hotpath] {system}: {total['launching_per_token']:.0f} launching ops, "
+            f"{total['syncs_per_token']:.1f} syncs, {total['host_reads_per_token']:.1f} host "
+            f"reads per committed token ({total['committed_tokens']} tokens)")
     return rows
 
 

@@ -1,9 +1,9 @@
 """Load time and peak memory of one checkpoint folder, each way the loader can place the
 routed experts, each in a fresh process (so one's peak is not the other's):
 
-- `whole`: transformers loads everything on the device, then the host store copies the
-  experts out of the fused parameters layer by layer (the path before models/host_load.py,
-  still the resident system's and the transformers baseline's);
+- `whole`: the loader puts everything on the device (the placement plan of the resident
+  system and the transformers baseline), then the host store copies the experts out of the
+  fused parameters layer by layer (how offloading systems loaded before placement/loader.py);
 - `host`: the experts read from the safetensors files straight into the host store, the
   device receiving only the non-expert weights.
 
@@ -29,7 +29,8 @@ def _measure(folder: str, dtype: str, device: str, way: str) -> dict:
     import torch
 
     from specter.config import ModelConfig
-    from specter.models.loading import load_model
+    from specter.placement.loader import load_model
+    from specter.placement.plan import PlacementPlan, plan_for
     from specter.offload.store import HostExpertStore, host_store
 
     dev = torch.device(device)
@@ -37,12 +38,13 @@ def _measure(folder: str, dtype: str, device: str, way: str) -> dict:
         torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     cfg = ModelConfig(name="folder", source="hf", path=folder, dtype=dtype)
-    lm = load_model(cfg, dev, progress=False, experts="device" if way == "whole" else "host")
+    plan = PlacementPlan("device") if way == "whole" else plan_for(True, "host", dev)
+    lm = load_model(cfg, dev, progress=False, plan=plan)
     if way == "whole":
         placed = sum(p.numel() * p.element_size() for p in lm.model.parameters())
         HostExpertStore.from_model(lm.model, pin=dev.type == "cuda")
     else:
-        placed = lm.placement.device_bytes
+        placed = lm.placed.device_bytes
         host_store(lm.model).adopt(lm.model)
     seconds = time.perf_counter() - t0
     return {"way": way, "ready_s": round(seconds, 2),

@@ -16,7 +16,7 @@ from specter.budget import Footprint, ResolvedBudget
 from specter.config import RunConfig, SystemConfig, register_system_configs
 from specter.engine import Engine
 from specter.errors import UserError
-from specter.models.loading import LoadedModel
+from specter.placement.loader import LoadedModel
 
 SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",

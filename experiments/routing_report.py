@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     from specter.config import ModelConfig
     from specter.errors import UserError
     from specter.models import zoo
-    from specter.models.loading import load_model
+    from specter.placement.loader import load_model
 
     paths = dict(p.split("=", 1) for p in args.path if "=" in p)
     device = torch.device(args.device)

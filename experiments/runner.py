@@ -8,9 +8,9 @@ model, engine, slots and draft when it ends (`free_job`: gc, then CUDA's cached 
 the next job's load-time device peak is its own; what the device held when a job began is
 recorded (`load_base_device_bytes`). In-process rather than a process per job, so that the
 host memory one sweep shares stays drawn: the last random host store
-(specter/models/host_load.py `_LAST_RANDOM_STORE`: DeepSeek-V2-Lite's 27 GiB of experts, drawn,
+(specter/placement/loader.py `_LAST_RANDOM_STORE`: DeepSeek-V2-Lite's 27 GiB of experts, drawn,
 pinned and checksummed once) is kept on purpose; the device keeps nothing of a finished job.
-Does not own: Hydra (run.py converts its config before calling `run`), systems (systems.py),
+Does not own: Hydra (experiments/configs.py converts its config before `run`), systems (systems.py),
 the record layout (records.py).
 """
 
@@ -39,9 +39,11 @@ from specter import budget as budget_mod
 from specter.config import HardwareConfig, RunConfig, hardware_from_dict
 from specter.errors import UserError
 from specter.metrics import distinct_n, timing
-from specter.models.loading import (load_model, load_tokenizer, pick_dtype, read_max_positions,
+from specter.models.loading import (load_tokenizer, pick_dtype, read_max_positions,
                                     read_moe_shape, remote_code_note, resolve_checkpoint)
-from specter.models.checkpoint_bytes import size_text
+from specter.placement.bytes import size_text
+from specter.placement.loader import load_model
+from specter.placement.plan import PlacementPlan
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import build_id, default_cache_dir
 from specter.offload.counted import counted_host_costs
@@ -213,37 +215,38 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
 
 def host_with_held_store() -> int | None:
     """The host memory this job can have when the last job's random store is still held
-    (host_load.py `_random_store`: this job reuses it or frees it before drawing its own, so
-    its bytes count as available); None (the checks read the memory themselves) otherwise."""
-    from specter.models.checkpoint_bytes import host_memory_bytes
-    from specter.models.host_load import held_random_store_bytes
+    (placement/loader.py `_random_store`: this job reuses it or frees it before drawing its
+    own, so its bytes count as available); None (the checks read the memory themselves)
+    otherwise."""
+    from specter.placement.bytes import host_memory_bytes
+    from specter.placement.loader import held_random_store_bytes
 
     held = held_random_store_bytes()
     return host_memory_bytes() + held if held else None
 
 
-def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log):
+def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device,
+                    plan: PlacementPlan, log):
     """From the safetensors headers alone, before any weight loads: the routed experts' bytes
-    (host memory, for a system that offloads them: on CUDA as the host store's pinned chunks
-    take them) and the rest's (the device), each checked against what holds it, the host
-    against the memory this process can have; the INT4 draft's copies and GPTQ's Hessians
-    counted where they live (checkpoint_bytes.run_extras; returned in `host_extra` for the
-    CPU offloading check). One sentence when they cannot fit."""
-    from specter.models.checkpoint_bytes import (check_fits, checkpoint_bytes, host_memory_bytes,
-                                                 run_extras, store_reserved_bytes)
+    where `plan` puts them (the host, for a system that offloads them: on CUDA as the host
+    store's pinned chunks take them) and the rest's (the device), each checked against what
+    holds it, the host against the memory this process can have; the INT4 draft's copies and
+    GPTQ's Hessians counted where they live (placement/bytes.py `run_extras`; returned in
+    `host_extra` for the CPU offloading check). One sentence when they cannot fit."""
+    from specter.placement.bytes import (check_fits, checkpoint_bytes, host_memory_bytes,
+                                         run_extras, store_reserved_bytes)
 
     dtype = pick_dtype(cfg.model, device)
     element_size = torch.finfo(dtype).bits // 8
     if cfg.model.weights == "random":  # no headers: the weightless skeleton's bytes
-        from specter.models.host_load import skeleton_bytes
         from specter.models.loading import native_classes
+        from specter.placement.loader import skeleton_bytes
 
         config, model_class = native_classes(checkpoint)
         b = skeleton_bytes(model_class, config, dtype)
     else:
         b = checkpoint_bytes(checkpoint, element_size)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
-    at_load = experts_at_load(cfg)
     n_experts, _ = read_moe_shape(cfg.model, checkpoint)
     hidden = json.loads((checkpoint / "config.json").read_text()).get("hidden_size") or 0
     q = cfg.quant
@@ -255,10 +258,10 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     if device.type == "cuda":
         check_fits(cfg.model.name, b, offloads,
                    torch.cuda.get_device_properties(device).total_memory, host_bytes=host,
-                   loads_whole=at_load == "device",
+                   loads_whole=plan.experts == "device",
                    store_bytes=store_reserved_bytes(b, n_experts, pinned=True),
                    device_extra=device_extra)
-    elif at_load == "device":  # the device is the host: it holds everything, extras too
+    elif plan.experts == "device":  # the device is the host: it holds everything, extras too
         check_fits(cfg.model.name, b, experts_on_host=False,
                    device_bytes=host or host_memory_bytes(), device_extra=host_extra)
     # (on the CPU an offloading run is checked with its slots once the budget is resolved:
@@ -266,20 +269,21 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device, log)
     source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
               else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
-        f"({at_load}), the rest "
+        f"({plan.experts}), the rest "
         f"{size_text(b.non_expert_bytes)} (device), from {source}")
     return b
 
 
-def experts_at_load(cfg: RunConfig) -> str:
-    """Where the loader puts the routed experts for this system: "host" (read from the
-    safetensors files into the host store, the device never holding them) for a system that
-    offloads them, "device" for a resident one and for one that offloads from a model
-    loaded whole (the transformers baseline: accelerate's hooks, `LOADS_EXPERTS`)."""
+def placement_of(cfg: RunConfig, device: torch.device) -> PlacementPlan:
+    """The job's placement plan (specter/placement/plan.py) for its system: the routed
+    experts in the host store (read from the safetensors files, the device never holding
+    them) for a system that offloads them, on the device for a resident one and for one that
+    offloads a model loaded whole (the transformers baseline: accelerate's hooks,
+    `LOADS_EXPERTS`)."""
+    from specter.placement.plan import plan_for
+
     r = recipe(cfg.system.name)
-    if not getattr(r, "OFFLOADS", True):
-        return "device"
-    return getattr(r, "LOADS_EXPERTS", "host")
+    return plan_for(getattr(r, "OFFLOADS", True), getattr(r, "LOADS_EXPERTS", "host"), device)
 
 
 class LoadMeter:
@@ -297,8 +301,8 @@ class LoadMeter:
 
     def placed(self, loaded) -> None:
         self.load_s = time.perf_counter() - self.t0
-        if loaded.placement is not None:  # the loader's own account, tensor by tensor
-            placed = loaded.placement.device_bytes
+        if loaded.placed is not None:  # the loader's own account, tensor by tensor
+            placed = loaded.placed.device_bytes
         else:
             placed = sum(p.numel() * p.element_size() for p in loaded.model.parameters()
                          if p.device.type == self.device.type)
@@ -404,15 +408,15 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         log(f"[specter] {note}")
     n_experts, top_k = read_moe_shape(cfg.model, checkpoint)
     preflight(cfg, checkpoint, device, n_experts)
-    ckpt_bytes = checkpoint_fits(cfg, checkpoint, device, log)
+    plan = placement_of(cfg, device)  # where every tensor goes, decided once
+    ckpt_bytes = checkpoint_fits(cfg, checkpoint, device, plan, log)
     w = cfg.workload  # the device holds the KV of a whole batch
     budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
                                 footprint(cfg.system),
                                 kv_tokens=w.batch * (w.prompt_tokens + w.max_new_tokens),
                                 group=cfg.quant.group)
-    at_load = experts_at_load(cfg)
-    if device.type == "cpu" and at_load == "host":
-        from specter.models.checkpoint_bytes import check_cpu_offload_fits
+    if device.type == "cpu" and plan.experts == "host":
+        from specter.placement.bytes import check_cpu_offload_fits
 
         check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts,
                                host_bytes=host_with_held_store(),
@@ -427,8 +431,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     # last job was freed
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else math.nan
     load = LoadMeter(device)
-    loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress,
-                        experts=at_load)
+    loaded = load_model(cfg.model, device, cache_dir, cfg.model_seed, cfg.progress, plan)
     attn = loaded.model.config._attn_implementation
     load.placed(loaded)
     spec = loaded.spec

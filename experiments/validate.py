@@ -24,14 +24,15 @@ explain (ARTIFACT.md), not a number to tune: nothing here feeds back into any pr
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 
 import pandas as pd
 
+from experiments import anchors  # its rows join this table; anchors does not import this
+from experiments.cases import Case, override_value, run_cases, table_cli, workload_overrides
 from experiments.plots import paper
 
 MODELS = {"deepseek": "small_deepseek", "qwen": "small_qwen", "phi": "small_phi"}
@@ -46,11 +47,6 @@ BATCH_SYSTEMS = tuple(paper.BATCH32_DEEPSEEK)
 # The `source` of this table's own rows (docs/paper-notes.md gives each number's place in the
 # paper); rows of experiments.anchors carry their publication, table or figure.
 SOURCE = "Specter paper (docs/paper-notes.md)"
-
-
-@dataclass(frozen=True)
-class Case:
-    overrides: tuple[str, ...]
 
 
 def ablation_variants() -> dict[str, tuple[str, ...]]:
@@ -103,34 +99,6 @@ def batch_cases(profiles, models=MODELS) -> list[Case]:
             for hw in profiles for system in BATCH_SYSTEMS]
 
 
-def run_cases(out: Path, todo: list[Case], common: list[str], log=print,
-              experiment: str = "validate") -> int:
-    """Each case through the runner in this process (Hydra's compose API, the configs of
-    run.py); returns how many failed (their one-sentence errors printed)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from experiments.runner import run
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
-    from specter.errors import UserError
-
-    failed = 0
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for i, case in enumerate(todo, 1):
-            overrides = typed_overrides([*case.overrides, *common, f"out_dir={out}",
-                                               f"experiment={experiment}", "progress=false"])
-            log(f"[{experiment}] case {i}/{len(todo)}: {' '.join(case.overrides)}")
-            try:
-                cfg = compose(config_name="config", overrides=overrides)
-                run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
-                    log=lambda *_: None)
-            except UserError as e:
-                failed += 1
-                log(f"[{experiment}]   error: {e}")
-    return failed
-
-
 # --------------------------------------------------------------------------------- the table
 def _mean(df: pd.DataFrame, column: str) -> float:
     if df.empty or column not in df:
@@ -156,19 +124,6 @@ def _defaults(df: pd.DataFrame) -> pd.DataFrame:
     return _variant(df, ())
 
 
-def _value(text: str):
-    """An override's value as Hydra would type it (bool, number or string)."""
-    if text in ("true", "false"):
-        return text == "true"
-    try:
-        return int(text)
-    except ValueError:
-        try:
-            return float(text)
-        except ValueError:
-            return text
-
-
 def _variant(df: pd.DataFrame, overrides: tuple[str, ...]) -> pd.DataFrame:
     from specter.system import SpecterConfig  # the variants are Specter's ablations
 
@@ -176,7 +131,7 @@ def _variant(df: pd.DataFrame, overrides: tuple[str, ...]) -> pd.DataFrame:
             if f.name != "name"}
     for o in overrides:
         key, _, value = o.partition("=")
-        want[key.split(".", 1)[1]] = _value(value)
+        want[key.split(".", 1)[1]] = override_value(value)
     keep = pd.Series(True, index=df.index)
     for k, v in want.items():
         keep &= _knob(df, k, v)
@@ -367,8 +322,6 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
     text = (markdown(wide(t), "Validation: the paper's numbers beside ours, per profile", note)
             + "\n" + markdown(t, "The same, one row per number (with notes)", ""))
     if len(others):  # experiments.anchors' rows, recorded in the same tree
-        from experiments import anchors
-
         text += "\n" + markdown(anchors.medians(others), "Independent anchors: median |log(ours / "
                                 "publication)| per source, kind and engine", "experiments/anchors.py")
         text += "\n" + markdown(others, "Independent anchors (the `paper` column is the "
@@ -376,23 +329,6 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
     md.write_text(text)
     pd.concat([t, others], ignore_index=True).to_parquet(pq, index=False)
     return [md, pq]
-
-
-def table_cli(prog: str, description: str, tokens: int, datasets_help: str) -> argparse.ArgumentParser:
-    """The options a table of cases shares (this one, experiments.anchors'): the results tree,
-    the workload of every case, and --table-only."""
-    ap = argparse.ArgumentParser(prog=prog, description=description)
-    ap.add_argument("out", help="results tree (records are added under OUT/records)")
-    ap.add_argument("--items", type=int, default=3)
-    ap.add_argument("--tokens", type=int, default=tokens)
-    ap.add_argument("--datasets", default="gsm8k", help=datasets_help)
-    ap.add_argument("--table-only", action="store_true", help="tabulate the records already there")
-    return ap
-
-
-def workload_overrides(args) -> list[str]:
-    return [f"workload.items={args.items}", f"workload.max_new_tokens={args.tokens}",
-            "workload.repeats=1"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -422,8 +358,6 @@ def main(argv: list[str] | None = None) -> int:
                   ignore_index=True)
     anchored = every[every["experiment"] == "anchors"]
     if len(anchored):  # python -m experiments.anchors OUT ran into this tree
-        from experiments import anchors
-
         t = pd.concat([t, anchors.table(anchored)], ignore_index=True)
     paths = write(out, t)
     with pd.option_context("display.width", 220, "display.max_columns", 20, "display.max_colwidth", 60):

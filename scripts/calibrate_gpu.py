@@ -15,7 +15,8 @@ Stages (each one in try/except: a failing stage writes its error and the next on
              expert, the attention projections, router, shared experts, lm head), the HF eager
              experts loop with 1..top-k experts, and whole eager decoder layers of the real
              architecture (random weights, DynamicCache of ~32 tokens); fits the engine's
-             framework costs `layer_overhead_s` and `expert_overhead_s` (see `fit_overheads`)
+             framework costs `layer_overhead_s` and `expert_overhead_s`
+             (specter/offload/calibration.py `fit_overheads`)
   5 profile  hardware_measured.yaml (the keys of conf/hardware/h200_hf.yaml)
   6 table    run.py on the project-made model for resident / lru / specter: real CUDA time
              (hardware=cuda) against the virtual clock (charge=own) under the measured profile,
@@ -23,10 +24,11 @@ Stages (each one in try/except: a failing stage writes its error and the next on
              dropped warm-up). The model is built in the background during stages 3-5 if it is
              not cached ($SPECTER_CACHE); if that does not finish in time, tiny_deepseek instead.
 
-Owns: these measurements, the fits, and the files under --out (calibration.json with every raw
-number, hardware_measured.yaml, error_table.*, logs). Keeps within --budget-s: later stages are
-shortened or skipped when time runs out; what exists is always written. Does not own the cost
-model (specter/offload/costmodel.py) or the runs (run.py).
+Owns: these measurements and the files under --out (calibration.json with every raw number,
+hardware_measured.yaml, error_table.*, logs). Keeps within --budget-s: later stages are
+shortened or skipped when time runs out; what exists is always written. Does not own the fits
+of the measured numbers (specter/offload/calibration.py), the cost model
+(specter/offload/costmodel.py) or the runs (run.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
+from specter.offload.calibration import (clamped, error_rows, fit_latency_bandwidth,  # noqa: E402
+                                         fit_offload_layer, fit_overheads, hardware_profile,
+                                         predicted_layer_s, summarize_records)
+
 KiB, MiB = 1 << 10, 1 << 20
 DEEPSEEK_EXPERT_BYTES = 3 * 2048 * 1408 * 2  # one DeepSeek-V2-Lite routed expert in fp16: 17.3 MB
 # The keys of conf/hardware/h200_hf.yaml, in its order (HardwareConfig's fields).
@@ -72,88 +78,8 @@ def _on_sigterm(signum, frame):
 
 
 # ======================================================================================
-# pure helpers (unit-tested)
+# the profile and the error table as files (the fits: specter/offload/calibration.py)
 # ======================================================================================
-def fit_latency_bandwidth(sizes: list[float], times: list[float],
-                          relative: bool = True) -> tuple[float, float]:
-    """Least-squares fit of t = latency + bytes / bandwidth -> (latency_s, bandwidth_Bps).
-
-    relative=True weights each point by 1/t (minimises relative error), so the small copies
-    that fix the latency count as much as the large ones that fix the bandwidth."""
-    import numpy as np
-
-    x, t = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
-    if len(x) < 2 or len(set(x.tolist())) < 2:
-        raise ValueError("the fit needs at least two distinct sizes")
-    w = 1.0 / t if relative else np.ones_like(t)
-    a = np.stack([w, x * w], axis=1)  # rows [1, bytes] scaled by the weights
-    (latency, inv_bw), *_ = np.linalg.lstsq(a, t * w, rcond=None)
-    if not inv_bw > 0:
-        raise ValueError(f"fitted seconds per byte is not positive ({inv_bw}); timings too noisy")
-    return float(latency), float(1.0 / inv_bw)
-
-
-def fit_overheads(layer_s: float, expert_call_s: float, expert_roofline_s: float,
-                  layer_rest_s: float, n_mlp_calls: int) -> dict:
-    """The eager engine's framework costs from whole-step timings.
-
-    The cost model charges one MoE decoder layer at T tokens and context C as
-        attention_s   = projections roofline (6 launches) + KV read + layer_overhead_s
-        router_s      = roofline (2 launches)
-        shared_s      = roofline (3 launches) + expert_overhead_s           (one MLP call)
-        expert_s(n_e) = roofline (3 launches) + expert_overhead_s, per routed expert hit
-    (the real model's sizes, multipliers 1). Two unknowns, two measurements:
-    - expert_overhead_s: `expert_call_s`, the eager cost of one more MLP call (slope of the HF
-      eager experts loop timed with 1 and with top-k experts forced, same token), minus that
-      call's roofline at the measured rates (`expert_roofline_s`).
-    - layer_overhead_s: `layer_s`, the wall time one eager decoder layer adds to a T=1 decode
-      step (a 3-layer minus a 1-layer model, so embedding, final norm, lm head and per-forward
-      glue cancel), minus everything else the model charges for it: the rooflines of
-      attention, router, shared and routed experts (`layer_rest_s`) plus `n_mlp_calls`
-      (shared + routed) times the fitted expert_overhead_s.
-    Negative residuals (the roofline above the measurement) are clamped to 0; the raw values
-    are returned too."""
-    expert_raw = expert_call_s - expert_roofline_s
-    expert = max(0.0, expert_raw)
-    layer_raw = layer_s - layer_rest_s - n_mlp_calls * expert
-    return {"expert_overhead_s": expert, "expert_overhead_raw_s": expert_raw,
-            "layer_overhead_s": max(0.0, layer_raw), "layer_overhead_raw_s": layer_raw}
-
-
-def summarize_records(df) -> dict[str, dict[str, float]]:
-    """system -> {tpot_ms, hidden_frac, rows} (means over rows). With several repeats, repeat 0
-    of every request is a warm-up (CUDA context, cuBLAS handles, Triton compiles) and dropped."""
-    out: dict[str, dict[str, float]] = {}
-    if df is None or len(df) == 0:
-        return out
-    if "repeat" in df and df["repeat"].max() > 0:
-        df = df[df["repeat"] > 0]
-    for system, g in df.groupby("system"):
-        hidden = g["h2d_hidden_frac"].astype(float).mean() if "h2d_hidden_frac" in g else math.nan
-        out[str(system)] = {"tpot_ms": float(g["tpot_ms"].astype(float).mean()),
-                            "hidden_frac": float(hidden), "rows": int(len(g))}
-    return out
-
-
-def error_rows(measured: dict, virtual: dict[str, dict], systems: list[str],
-               notes: dict[tuple[str, str], str] | None = None) -> list[dict]:
-    """Rows system x profile: measured (real clock) vs virtual TPOT and hidden H2D fraction.
-    `measured` and each `virtual[profile]` are `summarize_records` outputs."""
-    notes = notes or {}
-    rows = []
-    for profile, v in virtual.items():
-        for s in systems:
-            m, vv = measured.get(s, {}), v.get(s, {})
-            mt, vt = m.get("tpot_ms", math.nan), vv.get("tpot_ms", math.nan)
-            rows.append({"system": s, "profile": profile, "measured_tpot_ms": mt,
-                         "virtual_tpot_ms": vt,
-                         "ratio_virtual_over_measured": vt / mt if mt and mt > 0 else math.nan,
-                         "measured_hidden_frac": m.get("hidden_frac", math.nan),
-                         "virtual_hidden_frac": vv.get("hidden_frac", math.nan),
-                         "note": notes.get((s, profile), "")})
-    return rows
-
-
 def rows_markdown(rows: list[dict], title: str) -> str:
     cols = ["system", "profile", "measured_tpot_ms", "virtual_tpot_ms",
             "ratio_virtual_over_measured", "measured_hidden_frac", "virtual_hidden_frac", "note"]
@@ -333,22 +259,6 @@ def current_profile(ctx: Ctx) -> tuple[dict, dict]:
         src["offload_layer_overhead_s"] = (f"fit: real {off.get('real_label')} lru - resident "
                                            "TPOT beyond the virtual clock's, per MoE layer (stage_table)")
     return vals, src
-
-
-def hardware_profile(vals: dict, name: str, overheads: bool = True):
-    from specter.offload.costmodel import HardwareProfile
-
-    return HardwareProfile(name=name, matrix_flops=vals["matrix_flops"],
-                           mem_bandwidth_Bps=vals["mem_bandwidth_Bps"],
-                           launch_overhead_s=vals["launch_overhead_s"],
-                           h2d_bandwidth_Bps=vals["h2d_bandwidth_Bps"],
-                           h2d_latency_s=vals["h2d_latency_s"],
-                           layer_overhead_s=vals["layer_overhead_s"] if overheads else 0.0,
-                           expert_overhead_s=vals["expert_overhead_s"] if overheads else 0.0,
-                           draft_overhead_s=vals.get("draft_overhead_s") if overheads else 0.0,
-                           offload_layer_overhead_s=vals.get("offload_layer_overhead_s", 0.0)
-                           if overheads else 0.0,
-                           engine="hf" if overheads else "ideal")
 
 
 # ======================================================================================
@@ -630,8 +540,7 @@ def time_draft_layer(ctx: Ctx, shapes: dict, K: int, cost) -> dict:
         per_expert = torch.unique(idx, return_counts=True)[1].tolist()
         roof = cost.draft_experts_s(per_expert, 4, group) / cost.sizes.moe_multiplier
         out[f"T{T}"] = {"measured_s": t, "roofline_s": roof, "tokens_per_expert": per_expert}
-    raw = out["T1"]["measured_s"] - out["T1"]["roofline_s"]
-    out["fit"] = {"draft_overhead_s": max(0.0, raw), "draft_overhead_raw_s": raw}
+    out["fit"] = clamped("draft_overhead_s", out["T1"]["measured_s"] - out["T1"]["roofline_s"])
     return out
 
 
@@ -683,12 +592,6 @@ def time_layers(ctx: Ctx, real: dict, impl: str, K: int, ctx_tokens: int = 32) -
         out[f"forward_rest_T{T}_s"] = steps[1][T] - out[f"layer_T{T}_s"]  # embedding, lm head, glue
         out[f"tokens_per_expert_T{T}"] = hit[T]
     return out
-
-
-def predicted_layer_s(cost, T: int, context: int, tokens_per_expert: list[int]) -> float:
-    """What the cost model charges for one MoE decoder layer (multipliers 1)."""
-    return (cost.attention_s(T, context) + cost.router_s(T) + cost.shared_s(T)
-            + sum(cost.expert_s(n) for n in tokens_per_expert))
 
 
 def stage_roles(ctx: Ctx) -> dict:
@@ -934,21 +837,6 @@ def moe_layer_count(model: str) -> int:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(cfg)
     return len(experts_modules(meta))
-
-
-def fit_offload_layer(real: dict, virtual: dict, moe_layers: int) -> dict | None:
-    """The offload runtime's host cost per MoE layer per forward: what lru adds over resident
-    in real time beyond what the virtual clock (without this cost) already charges it (its
-    exposed copy waits), per MoE layer (both decode one token per forward). `real` and
-    `virtual` are `summarize_records` outputs; None when a run is missing."""
-    try:
-        gap_ms = (real["lru"]["tpot_ms"] - real["resident"]["tpot_ms"]) \
-            - (virtual["lru"]["tpot_ms"] - virtual["resident"]["tpot_ms"])
-    except KeyError:
-        return None
-    raw = gap_ms / 1e3 / moe_layers
-    return {"offload_layer_overhead_s": max(0.0, raw), "offload_layer_overhead_raw_s": raw,
-            "moe_layers": moe_layers, "gap_ms": gap_ms}
 
 
 def fit_offload(ctx: Ctx, out: dict, model: str) -> dict | None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from specter.config import BudgetConfig, ModelConfig
 from specter.errors import UserError
 from specter.models.introspect import MoESpec
+from specter.quant.formats import int4_expert_bytes
 
 PROPORTION = {"xhigh": 1 / 2, "high": 1 / 4, "low": 1 / 8}
 
@@ -150,8 +151,6 @@ def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv
     """`gb` GiB of device memory -> resident slots per MoE layer (or whole layers, for
     accelerate's device map), from the FP16 bytes of `spec` (the real model a project-made
     one stands for, or the model itself: `sizes_of` says which)."""
-    from specter.decoding.self_draft import int4_expert_bytes
-
     per_expert = spec.expert_bytes
     params = per_expert // 2  # FP16
     fixed = [("reserve (CUDA context, allocator slack, activations)", int(reserve_gb * GIB)),

@@ -39,7 +39,7 @@ def pytest_collection_modifyitems(config, items):
 def tiny_models():
     """name -> LoadedModel on CPU, loaded through the same path as real checkpoints."""
     from specter.config import ModelConfig
-    from specter.models.loading import load_model
+    from specter.placement.loader import load_model
 
     cache: dict[str, object] = {}
 

@@ -13,24 +13,17 @@ from experiments import anchors
 
 
 def test_every_anchor_case_composes_on_existing_profiles():
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
+    from experiments.configs import run_config
 
     cases = anchors.runs()
     assert len(cases) == len(set(cases))
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        for case in cases:
-            cfg = compose(config_name="config", overrides=typed_overrides(
-                [*case, "experiment=anchors", "workload.items=1"]))
-            rc = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
-            rc.validate()
-            hw = rc.hardware
-            assert hw.clock == "virtual" and hw.matrix_flops > 0 and hw.h2d_bandwidth_Bps > 0
-            assert hw.engine == case[0].rsplit("_", 1)[1]  # <gpu>_ideal / <gpu>_hf
-            assert rc.model.stands_for in ("mixtral", "deepseek", "qwen3")
+    for case in cases:
+        rc = run_config([*case, "experiment=anchors", "workload.items=1"])
+        rc.validate()
+        hw = rc.hardware
+        assert hw.clock == "virtual" and hw.matrix_flops > 0 and hw.h2d_bandwidth_Bps > 0
+        assert hw.engine == case[0].rsplit("_", 1)[1]  # <gpu>_ideal / <gpu>_hf
+        assert rc.model.stands_for in ("mixtral", "deepseek", "qwen3")
 
 
 def test_the_publications_rows_are_all_there():
@@ -46,14 +39,14 @@ def test_the_publications_rows_are_all_there():
 
 def _fake_records(tpot_of) -> pd.DataFrame:
     """One record per case, its configuration columns as the runner writes them."""
-    from experiments.validate import _value
+    from experiments.cases import override_value
 
     rows = []
     for case in anchors.runs():
         r = {"experiment": "anchors"}
         for o in case:
             key, _, value = o.partition("=")
-            r[anchors.GROUPS.get(key, f"cfg.{key}")] = _value(value)
+            r[anchors.GROUPS.get(key, f"cfg.{key}")] = override_value(value)
         r["tpot_ms"] = tpot_of(r)
         rows.append(r)
     return pd.DataFrame(rows)
@@ -111,7 +104,7 @@ def test_hqq_deployment_charges_the_publications_bits():
 def test_a_recorded_run_is_found_by_its_case(tmp_path):
     """A real run of an anchor-shaped case (quantized charges, slots, a new profile) on a tiny
     model reads back through the same selection the table uses."""
-    from experiments.validate import Case, run_cases
+    from experiments.cases import Case, run_cases
 
     case = ("hardware=t4_ideal", "model=tiny_mixtral", "system=mo_sm", "budget=high",
             "budget.slots=4", *anchors.hqq(2))

@@ -9,6 +9,7 @@ import torch
 from specter.config import ModelConfig
 from specter.errors import UserError
 from specter.models import loading
+from specter.placement.loader import load_model
 
 CPU = torch.device("cpu")
 
@@ -43,7 +44,7 @@ def test_the_choice_is_recorded_and_decodes_as_generate_with_it(tmp_path, tiny_m
     df = records.load(tmp_path)
     assert sorted(df["attn_implementation"]) == ["eager", "sdpa"]
     assert df["case_id"].nunique() == 2
-    ref = loading.load_model(ModelConfig(name="tiny_deepseek", source="project", attn="eager"),
+    ref = load_model(ModelConfig(name="tiny_deepseek", source="project", attn="eager"),
                              CPU, progress=False).model
     assert ref.config._attn_implementation == "eager"
     row = df[df["attn_implementation"] == "eager"].iloc[0]

@@ -21,7 +21,7 @@ from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
 from specter.engine import BatchCache, pad_id
 from specter.models import archs
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 
 CPU = torch.device("cpu")
 A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",

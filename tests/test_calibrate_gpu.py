@@ -1,5 +1,6 @@
-"""scripts/calibrate_gpu.py: the fits recover known values, the CPU smoke run writes a complete
-hardware profile, and the measured profile's overrides compose into a valid RunConfig."""
+"""scripts/calibrate_gpu.py: the fits of its timings (specter/offload/calibration.py) recover
+known values, the CPU smoke run writes a complete hardware profile, and the measured profile's
+overrides compose into a valid RunConfig."""
 
 from __future__ import annotations
 
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+
+from specter.offload.calibration import (error_rows, fit_latency_bandwidth, fit_offload_layer,
+                                         fit_overheads, summarize_records)
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "scripts" / "calibrate_gpu.py"
@@ -33,7 +37,7 @@ SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, cal.DEEPSEEK_EXPERT_BY
 def test_fit_recovers_latency_and_bandwidth(relative):
     lat, bw = 12e-6, 55e9
     times = [lat + b / bw for b in SIZES]
-    got_lat, got_bw = cal.fit_latency_bandwidth(SIZES, times, relative=relative)
+    got_lat, got_bw = fit_latency_bandwidth(SIZES, times, relative=relative)
     assert got_lat == pytest.approx(lat, rel=1e-6)
     assert got_bw == pytest.approx(bw, rel=1e-9)
 
@@ -44,24 +48,24 @@ def test_fit_with_noise_keeps_the_latency():
     lat, bw = 8e-6, 50e9
     noise = [1.01, 0.99, 1.01, 0.99, 1.01, 0.99, 1.01, 0.99]
     times = [(lat + b / bw) * n for b, n in zip(SIZES, noise)]
-    got_lat, got_bw = cal.fit_latency_bandwidth(SIZES, times)
+    got_lat, got_bw = fit_latency_bandwidth(SIZES, times)
     assert got_lat == pytest.approx(lat, rel=0.15)
     assert got_bw == pytest.approx(bw, rel=0.02)
 
 
 def test_fit_rejects_one_size():
     with pytest.raises(ValueError):
-        cal.fit_latency_bandwidth([1 << 20, 1 << 20], [1e-4, 1e-4])
+        fit_latency_bandwidth([1 << 20, 1 << 20], [1e-4, 1e-4])
 
 
 def test_fit_overheads_inverts_the_cost_model():
     expert, layer = 150e-6, 700e-6
     expert_roof, rest, calls = 10e-6, 300e-6, 7  # 6 routed + 1 shared MLP call
-    got = cal.fit_overheads(layer_s=rest + calls * expert + layer, expert_call_s=expert_roof + expert,
+    got = fit_overheads(layer_s=rest + calls * expert + layer, expert_call_s=expert_roof + expert,
                             expert_roofline_s=expert_roof, layer_rest_s=rest, n_mlp_calls=calls)
     assert got["expert_overhead_s"] == pytest.approx(expert)
     assert got["layer_overhead_s"] == pytest.approx(layer)
-    clamped = cal.fit_overheads(layer_s=1e-4, expert_call_s=1e-6, expert_roofline_s=2e-6,
+    clamped = fit_overheads(layer_s=1e-4, expert_call_s=1e-6, expert_roofline_s=2e-6,
                                 layer_rest_s=2e-4, n_mlp_calls=7)
     assert clamped["expert_overhead_s"] == 0.0 and clamped["expert_overhead_raw_s"] < 0
     assert clamped["layer_overhead_s"] == 0.0 and clamped["layer_overhead_raw_s"] < 0
@@ -72,7 +76,7 @@ def test_error_rows_from_records():
                          "h2d_hidden_frac": [math.nan, math.nan, 0.5]})
     virt = pd.DataFrame({"system": ["resident", "lru"], "tpot_ms": [5.5, 30.0],
                          "h2d_hidden_frac": [math.nan, 0.25]})
-    rows = cal.error_rows(cal.summarize_records(real), {"measured": cal.summarize_records(virt)},
+    rows = error_rows(summarize_records(real), {"measured": summarize_records(virt)},
                           ["resident", "lru", "specter"])
     by = {r["system"]: r for r in rows}
     assert by["resident"]["measured_tpot_ms"] == 11.0
@@ -87,9 +91,9 @@ def test_error_rows_from_records():
 def test_summary_drops_the_warm_up_repeat():
     df = pd.DataFrame({"system": ["lru"] * 4, "repeat": [0, 1, 0, 1], "tpot_ms": [90.0, 10.0, 50.0, 12.0],
                        "h2d_hidden_frac": [0.1, 0.5, 0.1, 0.7]})
-    got = cal.summarize_records(df)["lru"]
+    got = summarize_records(df)["lru"]
     assert got["tpot_ms"] == 11.0 and got["hidden_frac"] == pytest.approx(0.6) and got["rows"] == 2
-    assert cal.summarize_records(df[df["repeat"] == 0])["lru"]["rows"] == 2  # one repeat: all kept
+    assert summarize_records(df[df["repeat"] == 0])["lru"]["rows"] == 2  # one repeat: all kept
 
 
 def test_cpu_quick_writes_a_complete_profile(tmp_path):
@@ -132,15 +136,10 @@ def test_cpu_quick_writes_a_complete_profile(tmp_path):
     fit = stages["roles"]["fit"]
     assert fit["model"] == "deepseek" and fit["layer_overhead_s"] >= 0
     # the measured profile, passed as overrides, composes into the same hardware config
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from experiments.configs import compose_run_config
 
-    from specter.config import RunConfig
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        cfg = compose(config_name="config",
-                      overrides=cal.measured_overrides(values, "h200_measured") + ["hardware.charge=own"])
-    run_cfg = RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+    run_cfg = compose_run_config(cal.measured_overrides(values, "h200_measured")
+                                 + ["hardware.charge=own"])
     for key in cal.NUMERIC_KEYS:
         assert getattr(run_cfg.hardware, key) == pytest.approx(values[key], rel=1e-12), key
     assert run_cfg.hardware.name == "h200_measured" and run_cfg.hardware.charge == "own"
@@ -149,13 +148,13 @@ def test_cpu_quick_writes_a_complete_profile(tmp_path):
 def test_fit_offload_layer_is_the_gap_beyond_the_virtual_clock():
     real = {"lru": {"tpot_ms": 10.0}, "resident": {"tpot_ms": 7.0}}
     virtual = {"lru": {"tpot_ms": 9.0}, "resident": {"tpot_ms": 8.5}}  # charges 0.5 ms of waits
-    fit = cal.fit_offload_layer(real, virtual, moe_layers=3)
+    fit = fit_offload_layer(real, virtual, moe_layers=3)
     assert fit["gap_ms"] == pytest.approx(2.5)
     assert fit["offload_layer_overhead_s"] == pytest.approx(2.5e-3 / 3)
     faster = {"lru": {"tpot_ms": 7.0}, "resident": {"tpot_ms": 7.0}}  # virtual already above
-    clamped = cal.fit_offload_layer(faster, virtual, moe_layers=3)
+    clamped = fit_offload_layer(faster, virtual, moe_layers=3)
     assert clamped["offload_layer_overhead_s"] == 0.0 and clamped["offload_layer_overhead_raw_s"] < 0
-    assert cal.fit_offload_layer({"resident": {"tpot_ms": 7.0}}, virtual, 3) is None
+    assert fit_offload_layer({"resident": {"tpot_ms": 7.0}}, virtual, 3) is None
 
 
 def test_profile_numbers_reads_a_profile_without_the_draft_and_offload_costs():

@@ -16,17 +16,10 @@ BASE = ["model=tiny_deepseek", "workload.items=1", "workload.max_new_tokens=12",
 
 
 def _tpot(tmp_path, name, *extra):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
+    from experiments import runner
+    from experiments.configs import run_config
 
-    from experiments.runner import run
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=typed_overrides(
-            [*BASE, *extra, f"out_dir={tmp_path / name}"]))
-    return run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)),
+    return runner.run(run_config([*BASE, *extra, f"out_dir={tmp_path / name}"]),
                log=lambda *_: None).tpot_ms_mean
 
 

@@ -8,7 +8,7 @@ import torch
 from specter.decoding.engines import resident_engine
 from conftest import PROMPTS, TINY
 from specter.config import ModelConfig
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 
 
 @pytest.mark.cuda
@@ -199,23 +199,16 @@ def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
 @pytest.mark.cuda
 def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
     """The whole system with quant.graphs=on: token-identical to resident on CUDA."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from experiments import records
-    from experiments.runner import run
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
+    from experiments import records, runner
+    from experiments.configs import run_config
 
     tokens = {}
     for system, extra in (("resident", []), ("specter", ["quant.backend=gather_int4",
                                                           "quant.graphs=on"])):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=typed_overrides(
-                ["model=tiny_deepseek", "hardware=cuda", f"system={system}", "workload.items=2",
-                 "workload.max_new_tokens=24", "workload.stop_on_eos=false", "spec.k=4",
-                 "progress=false", f"out_dir={tmp_path / system}", *extra]))
-        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
+                               "workload.items=2", "workload.max_new_tokens=24",
+                               "workload.stop_on_eos=false", "spec.k=4", "progress=false",
+                               f"out_dir={tmp_path / system}", *extra]), log=lambda *_: None)
         df = records.load(tmp_path / system).sort_values("request_id")
         tokens[system] = df["output_tokens"].map(tuple).tolist()
         if system == "specter":
@@ -251,23 +244,16 @@ def test_the_cuda_clock_marks_without_waiting():
 def test_grouped_experts_on_cuda_match_the_loop(tmp_path):
     """bfloat16 on the device: the grouped GEMMs are used (`grouped_experts`) and decode the
     tokens the per-expert loop decodes (a kernel of its own: equal tokens, not equal bits)."""
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from experiments import records
-    from experiments.runner import run
-    from run import CONF, typed_overrides
-    from specter.config import RunConfig
+    from experiments import records, runner
+    from experiments.configs import run_config
 
     tokens = {}
     for grouped in ("true", "false"):
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=typed_overrides(
-                ["model=tiny_deepseek", "model.dtype=bfloat16", "hardware=cuda", "system=lru",
-                 "budget.slots=4", "workload.items=2", "workload.max_new_tokens=24",
-                 "workload.stop_on_eos=false", f"offload.grouped={grouped}", "progress=false",
-                 f"out_dir={tmp_path / grouped}"]))
-        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        runner.run(run_config(["model=tiny_deepseek", "model.dtype=bfloat16", "hardware=cuda",
+                               "system=lru", "budget.slots=4", "workload.items=2",
+                               "workload.max_new_tokens=24", "workload.stop_on_eos=false",
+                               f"offload.grouped={grouped}", "progress=false",
+                               f"out_dir={tmp_path / grouped}"]), log=lambda *_: None)
         df = records.load(tmp_path / grouped).sort_values("request_id")
         assert (df["grouped_experts"] == (grouped == "true")).all()
         tokens[grouped] = df["output_tokens"].map(tuple).tolist()

@@ -12,7 +12,7 @@ from specter.config import ModelConfig
 from specter.engine import DeviceMemory, eos_ids
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from specter.offload.build import Timing
 from specter.quant import calibrate
 from specter.decoding.loop import speculative_greedy

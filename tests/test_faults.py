@@ -175,25 +175,11 @@ BAD_SETTINGS = [
 def _cli_error(args: tuple[str, ...]) -> str:
     """What `python run.py ARGS` refuses, checked in this process the way run.py does it:
     its argument checks, Hydra's composition, then the typed RunConfig."""
-    import importlib.util
-
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
-
-    from conftest import REPO
-    from specter.config import RunConfig
+    from experiments.configs import run_config
     from specter.errors import UserError
 
-    spec = importlib.util.spec_from_file_location("run_entry", REPO / "run.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
     try:
-        entry.check_group_choices(list(args))
-        entry.check_system_settings(list(args))
-        overrides = entry.typed_overrides(list(args))
-        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
-        RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))
+        run_config(list(args))
     except UserError as e:
         return str(e)
     return ""
@@ -218,7 +204,7 @@ def test_the_command_line_prints_it_on_one_line_with_exit_2(tmp_path, args, text
 
 
 def test_every_typed_setting_works_in_the_plain_key_value_form():
-    """`workload.temperature=0.7` (README's form) although workload=artifact does not list it."""
+    """`workload.temperature=0.7` (docs/draft.md's form) although workload=artifact does not list it."""
     from conftest import run_cli
 
     res = run_cli("workload.temperature=0.7", "offload.policy=lfu", "--cfg", "job")
@@ -230,15 +216,10 @@ def test_a_command_line_sweep_replaces_the_overlays_sweep_of_the_same_key():
     """`experiment=depth spec.k=2,4` sweeps K over 2 and 4 only: a key the yaml lists stays
     plain, so Hydra's sweeper sees one `spec.k` (with `++spec.k` it would also run the
     overlay's nine K, each overridden back to the command line's)."""
-    import importlib.util
+    from experiments.configs import typed_overrides
 
-    from conftest import REPO
-
-    spec = importlib.util.spec_from_file_location("run_entry", REPO / "run.py")
-    entry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(entry)
-    out = entry.typed_overrides(["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
-                                 "workload.temperature=0.5"])
+    out = typed_overrides(["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
+                           "workload.temperature=0.5"])
     assert out == ["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
                    "++workload.temperature=0.5"]
 
@@ -274,9 +255,9 @@ PREFLIGHT = [
 @pytest.mark.parametrize("over,text", PREFLIGHT, ids=[t[:40] for _, t in PREFLIGHT])
 def test_checked_before_the_model_loads(tmp_path, monkeypatch, over, text):
     from specter.errors import UserError
-    from specter.models import loading
+    from specter.placement import loader
 
-    monkeypatch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     over = dict(over)
     hw = _hw(over.pop("hardware_name", "a100_pcie4_hf"))

@@ -20,7 +20,7 @@ from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.decoding import engines
 from specter.models import archs
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from specter.offload.build import Timing
 from specter.offload.link import CudaLink, LinkProfile
 

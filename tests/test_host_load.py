@@ -1,4 +1,4 @@
-"""Routed experts loaded straight into host memory (models/host_load.py): the device receives
+"""Routed experts loaded straight into host memory (placement/loader.py): the device receives
 the non-expert weights only, the host one copy of the experts, and the result is the model
 transformers itself loads from the same folder, tensor for tensor, on every hub layout."""
 
@@ -12,7 +12,9 @@ import torch
 from specter.config import ModelConfig
 from specter.errors import UserError
 from specter.models import loading
-from specter.models.checkpoint_bytes import checkpoint_bytes, header, is_routed_expert
+from specter.placement.loader import load_model
+from specter.placement.plan import PlacementPlan
+from specter.placement.bytes import checkpoint_bytes, header, is_routed_expert
 from specter.models.introspect import experts_modules
 from specter.offload.store import expert_weights, host_store
 
@@ -55,8 +57,8 @@ def test_host_load_is_transformers_load(key, dtype, hub_folder):
 
     folder = hub_folder(key)
     ref = _reference(folder, getattr(torch, dtype))
-    ours = loading.load_model(ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype),
-                              CPU, progress=False, experts="host")
+    ours = load_model(ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype),
+                              CPU, progress=False, plan=PlacementPlan("host"))
     model = ours.model
     assert type(model) is type(ref)
     expert_ids = {id(p) for _, m in experts_modules(ref) for p in m.parameters(recurse=False)}
@@ -73,10 +75,37 @@ def test_host_load_is_transformers_load(key, dtype, hub_folder):
         for e in range(ours.spec.num_experts):
             for a, b in zip(expert_weights(model, l, e), expert_weights(ref, l, e)):
                 assert a.dtype == b.dtype and torch.equal(a, b), (l, e)
-    assert ours.spec == loading.load_model(
+    assert ours.spec == load_model(
         ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype), CPU,
         progress=False).spec
     assert source_checksum(model) == source_checksum(ref)  # the quantized draft's cache key
+    ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2, 29]])
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("key", KEYS)
+def test_the_plan_that_puts_everything_on_the_device_is_transformers_load(key, dtype, hub_folder):
+    """The resident systems' plan (everything on the device) through the same loader: every
+    parameter and buffer, the routed experts' fused parameters included, equals transformers'
+    own `from_pretrained` in value and dtype, and so do the logits."""
+    folder = hub_folder(key)
+    ref = _reference(folder, getattr(torch, dtype))
+    ours = load_model(ModelConfig(name=key, source="hf", path=str(folder), dtype=dtype), CPU,
+                      progress=False)
+    assert ours.placed.host_bytes == 0 and not ours.placed.host_names
+    model = ours.model
+    assert type(model) is type(ref) and host_store(model) is None
+    mine = dict(model.named_parameters())
+    assert set(mine) == {n for n, _ in ref.named_parameters()}
+    for name, p in ref.named_parameters():
+        assert mine[name].dtype == p.dtype and torch.equal(mine[name], p), name
+    for name, b in ref.named_buffers():
+        assert torch.equal(model.get_buffer(name), b), name
+    assert ours.placed.device_bytes == sum(
+        t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    model.config._experts_implementation = "eager"
     ids = torch.tensor([[3, 17, 5, 42, 8, 11, 2, 29]])
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, ref(input_ids=ids).logits)
@@ -90,9 +119,9 @@ def test_no_routed_expert_reaches_the_device(hub_folder):
     once: the routed ones to the host, the rest to the device."""
     folder = hub_folder("deepseek")
     ref = _reference(folder, torch.float32)
-    ours = loading.load_model(ModelConfig(name="deepseek", source="hf", path=str(folder),
+    ours = load_model(ModelConfig(name="deepseek", source="hf", path=str(folder),
                                           dtype="float32"), torch.device("meta"),
-                              progress=False, experts="host")
+                              progress=False, plan=PlacementPlan("host"))
     assert {p.device.type for p in ours.model.parameters()} == {"meta"}
     store = host_store(ours.model)
     assert {t.device.type for layer in store.flat for t in layer} == {"cpu"}
@@ -101,7 +130,7 @@ def test_no_routed_expert_reaches_the_device(hub_folder):
             for a, b in zip(expert_weights(ours.model, l, e), expert_weights(ref, l, e)):
                 assert torch.equal(a, b)
     names = {n for f in folder.glob("*.safetensors") for n in header(f)}
-    place = ours.placement
+    place = ours.placed
     assert set(place.host_names) == {n for n in names if is_routed_expert(n)}
     assert set(place.device_names) == {n for n in names if not is_routed_expert(n)}
     assert not place.skipped
@@ -113,10 +142,10 @@ def test_no_routed_expert_reaches_the_device(hub_folder):
 
 def test_a_second_instance_loads_no_expert(hub_folder):
     folder = hub_folder("qwen")
-    ours = loading.load_model(ModelConfig(name="qwen", source="hf", path=str(folder)), CPU,
-                              progress=False, experts="none")
-    assert host_store(ours.model) is None and not ours.placement.host_names
-    assert set(ours.placement.skipped) == {n for f in folder.glob("*.safetensors")
+    ours = load_model(ModelConfig(name="qwen", source="hf", path=str(folder)), CPU,
+                              progress=False, plan=PlacementPlan("none"))
+    assert host_store(ours.model) is None and not ours.placed.host_names
+    assert set(ours.placed.skipped) == {n for f in folder.glob("*.safetensors")
                                            for n in header(f) if is_routed_expert(n)}
 
 
@@ -135,8 +164,8 @@ def test_a_checkpoint_missing_an_expert_is_one_sentence(hub_folder, tmp_path):
     del tensors[gone]
     save_file(tensors, str(shard), metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"has no up weights for routed expert 3 of MoE layer "):
-        loading.load_model(ModelConfig(name="olmoe", source="hf", path=str(folder)), CPU,
-                           progress=False, experts="host")
+        load_model(ModelConfig(name="olmoe", source="hf", path=str(folder)), CPU,
+                           progress=False, plan=PlacementPlan("host"))
 
 
 @pytest.fixture
@@ -166,10 +195,10 @@ def test_random_weights_run_every_system_as_plain_generate(small_published, tmp_
     from test_offload import A100
 
     mcfg = ModelConfig(name="olmoe", source="hf", weights="random")
-    ref = loading.load_model(mcfg, CPU, tmp_path / "cache", progress=False, experts="device")
+    ref = load_model(mcfg, CPU, tmp_path / "cache", progress=False, plan=PlacementPlan("device"))
     assert not list(ref.checkpoint.glob("*.safetensors"))  # nothing on disk but configs
     ref.model.config._experts_implementation = "eager"
-    again = loading.load_model(mcfg, CPU, tmp_path / "cache", progress=False, experts="host")
+    again = load_model(mcfg, CPU, tmp_path / "cache", progress=False, plan=PlacementPlan("host"))
     for l in range(again.spec.num_moe_layers):
         for e in range(again.spec.num_experts):
             assert all(torch.equal(a, b) for a, b in zip(expert_weights(again.model, l, e),
@@ -217,7 +246,7 @@ def test_random_weights_refusals_are_one_sentence():
 def test_an_offloaded_cpu_run_its_memory_cannot_hold_is_one_sentence():
     """On the CPU the store, the slots and the rest share one memory: refused before loading
     when they cannot fit beside the process (the numbers of OLMoE-1B-7B in bf16, 53 slots)."""
-    from specter.models.checkpoint_bytes import CheckpointBytes, check_cpu_offload_fits
+    from specter.placement.bytes import CheckpointBytes, check_cpu_offload_fits
 
     GiB = 2**30
     b = CheckpointBytes(expert_bytes=12 * GiB, non_expert_bytes=GiB, tensors=0, expert_tensors=0)

@@ -13,6 +13,7 @@ import torch
 from specter.config import ModelConfig
 from specter.errors import UserError
 from specter.models import loading
+from specter.placement.loader import load_model
 
 CPU = torch.device("cpu")
 SHIPPED = {  # file -> code that leaves a mark if anyone imports it
@@ -47,7 +48,7 @@ def test_auto_map_loads_the_native_class_and_imports_nothing(tmp_path, tiny_mode
     assert loading.resolve_checkpoint(cfg, None, 0) == folder
     note = loading.remote_code_note(folder)
     assert "modeling_shipped.ShippedForCausalLM" in note and "DeepseekV2ForCausalLM" in note
-    lm = loading.load_model(cfg, CPU, progress=False)
+    lm = load_model(cfg, CPU, progress=False)
     assert type(lm.model).__name__ == "DeepseekV2ForCausalLM"
     assert not hasattr(lm.model.config, "auto_map")
     ref = tiny_models("tiny_deepseek")
@@ -85,13 +86,13 @@ def test_auto_map_of_an_unknown_architecture_is_one_sentence(tmp_path, tiny_mode
     ("model.layers.0.mlp.gate_proj.weight", False),  # a dense first layer
 ])
 def test_routed_expert_tensors_are_known_by_name(name, routed):
-    from specter.models.checkpoint_bytes import is_routed_expert
+    from specter.placement.bytes import is_routed_expert
 
     assert is_routed_expert(name) == routed
 
 
 def test_header_bytes_equal_the_loaded_model_and_refusals_are_one_sentence(tiny_models):
-    from specter.models.checkpoint_bytes import GiB, CheckpointBytes, check_fits, checkpoint_bytes
+    from specter.placement.bytes import GiB, CheckpointBytes, check_fits, checkpoint_bytes
     from specter.models.introspect import experts_modules
 
     lm = tiny_models("tiny_qwen")
@@ -178,7 +179,7 @@ def test_hub_layouts_decode_as_plain_generate(key, hub_folder, tmp_path):
         str(folder), dtype=torch.float32, trust_remote_code=False, output_loading_info=True)
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     ref_model.generation_config.eos_token_id = None  # the runs do not stop at EOS either
-    ours = loading.load_model(ModelConfig(name=key, source="hf", path=str(folder)), CPU,
+    ours = load_model(ModelConfig(name=key, source="hf", path=str(folder)), CPU,
                               progress=False)
     assert type(ours.model) is type(ref_model)
     if key == "phi":  # the hub's spelling, not the native class's
@@ -222,7 +223,7 @@ def test_deepseek_v2_lite_at_its_real_widths(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from experiments import records, runner
-    from specter.models.checkpoint_bytes import checkpoint_bytes
+    from specter.placement.bytes import checkpoint_bytes
 
     folder = hub_fixtures.write_fixture("deepseek", tmp_path / "ds", layers=2)
     ref_model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,

@@ -15,7 +15,7 @@ from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.errors import UserError
 from specter.models import archs
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from steering import exact_draft_layers
 from test_batch import A100, CPU, prompts
 

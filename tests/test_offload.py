@@ -13,7 +13,7 @@ from experiments.registry import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models import archs
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from specter.models.real_configs import REAL_CONFIGS
 from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
 
@@ -361,17 +361,10 @@ def test_quantized_experts_and_attention_are_charged_at_their_bits(tiny_models, 
             "progress=false"]
 
     def rows(name, *extra):
-        from hydra import compose, initialize_config_dir
-        from omegaconf import OmegaConf
+        from experiments import runner
+        from experiments.configs import run_config
 
-        from experiments.runner import run
-        from run import CONF, typed_overrides
-        from specter.config import RunConfig
-
-        with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=typed_overrides(
-                [*fp16, *extra, f"out_dir={tmp_path / name}"]))
-        run(RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True)), log=lambda *_: None)
+        runner.run(run_config([*fp16, *extra, f"out_dir={tmp_path / name}"]), log=lambda *_: None)
         return records.load(tmp_path / name).iloc[0]
 
     full = rows("fp16")

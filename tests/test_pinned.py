@@ -1,5 +1,5 @@
 """The host store's pinned plan (specter/offload/pinned.py) and the host preflight
-(specter/models/checkpoint_bytes.py): torch's rounding rule read from its installed headers,
+(specter/placement/bytes.py): torch's rounding rule read from its installed headers,
 what the old and new schemes reserve at real models' sizes (arithmetic, nothing allocated),
 a small real store on the CPU, the memory a process can have under a fake cgroup, and the
 refusal sentences."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from specter.errors import UserError
-from specter.models.checkpoint_bytes import (GiB, CheckpointBytes, cgroup_available_bytes,
+from specter.placement.bytes import (GiB, CheckpointBytes, cgroup_available_bytes,
                                              check_cpu_offload_fits, check_fits,
                                              draft_expert_bytes, host_memory, run_extras,
                                              store_reserved_bytes)
@@ -305,7 +305,7 @@ def test_a_64_gib_workstation_refuses_deepseek_in_one_sentence_with_its_numbers(
 
 
 def test_host_checks_use_the_measured_memory_when_none_is_given(monkeypatch):
-    import specter.models.checkpoint_bytes as cb
+    import specter.placement.bytes as cb
 
     monkeypatch.setattr(cb, "host_memory", lambda: (10 * GiB, "the memory available now"))
     b = CheckpointBytes(12 * GiB, GiB, 0, 0)
@@ -325,7 +325,7 @@ def test_a_held_random_store_counts_as_memory_the_next_job_can_have(monkeypatch)
     """A sweep's next job reuses the last job's random host store or frees it before drawing
     its own: its preflight adds the store's bytes to what the process can have now."""
     from experiments.runner import host_with_held_store
-    from specter.models import checkpoint_bytes, host_load
+    from specter.placement import bytes as checkpoint_bytes, loader as host_load
 
     monkeypatch.setattr(checkpoint_bytes, "host_memory_bytes", lambda: 10 * 2**30)
     monkeypatch.setattr(host_load, "_LAST_RANDOM_STORE", {})

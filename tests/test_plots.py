@@ -102,7 +102,7 @@ def synthetic_rows() -> list[dict]:
                          host_frac=0.5 if hybrid else 0.0, host_experts=10 if hybrid else 0,
                          hit_rate=None if system == "resident" else 0.6))
     from experiments import anchors
-    from experiments.validate import _value
+    from experiments.cases import override_value
 
     for i, case in enumerate(anchors.runs()):  # every anchor case, its config read back
         row = {"experiment": "anchors", "cfg.experiment": "anchors", "clock": "virtual",
@@ -110,7 +110,7 @@ def synthetic_rows() -> list[dict]:
                "tpot_ms": 100.0 + i}
         for o in case:
             key, _, value = o.partition("=")
-            row[anchors.GROUPS.get(key, f"cfg.{key}")] = _value(value)
+            row[anchors.GROUPS.get(key, f"cfg.{key}")] = override_value(value)
         rows.append(row)
     for backend, tokens in itertools.product(["reference", "cpu_int4"], [1, 16]):
         rows.append({"experiment": "kernel", "backend": backend, "shape": "2048x1408",

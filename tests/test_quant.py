@@ -11,7 +11,7 @@ import torch
 from specter.config import ModelConfig
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from specter.quant import calibrate, kernels
 from specter.quant.formats import effective_group, pack_codes, rtn_quantize, unpack_codes
 from specter.quant.gptq import Hessian, gptq_quantize, reconstruction_error

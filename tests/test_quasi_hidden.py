@@ -17,7 +17,7 @@ from experiments.registry import BuildContext
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from specter.quant.calibrate import QuantSpec, calibration_windows
 from test_offload import A100
 

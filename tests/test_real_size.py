@@ -110,8 +110,8 @@ def test_a_job_is_freed_before_the_next_one_loads(tmp_path, monkeypatch):
         alive.append(weakref.ref(loaded.model))
         return loaded
 
-    def build(ctx):
-        engine = real_build(ctx)
+    def build(ctx, *args):
+        engine = real_build(ctx, *args)
         alive.append(weakref.ref(engine))
         alive.extend(weakref.ref(lc.buf) for lc in engine.runtime.cache.layers)
         return engine
@@ -165,7 +165,7 @@ def test_a_job_is_freed_before_the_next_one_loads(tmp_path, monkeypatch):
 def test_random_experts_are_named_by_their_seed_not_hashed(monkeypatch):
     """The draft's source checksum of a random store comes from what determines its values
     (DeepSeek-V2-Lite's 27 GiB would take tens of seconds to hash on one core)."""
-    from specter.models import host_load
+    from specter.placement import loader as host_load
     from specter.offload.store import STORE_ATTR, ExpertLayout
     from specter.quant import calibrate
 
@@ -219,14 +219,9 @@ def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
     assert calls[1][2:] == [str(tmp_path / "out" / "records"), "--csv",
                             str(tmp_path / "out" / "error_table.csv"), "--real-hardware", "cuda",
                             "--virtual-hardware", "h200_measured"]
-    sys.path.insert(0, str(REPO))
-    try:
-        import run as run_py
-    finally:
-        sys.path.remove(str(REPO))
-    run_py.check_group_choices(sweep)
-    run_py.check_system_settings(sweep)
-    assert len(run_py.typed_overrides(sweep)) == len(sweep)
+    from experiments.configs import checked_overrides
+
+    assert len(checked_overrides(sweep)) == len(sweep)
     gpu_check = (REPO / "scripts" / "gpu_check.sh").read_text()
     assert "scripts/real_size.sh" in gpu_check and 'REAL_SIZE_TIMEOUT_S:-300' in gpu_check
 

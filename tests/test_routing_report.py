@@ -57,7 +57,7 @@ def test_acceptance_walk():
 
 def test_report_on_a_tiny_model():
     from specter.config import ModelConfig
-    from specter.models.loading import load_model
+    from specter.placement.loader import load_model
 
     # a fresh copy: the draft side switches the model's experts implementation
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), torch.device("cpu"),

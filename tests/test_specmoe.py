@@ -20,7 +20,7 @@ from experiments.registry import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
 from test_offload import decode_all
 
 CPU = torch.device("cpu")

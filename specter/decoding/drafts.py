@@ -27,7 +27,8 @@ from specter.decoding.drafting import CopiedKVDraft, SeparateDraft
 from specter.decoding.self_draft import SelfDraft
 from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules
-from specter.models.loading import load_model
+from specter.placement.loader import load_model
+from specter.placement.plan import PlacementPlan
 from specter.offload.build import Timing
 from specter.offload.store import release_fused
 from specter.quant.build import Draft
@@ -94,7 +95,7 @@ def load_separate_draft_model(ctx):
     will be the INT4 copy only (their full-precision tensors are never read)."""
     cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
     second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
-                        progress=False, experts="none").model
+                        progress=False, plan=PlacementPlan("none")).model
     for _, m in experts_modules(second):
         release_fused(m, -1)  # still an experts module for introspection
     return second

@@ -24,6 +24,7 @@ from torch import nn
 
 from specter.models.introspect import experts_modules
 from specter.quant.calibrate import QuantizedExperts
+from specter.quant.formats import int4_expert_bytes
 from specter.quant.kernels import layers_nbytes, make_experts
 
 IMPL_NAME = "specter_self_draft"
@@ -132,11 +133,6 @@ class MemoryAccount:
         rec.update({"mem.shared_bytes": self.shared_bytes, "mem.separate_bytes": self.separate_bytes,
                     "mem.saving": self.saving})
         return rec
-
-
-def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
-    """INT4 codes plus one scale per group of one expert."""
-    return expert_params // 2 + expert_params // group * scale_bytes
 
 
 def account_model(source: str, spec, slots: int, context: int, draft_bytes: int | None = None,

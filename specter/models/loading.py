@@ -1,17 +1,18 @@
-"""Load a model and its tokenizer from a Hugging Face checkpoint folder: one path for all.
+"""A model's checkpoint folder and what its config.json says, before any weight loads.
 
 Owns: turning a model config (project-made name, local folder, or hub id) into a checkpoint
-folder, checking it holds safetensors weights, and loading it with transformers' own classes
-(never `trust_remote_code`). Project-made models are built on first use (zoo.py) and then
-loaded exactly like a real checkpoint.
-Does not own: where experts live at run time (the offloading runtime moves them afterwards).
+folder, checking it holds safetensors weights, transformers' own classes for it (never
+`trust_remote_code`), the dtype and attention implementation a run loads it with, its
+tokenizer, and what config.json alone tells (context length, routed experts and top-k).
+Project-made models are shipped or built on first use (zoo.py) and then read exactly like a
+real checkpoint.
+Does not own: loading the weights and where each tensor goes (specter/placement/).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,19 +20,8 @@ import torch
 from specter.config import ModelConfig
 from specter.errors import UserError
 from specter.models import zoo
-from specter.models.introspect import MoESpec, moe_spec
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class LoadedModel:
-    model: torch.nn.Module
-    tokenizer: object
-    spec: MoESpec
-    checkpoint: Path
-    device: torch.device
-    placement: object = None  # host_load.Placement when the experts were read to the host
 
 
 def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
@@ -236,55 +226,6 @@ def pick_attention(cfg: ModelConfig, model_class, device: torch.device) -> tuple
             raise UserError("model.attn=flash_attention_2 needs the flash-attn package, an "
                             "optional extra: pip install -e .[gpu], or use model.attn=sdpa.")
     return cfg.attn, "model.attn"
-
-
-EXPERTS_AT_LOAD = ("device", "host", "none")
-
-
-def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = None,
-               seed: int = 0, progress: bool = True, experts: str = "device") -> LoadedModel:
-    """The model on `device`. `experts`: where its routed experts go. "device": everything
-    on the device (transformers' own loading: a resident model, or one offloaded afterwards);
-    "host": read from the safetensors files straight into a host store, the device receiving
-    only the non-expert weights (models/host_load.py: a model larger than the device);
-    "none": not loaded (a second instance whose experts are an INT4 copy)."""
-    from transformers.utils import logging as hf_logging
-
-    if experts not in EXPERTS_AT_LOAD:
-        raise ValueError(f"experts={experts!r}: one of {EXPERTS_AT_LOAD}")
-    hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
-    path = resolve_checkpoint(cfg, cache_dir, seed, progress)
-    dtype = pick_dtype(cfg, device)
-    config, model_class = native_classes(path)
-    attn, attn_why = pick_attention(cfg, model_class, device)
-    config._attn_implementation = attn
-    if cfg.weights == "random":
-        from specter.models.host_load import load_random
-
-        model, placement = load_random(model_class, config, dtype, device, experts, seed)
-        _generation_config(model, path)
-    elif experts == "device":
-        model = model_class.from_pretrained(str(path), config=config, dtype=dtype,
-                                            use_safetensors=True, trust_remote_code=False,
-                                            attn_implementation=attn)
-        model.to(device).eval()
-        placement = None
-    else:
-        from specter.models.host_load import load_split
-
-        model, placement = load_split(path, model_class, config, dtype, device, experts)
-        _generation_config(model, path)
-    model.config._specter_attn_why = attn_why
-    return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model),
-                       checkpoint=path, device=device, placement=placement)
-
-
-def _generation_config(model, path: Path) -> None:
-    """The folder's generation_config.json, as `from_pretrained` reads it (its EOS ids)."""
-    from transformers import GenerationConfig
-
-    if (path / "generation_config.json").is_file():
-        model.generation_config = GenerationConfig.from_pretrained(str(path))
 
 
 def load_tokenizer(checkpoint: Path):

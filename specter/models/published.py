@@ -5,9 +5,10 @@ depth and narrowed), generation_config.json and a tokenizer holding the model's 
 at their published ids.
 
 Used by `model.weights=random` (a named real model at its real sizes with random weights and
-no download: models/host_load.py) and by the test suite's hub-layout fixtures
-(tests/hub_fixtures.py adds the weights). Where the sources disagree or are silent, a value is
-marked "unconfirmed".
+no download: placement/loader.py), by the test suite's hub-layout fixtures
+(tests/hub_fixtures.py adds the weights), and by specter/models/real_configs.py, whose
+`REAL_CONFIGS` (the fields the cost model charges) takes its values from here. Where the
+sources disagree or are silent, a value is marked "unconfirmed".
 
     PUBLISHED[key]  -> {"repo", "source", "unconfirmed", "config"}
     fixture_config(key, layers=None, narrow=None) -> the config.json dict

@@ -199,10 +199,11 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
         raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
                         "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
     model, device = ctx.loaded.model, ctx.device
-    store = host_store(model)  # loaded straight into host memory (models/host_load.py)
+    store = host_store(model)  # the plan put the experts in host memory (placement/loader.py)
     if store is not None:
         store.adopt(model)
-    else:  # loaded whole: the fused parameters move out layer by layer
+    else:  # a model loaded whole (the plan's "device": tests, load_peak's comparison): the
+        # fused parameters move out layer by layer
         store = HostExpertStore.from_model(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
     cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],

@@ -14,6 +14,14 @@ and the fit is the least-squares solution over the measurements of an engine (ex
 two). The roofline is computed by the very `CostModel` methods the virtual clock charges, on
 the measured model's shapes (written out below from their public configs), on the measured
 GPU. The paper's own TPOTs are never used here.
+
+The same arithmetic on one device's own timings (scripts/calibrate_gpu.py measures them and
+writes the profile and the error table): the H2D latency and bandwidth fit, the eager engine's
+framework costs from whole-layer timings (`fit_overheads`), the offload runtime's host cost
+per MoE layer (`fit_offload_layer`), and the error table's rows (records summarized per
+system, virtual over measured TPOT).
+Owns: the public measurements and their fit, and these fits. Does not own: the cost model
+(costmodel.py), measuring on a device or writing a profile (scripts/calibrate_gpu.py).
 """
 
 from __future__ import annotations
@@ -198,6 +206,132 @@ def _nonneg_lstsq(A: list[tuple[float, float]], y: list[float]) -> tuple[float, 
 def rounded(x: float) -> float:
     """The fitted value as the yaml stores it: 3 significant digits."""
     return float(f"{x:.3g}") if x else 0.0
+
+
+# ------------------------------------------------------------------------------------------
+# Fits on one device's own timings (scripts/calibrate_gpu.py measures them and writes the
+# profile; these turn its numbers into the profile's values and its error table's rows)
+# ------------------------------------------------------------------------------------------
+def clamped(name: str, raw: float) -> dict:
+    """A fitted cost `name` (a residual: measured minus what the model already charges),
+    clamped at 0 where the roofline is above the measurement, beside its raw value
+    (`<name>_raw_s`)."""
+    return {name: max(0.0, raw), name.removesuffix("_s") + "_raw_s": raw}
+
+
+def fit_latency_bandwidth(sizes: list[float], times: list[float],
+                          relative: bool = True) -> tuple[float, float]:
+    """Least-squares fit of t = latency + bytes / bandwidth -> (latency_s, bandwidth_Bps).
+
+    relative=True weights each point by 1/t (minimises relative error), so the small copies
+    that fix the latency count as much as the large ones that fix the bandwidth."""
+    import numpy as np
+
+    x, t = np.asarray(sizes, dtype=float), np.asarray(times, dtype=float)
+    if len(x) < 2 or len(set(x.tolist())) < 2:
+        raise ValueError("the fit needs at least two distinct sizes")
+    w = 1.0 / t if relative else np.ones_like(t)
+    a = np.stack([w, x * w], axis=1)  # rows [1, bytes] scaled by the weights
+    (latency, inv_bw), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    if not inv_bw > 0:
+        raise ValueError(f"fitted seconds per byte is not positive ({inv_bw}); timings too noisy")
+    return float(latency), float(1.0 / inv_bw)
+
+
+def hardware_profile(vals: dict, name: str, overheads: bool = True) -> HardwareProfile:
+    """A profile's values (the keys of conf/hardware/*.yaml) as the cost model's hardware; with
+    `overheads=False` the bare roofline (no framework costs, engine "ideal")."""
+    return HardwareProfile(name=name, matrix_flops=vals["matrix_flops"],
+                           mem_bandwidth_Bps=vals["mem_bandwidth_Bps"],
+                           launch_overhead_s=vals["launch_overhead_s"],
+                           h2d_bandwidth_Bps=vals["h2d_bandwidth_Bps"],
+                           h2d_latency_s=vals["h2d_latency_s"],
+                           layer_overhead_s=vals["layer_overhead_s"] if overheads else 0.0,
+                           expert_overhead_s=vals["expert_overhead_s"] if overheads else 0.0,
+                           draft_overhead_s=vals.get("draft_overhead_s") if overheads else 0.0,
+                           offload_layer_overhead_s=vals.get("offload_layer_overhead_s", 0.0)
+                           if overheads else 0.0,
+                           engine="hf" if overheads else "ideal")
+
+
+def predicted_layer_s(cost: CostModel, T: int, context: int,
+                      tokens_per_expert: list[int]) -> float:
+    """What the cost model charges for one MoE decoder layer (multipliers 1)."""
+    return (cost.attention_s(T, context) + cost.router_s(T) + cost.shared_s(T)
+            + sum(cost.expert_s(n) for n in tokens_per_expert))
+
+
+def fit_overheads(layer_s: float, expert_call_s: float, expert_roofline_s: float,
+                  layer_rest_s: float, n_mlp_calls: int) -> dict:
+    """The eager engine's framework costs from whole-step timings.
+
+    The cost model charges one MoE decoder layer at T tokens and context C as
+        attention_s   = projections roofline (6 launches) + KV read + layer_overhead_s
+        router_s      = roofline (2 launches)
+        shared_s      = roofline (3 launches) + expert_overhead_s           (one MLP call)
+        expert_s(n_e) = roofline (3 launches) + expert_overhead_s, per routed expert hit
+    (the real model's sizes, multipliers 1). Two unknowns, two measurements:
+    - expert_overhead_s: `expert_call_s`, the eager cost of one more MLP call (slope of the HF
+      eager experts loop timed with 1 and with top-k experts forced, same token), minus that
+      call's roofline at the measured rates (`expert_roofline_s`).
+    - layer_overhead_s: `layer_s`, the wall time one eager decoder layer adds to a T=1 decode
+      step (a 3-layer minus a 1-layer model, so embedding, final norm, lm head and per-forward
+      glue cancel), minus everything else the model charges for it: the rooflines of
+      attention, router, shared and routed experts (`layer_rest_s`) plus `n_mlp_calls`
+      (shared + routed) times the fitted expert_overhead_s.
+    Negative residuals (the roofline above the measurement) are clamped to 0; the raw values
+    are returned too."""
+    expert = clamped("expert_overhead_s", expert_call_s - expert_roofline_s)
+    layer_raw = layer_s - layer_rest_s - n_mlp_calls * expert["expert_overhead_s"]
+    return {**expert, **clamped("layer_overhead_s", layer_raw)}
+
+
+def summarize_records(df) -> dict[str, dict[str, float]]:
+    """system -> {tpot_ms, hidden_frac, rows} (means over rows). With several repeats, repeat 0
+    of every request is a warm-up (CUDA context, cuBLAS handles, Triton compiles) and dropped."""
+    out: dict[str, dict[str, float]] = {}
+    if df is None or len(df) == 0:
+        return out
+    if "repeat" in df and df["repeat"].max() > 0:
+        df = df[df["repeat"] > 0]
+    for system, g in df.groupby("system"):
+        hidden = g["h2d_hidden_frac"].astype(float).mean() if "h2d_hidden_frac" in g else math.nan
+        out[str(system)] = {"tpot_ms": float(g["tpot_ms"].astype(float).mean()),
+                            "hidden_frac": float(hidden), "rows": int(len(g))}
+    return out
+
+
+def fit_offload_layer(real: dict, virtual: dict, moe_layers: int) -> dict | None:
+    """The offload runtime's host cost per MoE layer per forward: what lru adds over resident
+    in real time beyond what the virtual clock (without this cost) already charges it (its
+    exposed copy waits), per MoE layer (both decode one token per forward). `real` and
+    `virtual` are `summarize_records` outputs; None when a run is missing."""
+    try:
+        gap_ms = (real["lru"]["tpot_ms"] - real["resident"]["tpot_ms"]) \
+            - (virtual["lru"]["tpot_ms"] - virtual["resident"]["tpot_ms"])
+    except KeyError:
+        return None
+    raw = gap_ms / 1e3 / moe_layers
+    return {**clamped("offload_layer_overhead_s", raw), "moe_layers": moe_layers, "gap_ms": gap_ms}
+
+
+def error_rows(measured: dict, virtual: dict[str, dict], systems: list[str],
+               notes: dict[tuple[str, str], str] | None = None) -> list[dict]:
+    """Rows system x profile: measured (real clock) vs virtual TPOT and hidden H2D fraction.
+    `measured` and each `virtual[profile]` are `summarize_records` outputs."""
+    notes = notes or {}
+    rows = []
+    for profile, v in virtual.items():
+        for s in systems:
+            m, vv = measured.get(s, {}), v.get(s, {})
+            mt, vt = m.get("tpot_ms", math.nan), vv.get("tpot_ms", math.nan)
+            rows.append({"system": s, "profile": profile, "measured_tpot_ms": mt,
+                         "virtual_tpot_ms": vt,
+                         "ratio_virtual_over_measured": vt / mt if mt and mt > 0 else math.nan,
+                         "measured_hidden_frac": m.get("hidden_frac", math.nan),
+                         "virtual_hidden_frac": vv.get("hidden_frac", math.nan),
+                         "note": notes.get((s, profile), "")})
+    return rows
 
 
 def main(argv: list[str]) -> int:

@@ -3,9 +3,9 @@
 Owns: what torch's caching host allocator reserves for one pinned request
 (`pinned_reserved_bytes`), the pinned-allocator settings read from the environment, and the
 store's plan (`plan_store`): which power-of-two chunks hold which experts. The store
-allocates by this plan (store.py) and the preflight counts by it (models/checkpoint_bytes.py):
+allocates by this plan (store.py) and the preflight counts by it (placement/bytes.py):
 one source of truth.
-Does not own: the tensors (store.py), the refusal sentences (models/checkpoint_bytes.py).
+Does not own: the tensors (store.py), the refusal sentences (placement/bytes.py).
 
 The rule. `CachingHostAllocatorImpl::allocate` in torch's
 `include/ATen/core/CachingHostAllocator.h` (lines 295-308 in torch 2.13) rounds a request up

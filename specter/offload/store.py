@@ -5,7 +5,7 @@ is one async DMA) inside one of a few large allocations, pinned on CUDA, laid ou
 offload/pinned.py's plan (power-of-two chunks, which torch's pinned allocator does not round
 up further); filled either from a loaded model's fused 3D parameters (`from_model`, freeing
 each layer's fused copy as it goes) or tensor by tensor from the checkpoint's safetensors
-files (models/host_load.py, so the experts never pass through the device); viewing a flat
+files (placement/loader.py, so the experts never pass through the device); viewing a flat
 buffer, host or device, as that expert's (gate_up [2I, H], down [H, I]); and
 `expert_weights`, how any code reads one expert's full-precision weights wherever they live.
 Does not own: the device slots or what is resident (cache.py), timing (link.py), the

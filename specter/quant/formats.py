@@ -70,6 +70,12 @@ class QuantizedMatrix:
                                self.group, self.shape)
 
 
+def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
+    """Bytes of one expert's weights in the INT4 format: 4-bit codes (two per byte) plus one
+    `scale_bytes` scale per group of `group` weights."""
+    return expert_params // 2 + expert_params // group * scale_bytes
+
+
 def _per_byte(bits: int) -> int:
     return 8 // bits if bits in (2, 4, 8) else 1
 

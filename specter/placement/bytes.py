@@ -8,7 +8,7 @@ Owns: recognising a routed expert's tensor by its name in every hub layout the p
 memory this process can have (`host_memory`: what is available now, within its cgroup's
 limit), what else a run holds besides the weights (`run_extras`: the INT4 draft's copies,
 GPTQ's Hessians), and the one-sentence refusals before loading.
-Does not own: loading (loading.py), the per-request budget (specter/budget.py), the host
+Does not own: loading (loader.py), where each tensor goes (plan.py), the per-request budget (specter/budget.py), the host
 store's chunk plan (offload/pinned.py, whose reserved bytes the host check counts).
 """
 

@@ -1,18 +1,22 @@
-"""Load a checkpoint with its routed experts straight into host memory, never on the device.
+"""The one loader: a placement plan carried out, tensor by tensor, for every system.
 
-Owns: building the model's skeleton without weights (parameters on `meta`; buffers such as
-RoPE's `inv_freq` computed by the modules themselves), reading the checkpoint's safetensors
-files tensor by tensor, placing each non-expert tensor on the device under the name
-transformers' own checkpoint conversion gives it (`get_model_conversion_mapping`:
-Mixtral's and Phi's `block_sparse_moe` -> `mlp`, Phi's `gate` -> `router`, ...), and copying
-each routed expert's tensors (per-expert `experts.N.{gate,up,down}_proj` / `w1,w3,w2`, or
-fused `experts.{gate_up_proj,down_proj}`) into its `HostExpertStore` buffer (pinned beside a
-GPU), so the host holds one copy of the experts and the device at most the non-expert
-weights. The experts modules keep meta tensors of their fused shapes (what introspection
-reads) until the offloading runtime adopts them; meanwhile the model runs its experts from
-the store (offload/streamed.py). `experts="none"` loads no expert at all (a second instance
-whose experts are only an INT4 copy).
-Does not own: finding or checking the folder (loading.py), the device slots (offload/).
+Owns: `load_model` (a model config -> its checkpoint folder -> the model on the device with
+each tensor where the plan puts it), building the model's skeleton without weights
+(parameters on `meta`; buffers such as RoPE's `inv_freq` computed by the modules themselves),
+reading the checkpoint's safetensors files tensor by tensor and placing each non-expert tensor
+on the device under the name transformers' own checkpoint conversion gives it
+(`get_model_conversion_mapping`: Mixtral's and Phi's `block_sparse_moe` -> `mlp`, Phi's `gate`
+-> `router`, ...). Each routed expert's tensors (per-expert `experts.N.{gate,up,down}_proj` /
+`w1,w3,w2`, or fused `experts.{gate_up_proj,down_proj}`) go where the plan says: into the
+experts module's fused parameters on the device (`experts="device"`), into its
+`HostExpertStore` buffer (`"host"`, pinned beside a GPU: the host holds one copy of the
+experts, the device never holds them; the experts modules keep meta tensors of their fused
+shapes, what introspection reads, until the offloading runtime adopts them, and meanwhile the
+model runs its experts from the store, offload/streamed.py), or nowhere (`"none"`: a second
+instance whose experts are only an INT4 copy). `Placed` records what went where.
+Random weights (`model.weights=random`) are made in place by the same plan.
+Does not own: finding or checking the folder (models/loading.py), the plan's rule (plan.py),
+the device slots (offload/).
 """
 
 from __future__ import annotations
@@ -24,10 +28,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specter.config import ModelConfig
 from specter.errors import UserError
-from specter.models.checkpoint_bytes import is_routed_expert
-from specter.models.introspect import experts_modules
+from specter.models.introspect import MoESpec, experts_modules, moe_spec
+from specter.models.loading import (load_tokenizer, native_classes, pick_attention, pick_dtype,
+                                    resolve_checkpoint)
 from specter.offload.store import STORE_ATTR, ExpertLayout, HostExpertStore
+from specter.placement.bytes import is_routed_expert
+from specter.placement.plan import RESIDENT, PlacementPlan
 
 _PER_EXPERT = re.compile(r"^(?P<module>.+\.experts)\.(?P<e>\d+)\."
                          r"(?P<proj>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
@@ -37,7 +45,7 @@ _PART = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_p
 
 
 @dataclass
-class Placement:
+class Placed:
     """Where the loader put every tensor: bytes placed on the device (tensor by tensor: on a
     CPU run the device is the host, so this is the only account of what went "to the
     device"), bytes copied into the host store, and the checkpoint names of each."""
@@ -47,6 +55,47 @@ class Placement:
     device_names: list[str] = field(default_factory=list)
     host_names: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # experts="none", and keys the model lacks
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    tokenizer: object
+    spec: MoESpec
+    checkpoint: Path
+    device: torch.device
+    placed: Placed | None = None  # what the loader put where (None: made some other way)
+
+
+def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = None,
+               seed: int = 0, progress: bool = True,
+               plan: PlacementPlan = RESIDENT) -> LoadedModel:
+    """The model of `cfg` on `device`, each tensor where `plan` puts it (plan.py; by default
+    everything on the device), through this one loader for every system."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
+    path = resolve_checkpoint(cfg, cache_dir, seed, progress)
+    dtype = pick_dtype(cfg, device)
+    config, model_class = native_classes(path)
+    attn, attn_why = pick_attention(cfg, model_class, device)
+    config._attn_implementation = attn
+    if cfg.weights == "random":
+        model, placed = load_random(model_class, config, dtype, device, plan, seed)
+    else:
+        model, placed = load_split(path, model_class, config, dtype, device, plan)
+    _generation_config(model, path)
+    model.config._specter_attn_why = attn_why
+    return LoadedModel(model=model, tokenizer=load_tokenizer(path), spec=moe_spec(model),
+                       checkpoint=path, device=device, placed=placed)
+
+
+def _generation_config(model, path: Path) -> None:
+    """The folder's generation_config.json, as `from_pretrained` reads it (its EOS ids)."""
+    from transformers import GenerationConfig
+
+    if (path / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig.from_pretrained(str(path))
 
 
 def skeleton(model_class, config, dtype: torch.dtype) -> nn.Module:
@@ -80,23 +129,31 @@ def _conversions(model: nn.Module):
     return renamings, converters
 
 
+def _param(value: torch.Tensor) -> nn.Parameter:
+    """A loaded parameter as transformers' `from_pretrained` leaves it (a floating one requires
+    grad: the model can be trained or differentiated after loading, as the zoo's tests do)."""
+    return nn.Parameter(value, requires_grad=value.is_floating_point())
+
+
 def _set(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name) if module_name else model
     if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        module._parameters[leaf] = _param(value)
     else:
         module._buffers[leaf] = value
 
 
 class _ExpertFiller:
-    """Copies routed-expert tensors into the store, checking each (layer, expert) gets every
+    """Copies routed-expert tensors to where the plan puts them (`views(l, e)`: expert e of
+    MoE layer l as (gate_up [2I, H], down [H, I]) views of its destination: a host store
+    buffer, or the fused parameters on the device), checking each (layer, expert) gets every
     part exactly once."""
 
-    def __init__(self, model: nn.Module, store: HostExpertStore | None):
+    def __init__(self, model: nn.Module, layout: ExpertLayout, layers: int, views):
         names = {id(m): n for n, m in model.named_modules()}
         self.moe_layer = {names[id(m)]: l for l, (_, m) in enumerate(experts_modules(model))}
-        self.store = store
+        self.layout, self.layers, self.views = layout, layers, views
         self.filled: dict[tuple[int, int], set[str]] = {}
 
     def target(self, renamed: str) -> tuple[int, int | None, str] | None:
@@ -111,12 +168,12 @@ class _ExpertFiller:
         """Copy one checkpoint tensor (`read()` gives it, or `read(e)` one expert's slice of a
         fused one) into the store; returns the bytes copied."""
         l, e, part = where
-        layout = self.store.layout
+        layout = self.layout
         experts = [e] if e is not None else range(layout.num_experts)
         copied = 0
         for j in experts:
             src = read() if e is not None else read(j)
-            gate_up, down = layout.views(self.store.expert(l, j))
+            gate_up, down = self.views(l, j)
             i = layout.inter
             dst = {"gate": gate_up[:i], "up": gate_up[i:], "gate_up": gate_up, "down": down}[part]
             if tuple(src.shape) != tuple(dst.shape):
@@ -133,8 +190,8 @@ class _ExpertFiller:
         return copied
 
     def check_complete(self, folder: Path) -> None:
-        layout = self.store.layout
-        for l in range(self.store.num_moe_layers):
+        layout = self.layout
+        for l in range(self.layers):
             for e in range(layout.num_experts):
                 missing = {"gate", "up", "down"} - self.filled.get((l, e), set())
                 if missing:
@@ -143,44 +200,48 @@ class _ExpertFiller:
 
 
 def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: torch.device,
-               experts: str = "host") -> tuple[nn.Module, Placement]:
-    """The model of checkpoint `folder`: non-expert weights on `device`; routed experts in a
-    host store attached to the model (`experts="host"`, pinned beside a GPU) or not loaded
-    (`"none"`)."""
+               plan: PlacementPlan) -> tuple[nn.Module, Placed]:
+    """The model of checkpoint `folder`, each tensor where `plan` puts it: non-expert weights
+    on `device`; routed experts in the fused parameters on `device`, in a host store attached
+    to the model (pinned when the plan says), or not loaded."""
     from safetensors import safe_open
+    from transformers.core_model_loading import rename_source_key
 
     model = skeleton(model_class, config, dtype)
     mods = experts_modules(model)
     if not mods:
-        raise UserError(f"{folder}: the model has no routed-experts modules to keep in host memory.")
-    store = None
-    if experts == "host":
-        store = HostExpertStore([i for i, _ in mods], ExpertLayout.of(mods[0][1], dtype),
-                                pin=device.type == "cuda")
-    filler = _ExpertFiller(model, store)
+        raise UserError(f"{folder}: the model has no routed-experts modules to place.")
+    layout = ExpertLayout.of(mods[0][1], dtype)
+    store = _expert_destination(model, mods, layout, plan, device)
+    filler = _ExpertFiller(model, layout, len(mods), _fused_views(mods) if store is None
+                           else lambda l, e: layout.views(store.expert(l, e)))
     renamings, converters = _conversions(model)
-    from transformers.core_model_loading import rename_source_key
-
     meta = model.state_dict()
     fp32 = _fp32_names(model, dtype)
-    place = Placement()
+    place = Placed()
     loaded: set[str] = set()
     for file in sorted(folder.glob("*.safetensors")):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for key in f.keys():
-                if is_routed_expert(key):
+                if is_routed_expert(key):  # to where the plan puts the routed experts
+                    where = plan.experts
                     renamed, _ = rename_source_key(key, renamings, [])
-                    where = filler.target(renamed)
-                    if where is None:
+                    target = filler.target(renamed)
+                    if target is None:
                         raise UserError(f"{file.name}: {key} looks like a routed expert's tensor "
                                         "but matches no experts module of the model.")
-                    if store is None:
+                    if where == "none":
                         place.skipped.append(key)
                         continue
                     sliced = f.get_slice(key)
-                    place.host_bytes += filler.fill(
-                        key, where, lambda j=None, k=key: f.get_tensor(k) if j is None else sliced[j])
-                    place.host_names.append(key)
+                    copied = filler.fill(
+                        key, target, lambda j=None, k=key: f.get_tensor(k) if j is None else sliced[j])
+                    if where == "host":
+                        place.host_bytes += copied
+                        place.host_names.append(key)
+                    else:
+                        place.device_bytes += copied
+                        place.device_names.append(key)
                     continue
                 target, converter = rename_source_key(key, renamings, converters,
                                                       model.base_model_prefix, meta)
@@ -199,7 +260,7 @@ def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: to
                 loaded.add(target)
                 place.device_bytes += value.numel() * value.element_size()
                 place.device_names.append(key)
-    if store is not None:
+    if plan.experts != "none":
         filler.check_complete(folder)
     model.tie_weights()
     expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
@@ -208,17 +269,38 @@ def load_split(folder: Path, model_class, config, dtype: torch.dtype, device: to
     if missing:
         raise UserError(f"{folder}: the checkpoint has no weights for {len(missing)} parameter(s) "
                         f"of {model_class.__name__}, e.g. {missing[0]}.")
-    _finish(model, device, store, place)
+    _finish(model, device, store, place, loaded)
     return model, place
 
 
+def _expert_destination(model: nn.Module, mods, layout: ExpertLayout, plan: PlacementPlan,
+                        device: torch.device) -> HostExpertStore | None:
+    """Where the routed experts will be copied: a host store (`"host"`), or the experts
+    modules' fused parameters made empty on the device (`"device"`, returns None); nothing
+    for `"none"`."""
+    if plan.experts == "host":
+        return HostExpertStore([i for i, _ in mods], layout, pin=plan.pin)
+    if plan.experts == "device":
+        for _, m in mods:
+            m.gate_up_proj = _param(torch.empty(m.gate_up_proj.shape, dtype=layout.dtype,
+                                                device=device))
+            m.down_proj = _param(torch.empty(m.down_proj.shape, dtype=layout.dtype, device=device))
+    return None
+
+
+def _fused_views(mods):
+    """`views(l, e)` of expert e in MoE layer l's fused parameters: (gate_up [2I, H], down [H, I])."""
+    return lambda l, e: (mods[l][1].gate_up_proj.data[e], mods[l][1].down_proj.data[e])
+
+
 def _finish(model: nn.Module, device: torch.device, store: HostExpertStore | None,
-            place: Placement) -> None:
+            place: Placed, placed: set[str] = frozenset()) -> None:
     """The buffers (computed on the CPU by their modules) to the device, and the store, when
     the experts went to one, attached: the model then runs its experts from it."""
     for name, buf in list(model.named_buffers()):
         if buf.device != device:
             _set(model, name, buf.to(device))
+        if name not in placed:  # (a buffer read from the checkpoint is counted already)
             place.device_bytes += buf.numel() * buf.element_size()
     if store is not None:
         setattr(model, STORE_ATTR, store)
@@ -271,8 +353,8 @@ def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
         views = [layout.views(host[e]) for e in range(layout.num_experts)]
         gate_up = torch.stack([g for g, _ in views]).to(device)
         down = torch.stack([d for _, d in views]).to(device)
-        m.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
-        m.down_proj = nn.Parameter(down, requires_grad=False)
+        m.gate_up_proj = _param(gate_up)
+        m.down_proj = _param(down)
 
 
 # The last random host store made, reused by the next run of the same model in this process (a
@@ -312,18 +394,19 @@ def random_checksum(key: tuple) -> str:
 
 
 def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
-                experts: str = "host", seed: int = 0) -> tuple[nn.Module, Placement]:
+                plan: PlacementPlan, seed: int = 0) -> tuple[nn.Module, Placed]:
     """The model of `config` with random weights (`model.weights=random`: a real model's
-    sizes without its checkpoint): the non-expert weights made on `device`, the routed experts
-    made in the host store (`experts="host"`), on the device (`"device"`) or not at all
-    (`"none"`). Norms 1, biases 0, the rest N(0, initializer_range), seeded."""
+    sizes without its checkpoint), each tensor made where `plan` puts it: the non-expert
+    weights on `device`, the routed experts in the host store (`"host"`), on the device
+    (`"device"`) or not at all (`"none"`). Norms 1, biases 0, the rest N(0,
+    initializer_range), seeded."""
     model = skeleton(model_class, config, dtype)
     mods = experts_modules(model)
     expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
     fp32 = _fp32_names(model, dtype)
     std = getattr(config, "initializer_range", None) or 0.02
     gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
-    place = Placement()
+    place = Placed()
     for name, p in list(model.named_parameters()):
         if id(p) in expert_params:
             continue
@@ -336,16 +419,16 @@ def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
     model.tie_weights()
     layout = ExpertLayout.of(mods[0][1], dtype)
     store = None
-    if experts == "device":
+    if plan.experts == "device":
         _random_fused(mods, layout, device, std, seed)
         place.device_bytes += sum(
             t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
-    if experts == "host":
+    if plan.experts == "host":
         import json
 
         key = (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype), seed,
-               device.type == "cuda", std)
-        store = _random_store(key, [i for i, _ in mods], layout, device.type == "cuda", std, seed)
+               plan.pin, std)
+        store = _random_store(key, [i for i, _ in mods], layout, plan.pin, std, seed)
         place.host_bytes = sum(t.numel() * t.element_size() for layer in store.flat for t in layer)
     _finish(model, device, store, place)
     return model, place
@@ -355,7 +438,7 @@ def skeleton_bytes(model_class, config, dtype: torch.dtype):
     """What a checkpoint of `config` holds, from its weightless skeleton (for a model made with
     random weights, which has no safetensors headers to read): routed experts and the rest, at
     `dtype` (fp32 where transformers keeps it)."""
-    from specter.models.checkpoint_bytes import CheckpointBytes
+    from specter.placement.bytes import CheckpointBytes
 
     model = skeleton(model_class, config, dtype)
     mods = experts_modules(model)
