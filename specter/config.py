@@ -202,6 +202,10 @@ class SpecConfig:
     # spec.k=auto profiles a system with its own K (SpecMoEOff, SpecMoE) too: a tuned-depth
     # baseline, a variant beside the one at its paper's depth
     tune_own_k: bool = False
+    # The draft step as one compiled graph over a static draft cache (decoding/static_draft.py):
+    # on | off | auto (compiled where its shapes are static: one row, greedy, a gather backend)
+    compile: str = "off"
+    compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 
 
 @dataclass

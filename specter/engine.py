@@ -277,9 +277,10 @@ class DeviceMemory:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
 
-    def observe_cache(self, cache) -> None:
+    def observe_cache(self, cache, held: int = 0) -> None:
+        """The KV cache's bytes now, plus `held` bytes of other KV buffers (a static draft's)."""
         if not self.cuda:
-            self.peak_kv = max(self.peak_kv, cache_bytes(cache))
+            self.peak_kv = max(self.peak_kv, cache_bytes(cache) + held)
 
     def peak(self) -> tuple[int, str]:
         if self.cuda:

@@ -44,7 +44,10 @@ class DraftPart:
     `self_draft` or `separate`."""
 
     self_draft: SelfDraft | None = None
-    separate: SeparateDraft | None = None
+    timing: Timing | None = None
+    target_model = None
+    kv_copy_bytes = kv_copies = 0
+    layout = None  # where and how it drafts (drafting.py, static_draft.py); None: SharedDraft
     device_bytes = 0
 
     def listen(self, fn) -> None:
@@ -58,6 +61,25 @@ class DraftPart:
 
     def as_record(self) -> dict:
         return {}
+
+    def _charge_kv_copy(self, tokens: int, rows: int, cache, nbytes: int | None = None) -> None:
+        """One per-window copy of the committed KV (`tokens` positions of `rows` sequences,
+        holes included: the copy is the whole rectangle; `nbytes` when the caller measured
+        them), device to device: on
+        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
+        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
+        real clocks measure the copy itself."""
+        cost = self.timing.cost
+        if charges_virtually(self.timing):
+            s = cost.sizes
+            layers = len(self.target_model.model.layers) * s.attn_multiplier
+            nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
+            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
+                                     + 2 * layers * cost.hw.launch_overhead_s)
+        elif nbytes is None:
+            nbytes = cache_bytes(cache)
+        self.kv_copy_bytes += nbytes
+        self.kv_copies += 1
 
 
 def draft_experts_charge(timing: Timing, draft: Draft):
@@ -78,16 +100,35 @@ class SelfInt4Draft(DraftPart):
     """The target's own instance in draft mode: its routed experts from their INT4 copy."""
 
     def __init__(self, model, draft: Draft, device: torch.device, timing: Timing):
-        self.draft = draft
+        self.draft, self.timing, self.target_model = draft, timing, model
         self.self_draft = SelfDraft(model, draft.experts, draft.backend, device,
                                     graphs=draft.graphs)
         self.device_bytes = self.self_draft.draft_bytes
         if charges_virtually(timing):
             self.listen(draft_experts_charge(timing, draft))
 
+    def use_static(self, compiler: str, mode: str | None) -> None:
+        """Draft in a static cache, each step one compiled graph (static_draft.py); each
+        window's copy of newly committed KV is charged as a device copy."""
+        from specter.decoding.static_draft import StaticDraft
+
+        self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy)
+
+    def reset(self) -> None:
+        self.kv_copy_bytes = self.kv_copies = 0
+        if self.layout is not None:  # what compiles during the next request
+            self._compiled_before = (self.layout.compiles, self.layout.compile_s)
+
     def as_record(self) -> dict:
-        return {**self.draft.as_record(), "shared_instance": True, "draft_kv": "shared",
-                "kv_copy_bytes": 0, "kv_copies": 0}
+        static = self.layout is not None
+        compiled = {}
+        if static:
+            n, seconds = getattr(self, "_compiled_before", (0, 0.0))
+            compiled = {"draft_compiles": self.layout.compiles - n,  # in this request
+                        "draft_compile_s": self.layout.compile_s - seconds}
+        return {**self.draft.as_record(), "shared_instance": True, **compiled,
+                "draft_kv": "static" if static else "shared",
+                "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
 
 
 def load_separate_draft_model(ctx):
@@ -110,7 +151,7 @@ class SeparateInt4Draft(DraftPart):
     def __init__(self, target_model, draft_model, draft: Draft, device: torch.device,
                  timing: Timing, kv_copy: bool = False):
         self.draft, self.timing, self.target_model = draft, timing, target_model
-        self.separate = CopiedKVDraft(draft_model, self._charge_kv_copy) if kv_copy \
+        self.layout = CopiedKVDraft(draft_model, self._charge_kv_copy) if kv_copy \
             else SeparateDraft(draft_model)
         self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device,
                                   graphs=draft.graphs)
@@ -129,29 +170,11 @@ class SeparateInt4Draft(DraftPart):
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill", rows)
 
-    def _charge_kv_copy(self, tokens: int, rows: int, cache) -> None:
-        """One per-window copy of the committed KV (`tokens` positions of `rows` sequences,
-        holes included: the copy is the whole rectangle), device to device: on
-        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
-        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
-        real clocks measure the copy itself."""
-        cost = self.timing.cost
-        if charges_virtually(self.timing):
-            s = cost.sizes
-            layers = len(self.target_model.model.layers) * s.attn_multiplier
-            nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
-            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
-                                     + 2 * layers * cost.hw.launch_overhead_s)
-        else:
-            nbytes = cache_bytes(cache)
-        self.kv_copy_bytes += nbytes
-        self.kv_copies += 1
-
     def reset(self) -> None:
         self.kv_copy_bytes = self.kv_copies = 0
 
     def as_record(self) -> dict:
-        copied = isinstance(self.separate, CopiedKVDraft)
+        copied = isinstance(self.layout, CopiedKVDraft)
         return {**self.draft.as_record(), "shared_instance": False,
                 "draft_kv": "copied" if copied else "own",
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}

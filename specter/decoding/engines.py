@@ -20,6 +20,7 @@ import torch
 
 from specter.decoding.depth import Depth, settle_depth
 from specter.decoding.loop import speculative_batch
+from specter.decoding.static_draft import MODES as COMPILE_MODES, resolve_compile
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
 from specter.offload.build import Timing, offload_model, timing_for
@@ -102,6 +103,10 @@ class SpeculativeEngine:
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
         self.charger = timing.charger(model, charge_experts=False)
         draft.listen(self.window.on_draft_experts)
+        if draft.layout is not None and hasattr(draft.layout, "after_step"):
+            # a compiled draft step is charged after it runs (its hooks do not run inside)
+            draft.layout.after_step = getattr(self.charger, "charge_compiled_step", None)
+        self.compiled = {"draft_compiled": False, "draft_compile": "eager"}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
         self.generators: list[torch.Generator] | None = None
 
@@ -139,9 +144,9 @@ class SpeculativeEngine:
         gens = speculative_batch(self.model, self.draft.self_draft, prompts, max_new_tokens,
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
                                  self._before_forward, prefetcher=self.window,
-                                 separate=self.draft.separate, depth=self.adaptive, **sampling)
+                                 layout=self.draft.layout, depth=self.adaptive, **sampling)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
-                  **self.draft.as_record(), "k_source": self.k_source,
+                  **self.draft.as_record(), **self.compiled, "k_source": self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
                   **self.window.as_record()}
@@ -193,11 +198,42 @@ def build_speculative(ctx, name: str, make_draft, window=None,
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
+    compiled = compile_draft(ctx, draft, timing)
     depth = settle_depth(ctx.cfg.spec, ctx.cfg.model.paper_k, own_k)
-    return SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
-                             window=window(runtime, timing, draft) if window else None,
-                             stop_on_eos=ctx.cfg.workload.stop_on_eos,
-                             temperature=ctx.cfg.workload.temperature)
+    engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
+                               window=window(runtime, timing, draft) if window else None,
+                               stop_on_eos=ctx.cfg.workload.stop_on_eos,
+                               temperature=ctx.cfg.workload.temperature)
+    engine.compiled = compiled
+    return engine
+
+
+def compile_draft(ctx, draft, timing: Timing) -> dict:
+    """`spec.compile`: the shared instance's draft step as one compiled graph over a static
+    cache (static_draft.py), where its shapes are static; the record says whether and why."""
+    w, spec = ctx.cfg.workload, ctx.cfg.spec
+    backend = getattr(getattr(draft, "draft", None), "backend", None)
+    counted = timing.cost is not None and timing.clock == "virtual" and timing.cost.hw.counted
+    if spec.compile not in COMPILE_MODES:
+        raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
+                        f"(got '{spec.compile}').")
+    if not hasattr(draft, "use_static"):
+        if spec.compile == "on":
+            raise UserError(f"spec.compile=on compiles the target's own instance drafting "
+                            f"(specter, lru_s, sp_e, sp_l); {ctx.cfg.system.name} drafts otherwise.")
+        return {"draft_compiled": False, "draft_compile": "eager: not the shared instance's draft"}
+    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
+    if on and counted:  # its launch counter counts eager operations
+        if spec.compile == "on":
+            raise UserError("spec.compile=on: a counted profile counts eager launches; "
+                            "use another hardware profile.")
+        on, why = False, "eager: a counted profile counts eager launches"
+    if on and getattr(draft.draft, "graphs", False):
+        on, why = False, "eager: quant.graphs replays each draft layer as a CUDA graph"
+    if on:
+        mode = "reduce-overhead" if ctx.device.type == "cuda" else None
+        draft.use_static(spec.compile_backend, mode)
+    return {"draft_compiled": on, "draft_compile": why}
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,

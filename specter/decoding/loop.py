@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.decoding.acceptance import Greedy, Sampled
-from specter.decoding.drafting import SeparateDraft, SharedDraft
+from specter.decoding.drafting import SharedDraft
 from specter.engine import BatchCache, Generation
 from specter.offload.prefetch import WindowPrefetcher
 
@@ -40,18 +40,19 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                       device: torch.device, clock, stop: set[int], memory,
                       before_forward=None, prefetcher: WindowPrefetcher | None = None,
                       temperature: float = 0.0, generators: list[torch.Generator] | None = None,
-                      separate: SeparateDraft | None = None, depth=None) -> list[Generation]:
+                      layout=None, depth=None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
     `before_forward(tokens, context, phase, rows)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `prefetcher` plans and issues copies between draft steps and hears
-    each window's end; `temperature` > 0 samples (one generator per request); `separate`
-    drafts with a second model (else `shared`, the target's own instance in draft mode);
+    each window's end; `temperature` > 0 samples (one generator per request); `layout` is
+    where and how the draft runs (drafting.py: a second model, or static_draft.py's compiled
+    step; else `SharedDraft(shared)`, the target's own instance in draft mode over its cache);
     `depth` (an `AdaptiveDepth`) chooses each window's K instead of `k`."""
     _check(prompts, k, temperature, generators)
     tell = before_forward or (lambda *a, **kw: None)
     prefetch = prefetcher or WindowPrefetcher()
     accept = Sampled(temperature, generators) if temperature > 0 else Greedy()
-    draft = separate or SharedDraft(shared)
+    draft = layout or SharedDraft(shared)
     depths = WindowDepth(k, depth, clock)
     memory.start()
     kv = BatchCache(model, device, len(prompts))
@@ -101,7 +102,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
         if max(quotas) > 0:
             draft.commit(draft_kept)
-        memory.observe_cache(kv.cache)
+        memory.observe_cache(kv.cache, draft.held_bytes() if hasattr(draft, "held_bytes") else 0)
         prefetch.end_window()
         rows.leave(going, kv, draft)
     return rows.generations(clock, memory)
@@ -112,11 +113,11 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                        device: torch.device, clock, stop: set[int], memory,
                        before_forward=None, prefetcher: WindowPrefetcher | None = None,
                        temperature: float = 0.0, generator: torch.Generator | None = None,
-                       separate: SeparateDraft | None = None) -> Generation:
+                       layout=None) -> Generation:
     """One request: `speculative_batch` of one row."""
     return speculative_batch(model, shared, [prompt_ids], max_new_tokens, k, device, clock, stop,
                              memory, before_forward, prefetcher, temperature,
-                             None if generator is None else [generator], separate)[0]
+                             None if generator is None else [generator], layout)[0]
 
 
 def _check(prompts: list[list[int]], k: int, temperature: float, generators) -> None:

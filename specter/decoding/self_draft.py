@@ -34,8 +34,11 @@ def _self_draft_experts_forward(self, hidden_states, top_k_index, top_k_weights)
     sd: SelfDraft = self._specter_self_draft
     if sd.mode == "draft":
         layer = self._specter_self_draft_layer
-        for listener in sd.draft_listeners:
-            listener(layer, top_k_index)
+        if sd.capture:  # a compiled step: its listeners hear it after the step (`replay`)
+            sd.routes.append(top_k_index)
+        else:
+            for listener in sd.draft_listeners:
+                listener(layer, top_k_index)
         return sd.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
     return sd.target_forward(self, hidden_states, top_k_index, top_k_weights)
 
@@ -93,6 +96,26 @@ class SelfDraft:
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
         # clock's charge, the orchestrator's lookahead buffer.
         self.draft_listeners: list = []
+        # Inside a compiled draft step (static_draft.py) the listeners do not run: each layer's
+        # routing is kept in `routes` and `replay` tells them after the step.
+        self.capture = False
+        self.routes: list = []
+
+    @contextmanager
+    def capturing(self):
+        """Draft layers keep their routing in `routes` instead of telling the listeners."""
+        previous, self.capture = self.capture, True
+        try:
+            yield self
+        finally:
+            self.capture = previous
+
+    def replay(self, routes) -> None:
+        """Tell the listeners of a compiled step's routing (`routes[l]`: MoE layer l's
+        top_k_index), in layer order as the eager forward does."""
+        for layer in range(len(routes)):
+            for listener in self.draft_listeners:
+                listener(layer, routes[layer])
 
     @contextmanager
     def draft(self):

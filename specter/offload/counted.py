@@ -93,9 +93,9 @@ class ChargingCounter(OpCounter):
 def engine_models(engine) -> list[nn.Module]:
     """The models whose forwards the engine runs: the target, and a separate draft's."""
     models = [engine.model]
-    separate = getattr(getattr(engine, "draft", None), "separate", None)
-    if separate is not None and separate.model is not engine.model:
-        models.append(separate.model)
+    layout = getattr(getattr(engine, "draft", None), "layout", None)
+    if layout is not None and layout.model is not engine.model:
+        models.append(layout.model)
     return models
 
 

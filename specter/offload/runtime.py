@@ -97,6 +97,7 @@ class Charger:
         self.tokens, self.context, self.rows = 1, 1, 1  # tokens: of all rows together
         self.row_tokens = 1
         self.handles = []
+        self.parts = []  # what the hooks charge, in their order (`charge_compiled_step`)
         moe_ids = {id(m) for _, m in experts_modules(model)}
         for layer in model.model.layers:
             self._hook(layer.self_attn, self._attention_s)
@@ -109,8 +110,10 @@ class Charger:
                     self._hook(sub, lambda: cost.shared_s(self.tokens))
                 elif id(sub) in moe_ids and charge_experts:
                     self.handles.append(sub.register_forward_pre_hook(self._charge_hf_experts))
+        self.parts.append(lambda: cost.lm_head_s(self.rows))  # a compiled step keeps one position
         self.handles.append(model.lm_head.register_forward_hook(  # rows x kept positions
-            lambda m, i, o: link.compute(cost.lm_head_s(o.shape[:-1].numel()))))
+            lambda m, i, o: None if torch.compiler.is_compiling()
+            else link.compute(cost.lm_head_s(o.shape[:-1].numel()))))
 
     def _attention_s(self) -> float:
         """Every row's tokens through the projections, each row reading its own KV."""
@@ -119,7 +122,16 @@ class Charger:
         return self.cost.attention_batch_s([(self.row_tokens, self.context)] * self.rows)
 
     def _hook(self, module: nn.Module, seconds) -> None:
-        self.handles.append(module.register_forward_hook(lambda m, i, o: self.link.compute(seconds())))
+        # Inside a compiled region the hook is traced, not run: the step is charged after it.
+        self.parts.append(seconds)
+        self.handles.append(module.register_forward_hook(
+            lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
+
+    def charge_compiled_step(self) -> None:
+        """What the hooks charge for one forward that ran compiled (static_draft.py: one
+        position per row kept), after it ran."""
+        for seconds in self.parts:
+            self.link.compute(seconds())
 
     def _charge_hf_experts(self, module, args) -> None:
         _, top_k_index, _ = args

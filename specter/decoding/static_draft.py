@@ -1,0 +1,197 @@
+"""The shared instance's draft step as one compiled graph, over a static draft cache.
+
+Owns: `StaticDraft`, the draft layout `spec.compile` switches in for the target's own instance
+(Specter, LRU-S, SP-E/SP-L), and `resolve_compile` (`spec.compile=auto|on|off`). The draft
+writes its keys and values into preallocated buffers of fixed length (transformers'
+`StaticCache`, whose write index is a device tensor), so one draft step (a token id on the
+device -> every layer with its INT4 experts -> logits -> the greedy token, left on the device)
+has the same shapes at every position of every window and runs as one graph under
+`torch.compile(fullgraph=True, dynamic=False)`: no graph break, no host read, no shape that
+depends on data. Those are the conditions a CUDA graph capture needs, checked by the compiler.
+
+The buffers mirror the target's committed KV. At each window's start the positions committed
+since the last window are copied in from the target's cache (device to device: the accepted
+tokens' K and V of every layer, charged as a copy). The draft's own positions past them are
+masked until the next window overwrites them. The target's cache and its verification are not
+touched, so the output stays the target's.
+
+Hooks in the compiled region (the virtual clock's charges, the draft's routing listeners) do
+not run inside it: the step records each draft layer's routing as an output, and after the
+step the charges and listeners are replayed in the order the eager forward makes them.
+Does not own: the window loop (loop.py), the eager layouts (drafting.py), the experts
+(self_draft.py), what a forward costs (offload/runtime.py `Charger`).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specter.counting import host_side, upload
+from specter.engine import BatchCache
+from specter.errors import UserError
+
+MODES = ("auto", "on", "off")
+
+
+def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
+    """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
+    compiles where the step has static shapes (one row, a backend whose draft experts have
+    no data-dependent shape: `gather_int4`), else stays eager and says why."""
+    if setting not in MODES:
+        raise UserError(f"spec.compile must be one of {', '.join(MODES)} (got '{setting}').")
+    if setting == "off":
+        return False, "spec.compile=off"
+    reasons = []
+    if rows != 1:
+        reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
+    if backend != "gather_int4":
+        reasons.append(f"the {backend} backend reads the routing on the host "
+                       "(quant.backend=gather_int4 compiles)")
+    if sampling:
+        reasons.append("speculative sampling picks on the host")
+    if not reasons:
+        return True, f"spec.compile={setting}"
+    if setting == "on":
+        raise UserError("spec.compile=on cannot compile the draft step: " + "; ".join(reasons) + ".")
+    return False, "eager: " + "; ".join(reasons)
+
+
+class StaticDraft:
+    """The target's own instance (`shared`, a `SelfDraft`) drafting in a static cache, one
+    compiled graph per step (see the module's docstring). One row at a time.
+    `compiler`: torch.compile's backend ("inductor"; "eager" checks the graph without code
+    generation, as the tests do); `mode`: its mode ("reduce-overhead" captures CUDA graphs).
+    `on_copy(positions, rows, cache)` is told of each window's copy of newly committed KV;
+    `after_step()` replays what the compiled region did not run (the clock's charges)."""
+
+    def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
+                 on_copy=None, after_step=None):
+        self.shared, self.model = shared, shared.model
+        self.compiler, self.mode = compiler, mode
+        self.graphs = mode == "reduce-overhead"  # CUDA graphs: outputs overwritten per replay
+        self.on_copy, self.after_step = on_copy, after_step
+        self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
+        self.capacity = 0
+        self.synced = 0  # positions of the target's cache copied in
+        # Dynamo keeps compiled graphs per code object, guarded on `self`: every StaticDraft
+        # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
+        # time (a sweep builds one after another), so a new one drops the last one's graphs.
+        torch._dynamo.reset()
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler,
+                                  mode=mode)
+        self.steps_run = 0
+        self.compiles = 0  # new buffers: the next step compiles (`compile_s`: their wall time)
+        self.compile_s = 0.0
+        self._fresh = False
+
+    # -- the compiled step --------------------------------------------------------------------
+    def _step(self, tok: torch.Tensor):
+        """tok [1, 1] -> (logits [1, V], next token [1, 1], routes [L, 1, k]), all on the
+        device; the draft's K and V written at the cache's index, which advances by one."""
+        self.shared.routes = []
+        out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
+        logits = out.logits[:, -1]
+        routes = torch.stack(self.shared.routes)
+        return logits, logits.argmax(dim=-1, keepdim=True), routes
+
+    # -- the layout's interface (drafting.py) --------------------------------------------------
+    def start(self, rows: int, device) -> None:
+        """After the prefill: nothing copied yet (the first window copies the prompt's KV)."""
+        if rows != 1:
+            raise ValueError("the static draft step decodes one row (spec.compile=auto keeps a "
+                             "batch eager)")
+        self.synced = 0
+
+    def held_bytes(self) -> int:
+        """Device bytes of the static buffers."""
+        return sum(t.numel() * t.element_size() for layer in getattr(self.cache, "layers", [])
+                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+                   if isinstance(t, torch.Tensor))
+
+    def _ensure(self, target, need: int) -> None:
+        """Buffers of at least `need` positions (a power of two, kept: a longer request makes
+        new ones and compiles once more)."""
+        from transformers import StaticCache
+
+        if self.cache is not None and need <= self.capacity:
+            return
+        self.capacity = max(64, 1 << (need - 1).bit_length())
+        self.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+        self._fresh = True
+        for src, dst in zip(target.layers, self.cache.layers):
+            dst.lazy_initialization(src.keys, src.values)
+        self.synced = 0
+
+    def _sync(self, kv: BatchCache, k: int) -> None:
+        """Copy the positions the target committed since the last window into the buffers and
+        set the write index after them."""
+        target, n = kv.cache, kv.length
+        self._ensure(target, n + k + 1)
+        s = self.synced
+        if n > s:
+            for src, dst in zip(target.layers, self.cache.layers):
+                dst.keys[:, :, s:n].copy_(src.keys[:, :, s:n])
+                dst.values[:, :, s:n].copy_(src.values[:, :, s:n])
+            if self.on_copy is not None:
+                per_position = sum(t.numel() // t.shape[2] * t.element_size()
+                                   for layer in self.cache.layers for t in (layer.keys, layer.values))
+                self.on_copy(n - s, 1, None, nbytes=(n - s) * per_position)
+        for dst in self.cache.layers:
+            dst.cumulative_length.fill_(n)
+        self.synced = n
+
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+              stop: set[int], out: list[list[int]], on_device: bool = False):
+        """`drafting.draft_steps` for one row in the static cache: the pending token first, then
+        each proposal. `on_device` (greedy): the choices stay on the device and are read once
+        after the window's last step (the row drafts its whole quota, as the eager path does)."""
+        k = k_effs[0]
+        self._sync(kv, k)
+        with host_side():
+            tok = torch.tensor([[seqs[0][-1]]], dtype=torch.long)
+        upload()
+        tok = tok.to(kv.device)
+        chosen = []
+        with self.shared.draft(), self.shared.capturing():
+            for i in range(k):
+                tell(1, kv.length + i + 1, "draft", rows=1)
+                began = time.perf_counter()
+                if self.graphs:  # a new step of the CUDA graph tree (its outputs are reused)
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits, nxt, routes = self.step(tok)
+                if self.graphs:  # kept past the next replay: copies of the graph's outputs
+                    logits, nxt, routes = logits.clone(), nxt.clone(), routes.clone()
+                if self._fresh:  # this call compiled (host wall time, whatever the clock)
+                    self.compile_s += time.perf_counter() - began
+                    self.compiles, self._fresh = self.compiles + 1, False
+                self.steps_run += 1
+                self.shared.replay(routes)
+                if self.after_step is not None:
+                    self.after_step()
+                if on_device:
+                    chosen.append(nxt)
+                    tok = nxt
+                    yield i + 1, k
+                    continue
+                t = pick(0, logits[0])
+                out[0].append(t)
+                last = t in stop or i + 1 == k
+                yield i + 1, (i + 1 if last else k)
+                if last:
+                    return
+                with host_side():
+                    tok = torch.tensor([[t]], dtype=torch.long)
+                upload()
+                tok = tok.to(kv.device)
+        if on_device:
+            row = torch.cat(chosen, dim=1)[0].tolist()  # the window's one read of its proposals
+            cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+            out[0].extend(row[:cut])
+
+    def commit(self, n_valid: list[int]) -> None:
+        """After verification (the next window copies what was committed)."""
+
+    def select(self, rows: list[int]) -> None:
+        """One row: it leaves when the request ends."""

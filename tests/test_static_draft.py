@@ -1,0 +1,155 @@
+"""The draft step as one compiled graph over a static draft cache (specter/decoding/static_draft.py).
+
+torch.compile(fullgraph=True) raises on any graph break, host read or data-dependent shape:
+the conditions a CUDA graph capture needs, checked by the compiler on the CPU. The tests
+compile with the "eager" backend (dynamo's graph, no code generation: seconds, not minutes);
+the benchmark (experiments/compile_bench.py) times inductor's code.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from specter.config import ModelConfig
+from specter.decoding.loop import speculative_greedy
+from specter.decoding.self_draft import SelfDraft
+from specter.decoding.static_draft import StaticDraft, resolve_compile
+from specter.engine import DeviceMemory, eos_ids
+from specter.errors import UserError
+from specter.offload.build import Timing
+from specter.placement.loader import load_model
+from specter.quant import calibrate
+
+CPU = torch.device("cpu")
+PROMPT = "The committee met on Tuesday to discuss the budget, and after a long debate"
+
+
+def _setup(name: str, noise: float = 0.0):
+    """A model and its INT4 self-draft (gather_int4: the backend that compiles whole);
+    `noise` scales every quantization scale by a random factor in [1 - noise, 1 + noise], a
+    worse draft whose proposals get rejected."""
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
+    qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
+                                    None, CPU)
+    g = torch.Generator().manual_seed(0)
+    for layer in qe.gate_up + qe.down:
+        for qm in layer:
+            qm.scales.mul_(1 + noise * (2 * torch.rand(qm.scales.shape, generator=g) - 1))
+    return lm, SelfDraft(lm.model, qe, backend="gather_int4")
+
+
+def _run(lm, sw, ids, n, k, layout=None):
+    return speculative_greedy(lm.model, sw, ids, n, k, CPU, Timing.wall(CPU).link,
+                              eos_ids(lm.model), DeviceMemory(lm.model, CPU), layout=layout)
+
+
+def _hf(model, ids, n):
+    eos = eos_ids(model)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(eos) or None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_compiled_draft_step_is_lossless_on_every_architecture(name):
+    """Tokens equal plain `generate` with the draft step compiled whole (fullgraph: a graph
+    break would raise), at several depths; one compilation serves every window and request."""
+    lm, sw = _setup(name)
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    ref = _hf(lm.model, ids, 20)
+    static = StaticDraft(sw, compiler="eager")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for k in (1, 3, 6):
+        assert _run(lm, sw, ids, 20, k, static).tokens == ref, (name, k)
+    assert static.steps_run > 0
+    # one graph: every step of every window and request reused it
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+
+
+@pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
+def test_the_compiled_draft_proposes_what_the_eager_draft_proposes(name):
+    """A noisy draft so that proposals get rejected: the static cache holds the target's KV of the
+    committed tokens (copied in each window), so the draft proposes the same tokens as the
+    eager draft over the target's own cache, window by window."""
+    lm, sw = _setup(name, noise=0.9)
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    eager = _run(lm, sw, ids, 24, 4)
+    compiled = _run(lm, sw, ids, 24, 4, StaticDraft(sw, compiler="eager"))
+    assert compiled.tokens == eager.tokens
+    assert compiled.stats["accepted_lens"] == eager.stats["accepted_lens"]
+    assert min(eager.stats["accepted_lens"]) < 4  # rejections happened
+
+
+def test_a_host_read_inside_the_draft_step_is_a_graph_break_and_fails(monkeypatch):
+    """The check can fail: a draft expert that reads the routing on the host (as cpu_int4
+    does) breaks the graph, and fullgraph refuses it."""
+    lm, sw = _setup("tiny_deepseek")
+    layer = sw.draft_layers[0]
+    original = type(layer).__call__
+
+    def reads_host(self, hidden, top_k_index, top_k_weights):
+        if int(top_k_index.max()) < 0:  # a host read of a device value
+            return hidden
+        return original(self, hidden, top_k_index, top_k_weights)
+
+    monkeypatch.setattr(type(layer), "__call__", reads_host)
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    with pytest.raises(Exception, match="(?i)graph break|data-dependent|Unsupported|item"):
+        _run(lm, sw, ids, 8, 3, StaticDraft(sw, compiler="eager"))
+
+
+def test_listeners_hear_every_draft_layer_after_a_compiled_step():
+    """Routing listeners (the clock's charge, the lookahead buffer) do not run inside the
+    graph; they hear each layer's routing after the step, in layer order, as eagerly."""
+    lm, sw = _setup("tiny_qwen")
+    heard: list[tuple[int, list[int]]] = []
+    sw.draft_listeners.append(lambda l, t: heard.append((l, t.flatten().tolist())))
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    _run(lm, sw, ids, 12, 4)
+    eager = list(heard)
+    heard.clear()
+    _run(lm, sw, ids, 12, 4, StaticDraft(sw, compiler="eager"))
+    assert heard == eager and len(eager) > 0
+
+
+def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
+    assert resolve_compile("off", "gather_int4", 1, False) == (False, "spec.compile=off")
+    assert resolve_compile("auto", "gather_int4", 1, False)[0]
+    on, why = resolve_compile("auto", "cpu_int4", 4, False)
+    assert not on and "batch of 4" in why and "cpu_int4" in why
+    with pytest.raises(UserError, match="spec.compile=on cannot compile"):
+        resolve_compile("on", "gather_int4", 1, True)
+    with pytest.raises(UserError, match="spec.compile must be one of"):
+        resolve_compile("yes", "gather_int4", 1, False)
+
+
+def test_compiled_runs_through_the_runner_record_it_and_charge_the_same_steps(tmp_path):
+    """spec.compile=on through run.py: the same tokens as off, the rows say the step ran
+    compiled over a static cache, and the virtual clock charges the same forwards (hooks
+    replayed after the step) plus each window's copy of newly committed KV."""
+    import pandas as pd
+
+    rows = {}
+    for setting in ("off", "on"):
+        out = tmp_path / setting
+        r = run_cli("model=tiny_deepseek", "system=specter", "hardware=a100_pcie4_hf",
+                    "dataset=gsm8k", "workload.items=1", "workload.repeats=1",
+                    "workload.max_new_tokens=16", "progress=false", "quant.backend=gather_int4",
+                    f"spec.compile={setting}", "spec.compile_backend=eager", f"out_dir={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[setting] = pd.read_parquet(next(out.glob("records/*/*.parquet"))).iloc[0]
+    off, on = rows["off"], rows["on"]
+    assert list(on["output_tokens"]) == list(off["output_tokens"])
+    assert bool(on["draft_compiled"]) and on["draft_kv"] == "static" and on["kv_copies"] > 0
+    assert not bool(off["draft_compiled"]) and off["kv_copies"] == 0
+    # the same charges but the KV copies: a little more, never less, and not much more
+    assert off["tpot_ms"] < on["tpot_ms"] < off["tpot_ms"] * 1.02
+    # the benchmark's table reads these rows: one case each, the compile in its own column
+    from experiments.compile_table import table
+    from experiments import records
+
+    t = table(pd.concat([records.load(tmp_path / s) for s in ("off", "on")]))
+    assert list(t["draft step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
