@@ -207,10 +207,12 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if cfg.hardware.clock in ("virtual", "emulated"):
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
-    if offloads and cfg.hardware.clock == "wall" and device.type == "cpu":
+    if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
+            and cfg.budget.name != "full":
         raise UserError(f"system={cfg.system.name} offloads experts, which on the CPU needs a "
                         "modelled link: use hardware=a100_pcie4_hf (virtual clock) or "
-                        "hardware=a100_pcie4_hf hardware.clock=emulated.")
+                        "hardware=a100_pcie4_hf hardware.clock=emulated, or budget=full (every "
+                        "expert resident: the CPU's own clock).")
 
 
 def host_with_held_store() -> int | None:

@@ -159,11 +159,20 @@ def test_cost_model_deepseek_expert_on_a100_matches_hand_arithmetic(capsys):
     assert host.host_expert_s(1) == pytest.approx(2 * params / 1e11, rel=1e-12)  # 0.173 ms
 
 
-def test_offloading_on_a_plain_cpu_clock_is_refused():
+def test_offloading_on_a_plain_cpu_clock_is_refused_unless_every_expert_is_resident():
     from specter.errors import UserError
 
+    cpu = {"name": "cpu", "device": "cpu", "clock": "wall"}
     with pytest.raises(UserError, match="needs a modelled link"):
-        make_engine("tiny_phi", "lru", 2, hardware={"name": "cpu", "device": "cpu", "clock": "wall"})
+        make_engine("tiny_phi", "lru", 2, hardware=cpu)
+    # every expert resident (budget=full): nothing is copied while decoding, the CPU's own
+    # clock times the compute, and the output is still the target's
+    engine, loaded = make_engine("tiny_phi", "lru", None, hardware=cpu, budget="full")
+    assert engine.runtime.cache.slots == loaded.spec.num_experts
+    ids = loaded.tokenizer(PROMPTS[0])["input_ids"][:16]
+    engine.reset()
+    gen = engine.generate(ids, 8)
+    assert engine.runtime.stats.as_record()["hit_rate"] == 1.0 and gen.tokens
 
 
 def test_real_sizes_scale_each_role_by_its_own_layer_count():

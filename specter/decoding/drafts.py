@@ -107,12 +107,13 @@ class SelfInt4Draft(DraftPart):
         if charges_virtually(timing):
             self.listen(draft_experts_charge(timing, draft))
 
-    def use_static(self, compiler: str, mode: str | None) -> None:
+    def use_static(self, compiler: str, mode: str | None, positions: int = 0) -> None:
         """Draft in a static cache, each step one compiled graph (static_draft.py); each
         window's copy of newly committed KV is charged as a device copy."""
         from specter.decoding.static_draft import StaticDraft
 
-        self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy)
+        self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy,
+                                  positions=positions)
 
     def reset(self) -> None:
         self.kv_copy_bytes = self.kv_copies = 0

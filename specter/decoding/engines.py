@@ -232,7 +232,9 @@ def compile_draft(ctx, draft, timing: Timing) -> dict:
         on, why = False, "eager: quant.graphs replays each draft layer as a CUDA graph"
     if on:
         mode = "reduce-overhead" if ctx.device.type == "cuda" else None
-        draft.use_static(spec.compile_backend, mode)
+        k_most = max(spec.k_max, spec.k if isinstance(spec.k, int) else 0, 32)
+        draft.use_static(spec.compile_backend, mode,
+                         positions=w.prompt_tokens + w.max_new_tokens + k_most + 1)
     return {"draft_compiled": on, "draft_compile": why}
 
 

@@ -64,16 +64,19 @@ class StaticDraft:
     `compiler`: torch.compile's backend ("inductor"; "eager" checks the graph without code
     generation, as the tests do); `mode`: its mode ("reduce-overhead" captures CUDA graphs).
     `on_copy(positions, rows, cache)` is told of each window's copy of newly committed KV;
-    `after_step()` replays what the compiled region did not run (the clock's charges)."""
+    `after_step()` replays what the compiled region did not run (the clock's charges).
+    `positions`: the longest context a request will reach (prompt, new tokens, a window), so
+    that one set of buffers, and one compilation, serves the whole run."""
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
-                 on_copy=None, after_step=None):
+                 on_copy=None, after_step=None, positions: int = 0):
         self.shared, self.model = shared, shared.model
         self.compiler, self.mode = compiler, mode
         self.graphs = mode == "reduce-overhead"  # CUDA graphs: outputs overwritten per replay
         self.on_copy, self.after_step = on_copy, after_step
         self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
         self.capacity = 0
+        self.positions = positions
         self.synced = 0  # positions of the target's cache copied in
         # Dynamo keeps compiled graphs per code object, guarded on `self`: every StaticDraft
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
@@ -117,7 +120,7 @@ class StaticDraft:
 
         if self.cache is not None and need <= self.capacity:
             return
-        self.capacity = max(64, 1 << (need - 1).bit_length())
+        self.capacity = max(64, 1 << (max(need, self.positions) - 1).bit_length())
         self.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
         self._fresh = True
         for src, dst in zip(target.layers, self.cache.layers):

@@ -195,9 +195,12 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
                   ) -> OffloadRuntime:
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
     the device, through `timing`'s link, evicting by `offload.policy`."""
-    if timing.clock in ("wall",):
+    if timing.clock in ("wall",) and ctx.budget.slots < ctx.loaded.spec.num_experts:
+        # (every expert resident, budget=full: nothing is copied while decoding, and the
+        # CPU's own clock times the compute alone)
         raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
-                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
+                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated, or "
+                        "budget=full (every expert resident: the CPU's own clock).")
     model, device = ctx.loaded.model, ctx.device
     store = host_store(model)  # the plan put the experts in host memory (placement/loader.py)
     if store is not None:
