@@ -10,9 +10,12 @@ the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward
 to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
 
 Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
-`ops`, `launching`, `syncs`, `host_reads`, `host_side`, as specter/counting.py defines them
-(views are ops but not launching; a Triton kernel or a CUDA graph's replay is launching; a
-blocking upload is a sync only where the counter can see it, on a GPU).
+`ops`, `launching`, `syncs`, `host_reads`, `host_side`, `graph_replays`, as
+specter/counting.py defines them (views are ops but not launching; a Triton kernel or a CUDA
+graph's replay is launching; a blocking upload is a sync only where the counter can see it, on
+a GPU). With `spec.compile=on` each compiled draft step is one graph replay: one launching
+operation standing for the whole step (on CUDA, one captured graph's replay), not the
+operations inside it.
 
     python -m experiments.hotpath OUT [system=lru,specter ...] [any run.py override]
 
@@ -36,7 +39,7 @@ from specter.offload.counted import engine_models
 
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
-COLUMNS = ("ops", "launching", "syncs", "host_reads", "host_side")
+COLUMNS = ("ops", "launching", "syncs", "host_reads", "host_side", "graph_replays")
 
 
 class HotPath:

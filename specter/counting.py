@@ -15,6 +15,8 @@ dispatcher cannot see:
   on a CPU run every tensor is on the host, so the code says it.
 - `launched(kind)`: a kernel launch that is not an aten operation (a Triton kernel, a CUDA
   graph's replay): counted as a launching operation.
+- `compiled_region()`: a call of a compiled graph (the compiled draft step): one graph
+  replay, not counted op by op (torch.compile runs no frame under a dispatch mode).
 - `upload()`: a copy of host data to the device, which a CPU run cannot see (its
   `.to(device)` is a no-op): counted there as the launch it is on a GPU, and the sync when it
   blocks (pageable memory; `upload(blocking=False)`: from pinned memory, no sync).
@@ -32,6 +34,8 @@ What counts as what (per phase, `Counter` keys):
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
   for a device tensor: an upper bound;
+- `graph_replays`: calls of a compiled graph, each also one launching operation (on CUDA a
+  captured graph's replay is one launch; on the CPU it stands for the whole compiled step);
 - `host_side`: operations and reads on host-resident tensors (`host_side()`, or on a GPU run
   any sync or read whose tensors are all on the host): host time, no kernel, no wait.
 """
@@ -89,6 +93,22 @@ def launched(kind: str) -> None:
             c.count("launched")
 
 
+@contextlib.contextmanager
+def compiled_region():
+    """Around a call of a compiled graph: counted as one graph replay; the counters and their
+    dispatch modes step aside for the call (a compiled frame does not run under a mode)."""
+    if not _ACTIVE:
+        yield
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    for c in list(_ACTIVE):
+        if not c.paused:
+            c.count("graph")
+    with _every_counter("paused"), _disable_current_modes():
+        yield
+
+
 def _on_device(args, kwargs) -> bool:
     """Whether any tensor argument lives off the host (a GPU's)."""
     from torch.utils._pytree import tree_leaves
@@ -130,10 +150,12 @@ class OpCounter(TorchDispatchMode):
         if kind == "host_side":
             c["host_side"] += 1
             return
-        if kind in ("view", "launching", "launched"):
+        if kind in ("view", "launching", "launched", "graph"):
             c["ops"] += 1
-        if kind in ("launching", "launched"):
+        if kind in ("launching", "launched", "graph"):
             c["launching"] += 1
+        if kind == "graph":
+            c["graph_replays"] += 1
         elif kind == "sync":
             c["syncs"] += 1
         elif kind == "host_read":

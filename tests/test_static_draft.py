@@ -153,3 +153,25 @@ def test_compiled_runs_through_the_runner_record_it_and_charge_the_same_steps(tm
 
     t = table(pd.concat([records.load(tmp_path / s) for s in ("off", "on")]))
     assert list(t["draft step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
+
+
+def test_the_hot_path_counter_counts_a_compiled_step_as_one_graph_replay():
+    """Under the operation counter (experiments/hotpath.py) a compiled draft step still runs,
+    and counts as one graph replay and one launch, not as the operations inside it."""
+    from specter.counting import OpCounter
+
+    lm, sw = _setup("tiny_qwen")
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    static = StaticDraft(sw, compiler="eager")
+    ref = _run(lm, sw, ids, 12, 4, static).tokens  # compiled outside the counter
+    before = static.steps_run
+    eager_counter, counter = OpCounter(), OpCounter()
+    with eager_counter:
+        _run(lm, sw, ids, 12, 4)
+    with counter:
+        assert _run(lm, sw, ids, 12, 4, static).tokens == ref
+    steps = static.steps_run - before
+    total = sum((c for c in counter.counts.values()), start=__import__("collections").Counter())
+    eager = sum((c for c in eager_counter.counts.values()), start=__import__("collections").Counter())
+    assert steps > 0 and total["graph_replays"] == steps
+    assert total["launching"] < eager["launching"]  # the steps' operations are one replay each

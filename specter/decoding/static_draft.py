@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from specter.counting import host_side, upload
+from specter.counting import compiled_region, host_side, upload
 from specter.engine import BatchCache
 from specter.errors import UserError
 
@@ -163,7 +163,8 @@ class StaticDraft:
                 began = time.perf_counter()
                 if self.graphs:  # a new step of the CUDA graph tree (its outputs are reused)
                     torch.compiler.cudagraph_mark_step_begin()
-                logits, nxt, routes = self.step(tok)
+                with compiled_region():  # counted as one graph replay (experiments/hotpath.py)
+                    logits, nxt, routes = self.step(tok)
                 if self.graphs:  # kept past the next replay: copies of the graph's outputs
                     logits, nxt, routes = logits.clone(), nxt.clone(), routes.clone()
                 if self._fresh:  # this call compiled (host wall time, whatever the clock)
