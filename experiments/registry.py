@@ -33,6 +33,8 @@ SYSTEMS: dict[str, str] = {
     "sp_e": "baselines.single_plan",
     "sp_l": "baselines.single_plan",
     "specmoe": "baselines.specmoe",
+    "host_experts": "baselines.host_experts",  # every routed expert on the host (llama.cpp's design)
+    "host_experts_s": "baselines.host_experts_s",  # ... with the INT4 self-draft
     "last_window": "baselines.last_window",
     "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
 }

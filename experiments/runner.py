@@ -208,7 +208,7 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
     if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
-            and cfg.budget.name != "full":
+            and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
         raise UserError(f"system={cfg.system.name} offloads experts, which on the CPU needs a "
                         "modelled link: use hardware=a100_pcie4_hf (virtual clock) or "
                         "hardware=a100_pcie4_hf hardware.clock=emulated, or budget=full (every "
@@ -420,7 +420,8 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     if device.type == "cpu" and plan.experts == "host":
         from specter.placement.bytes import check_cpu_offload_fits
 
-        check_cpu_offload_fits(cfg.model.name, ckpt_bytes, budget.slots, n_experts,
+        check_cpu_offload_fits(cfg.model.name, ckpt_bytes,
+                               budget_mod.held_slots(budget, footprint(cfg.system)), n_experts,
                                host_bytes=host_with_held_store(),
                                fp32=pick_dtype(cfg.model, device) == torch.float32)
     torch.manual_seed(cfg.seed)
@@ -438,18 +439,19 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     load.placed(loaded)
     spec = loaded.spec
     kv_tokens = min(w.batch, len(prompts)) * (max(len(p) for p in prompts) + w.max_new_tokens)
-    acct = budget_mod.account(spec, budget.slots, kv_tokens)
+    held = budget_mod.held_slots(budget, footprint(cfg.system))
+    acct = budget_mod.account(spec, held, kv_tokens)
     log(f"[specter] model={cfg.model.name} ({spec.arch}: {spec.num_experts} experts, top-{spec.top_k}, "
         f"{spec.num_moe_layers} MoE layers, attention {attn}: "
         f"{getattr(loaded.model.config, '_specter_attn_why', '')}) "
         f"system={cfg.system.name} budget={budget.name} "
-        f"-> {budget.slots} slots/layer ({budget.rule}) device={device} dataset={workload.dataset} "
+        f"-> {held} slots/layer ({budget.rule}) device={device} dataset={workload.dataset} "
         f"({'project-written stand-in' if workload.standin else workload.source})")
     if budget.note:
         log(f"[specter] budget note: {budget.note}")
     if budget.accounting:
         log("[specter] budget in GiB:\n" + budget.accounting)
-    log("[specter] device byte accounting:\n" + acct.table(budget.slots, spec))
+    log("[specter] device byte accounting:\n" + acct.table(held, spec))
 
     # 3. Decode every (request, repeat) that is not recorded yet.
     engine = build_engine(BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device), log)

@@ -7,6 +7,8 @@ expert-sized blocks, where top-k = E, streams its blocks and needs one slot), re
 device (`resolve_gb`: non-expert weights, the INT4 draft if it has one, a second instance if
 it has one, KV, staging buffers, a reserve), and the device-memory accounting printed at the
 start of every run.
+A system that computes every routed expert on the host (`Footprint.host_experts`) holds no
+slots under any budget (`held_slots`); its record keeps the case's slots, as resident's does.
 Does not own: which experts occupy the slots (the residency policy of the offloading runtime).
 
 The paper's budgets are per-layer slot counts (docs/paper-notes.md); models without a paper entry
@@ -143,6 +145,7 @@ class Footprint:
     second_instance: bool = False  # a second copy of the non-expert weights and a second KV cache
     whole_layers: bool = False  # accelerate's device map: whole experts modules, not slots
     offloads_weights: bool = False  # vLLM's cpu_offload_gb: whatever does not fit, by bytes
+    host_experts: bool = False  # every routed expert computed on the host: no expert slots
 
 
 def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv_tokens: int,
@@ -233,12 +236,24 @@ def bytes_spec(model: ModelConfig, checkpoint) -> tuple[MoESpec, str]:
     return fp16_spec(cfg), f"own:{model.name} (FP16)"
 
 
+def held_slots(budget: ResolvedBudget, footprint: Footprint) -> int:
+    """The expert slots a system holds on the device under `budget` (none for host_experts)."""
+    return 0 if footprint.host_experts else budget.slots
+
+
 def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: int, top_k: int,
             footprint: Footprint, kv_tokens: int, group: int = 128) -> ResolvedBudget:
     """The run's budget: `budget.gb` by the byte accounting, else the named/overridden slots;
     either way with the reference GiB it stands for, the staging buffers, and, for a system
     that keeps whole layers (accelerate), the layers that GiB holds."""
     minimum = 1 if top_k == num_experts else top_k
+    if footprint.host_experts:  # the device holds no routed expert under any budget
+        named = budget.name != "gb" or budget.slots is not None
+        case = resolve_slots(budget, model, num_experts, top_k).slots if named else 0
+        return ResolvedBudget(name=budget.name, slots=case, gb=budget.gb if budget.gb is not None
+                              else model.budget_gb.get(budget.name), staging=0,
+                              rule="none held: every routed expert computed on the host",
+                              note=f"the case's {case} slots per layer stay unused" if case else "")
     if budget.name == "gb" and budget.gb is None:
         raise UserError("budget=gb needs the device memory: add budget.gb=N (GiB), e.g. budget.gb=24.")
     ref_gb = budget.gb if budget.gb is not None else \

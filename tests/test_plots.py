@@ -20,7 +20,7 @@ HW = {"hardware": "a100_pcie4_ideal", "clock": "virtual", "device": "cpu", "data
 CHARGED = {"deepseek": "real:deepseek-ai/DeepSeek-V2-Lite", "qwen": "real:Qwen/Qwen1.5-MoE-A2.7B"}
 MODELS = {"small_deepseek": "deepseek", "small_qwen": "qwen", "small_dense": "deepseek"}
 SLOTS = {"low": 8, "high": 16, "xhigh": 32}
-NO_PAPER = {"kernel", "hybrid", "anchors"}  # results whose tables have no paper (A100) column
+NO_PAPER = {"kernel", "hybrid", "crossover", "anchors"}  # results whose tables have no paper (A100) column
 
 
 def _row(experiment, system, model="small_deepseek", budget="high", dataset="gsm8k", rid=0,
@@ -101,6 +101,11 @@ def synthetic_rows() -> list[dict]:
         rows.append(_row("hybrid", system, budget=budget, tpot_ms=tpot,
                          host_frac=0.5 if hybrid else 0.0, host_experts=10 if hybrid else 0,
                          hit_rate=None if system == "resident" else 0.6))
+    # crossover: host_experts from 40 to 10 ms as the host's bandwidth grows, Specter flat at 20
+    for system, bw, tpot in (("host_experts", 25e9, 40.0), ("host_experts", 60e9, 10.0),
+                             ("host_experts", 300e9, 8.0), ("specter", 300e9, 20.0)):
+        rows.append(_row("crossover", system, tpot_ms=tpot,
+                         **{"cfg.hardware.host_mem_bandwidth_Bps": bw}))
     from experiments import anchors
     from experiments.cases import override_value
 

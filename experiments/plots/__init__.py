@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 
 MODULES = ("main_tpot", "memory", "cache", "ablation", "latency", "fidelity", "routing",
-           "working_set", "depth", "oracle", "kernel", "batch", "hybrid", "anchors")
+           "working_set", "depth", "oracle", "kernel", "batch", "hybrid", "crossover", "anchors")
 
 
 def _collect() -> list:

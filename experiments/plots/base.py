@@ -397,7 +397,7 @@ def write_table(df: pd.DataFrame, out: Path, stem: str, title_text: str, note: s
 # ---------------------------------------------------------------------------- shared tables
 SYSTEM_ORDER = ["resident", "transformers", "lru", "lru_hybrid", "mo_sm", "quasi_hidden", "lru_s", "specmoeoff",
                 "specmoeoff_tuned_k", "specmoe", "specmoe_tuned_k", "sp_e", "sp_l", "specter",
-                "specter_hybrid", "fidelity"]
+                "specter_hybrid", "host_experts", "host_experts_s", "fidelity"]
 TUNED_SUFFIX = "_tuned_k"  # a system run at the profiled K instead of its own (spec.tune_own_k)
 
 

@@ -172,11 +172,13 @@ def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> N
 
 
 def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
-                 offload: bool = True, host_compute: bool = False) -> GreedyEngine:
+                 offload: bool = True, host_compute: bool = False,
+                 host_all: bool = False) -> GreedyEngine:
     """A greedy engine for `ctx`: experts offloaded (with `prefetcher`), or all resident;
-    `host_compute`: misses computed on the host when that ends sooner than their copy."""
+    `host_compute`: misses computed on the host when that ends sooner than their copy;
+    `host_all`: every routed expert computed on the host, no slots (host_experts)."""
     timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing, prefetcher) if offload else None
+    runtime = offload_model(ctx, timing, prefetcher, host_all) if offload else None
     if runtime is not None:
         host_computed_misses(runtime, timing, host_compute)
     return GreedyEngine(name, ctx.loaded.model, ctx.device, timing, runtime,
@@ -185,16 +187,18 @@ def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
 
 def build_speculative(ctx, name: str, make_draft, window=None,
                       own_k: tuple[int, str] | None = None, reorder: bool = True,
-                      overlap: bool = True, host_compute: bool = False) -> SpeculativeEngine:
+                      overlap: bool = True, host_compute: bool = False,
+                      host_all: bool = False) -> SpeculativeEngine:
     """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
     once the target's experts are offloaded (quantize before, from the full-precision
     experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
-    window prefetcher, or None. `reorder=False` verifies token by token, `overlap=False` loads
+    window prefetcher, or None. `host_all`: verification's experts all on the host (no slots).
+    `reorder=False` verifies token by token, `overlap=False` loads
     verification's misses serially (the runtime's ablations). K: the one rule of
     `decoding/depth.py settle_depth` (`own_k`: the system's own K and its name, its recipe's
     `OWN_K`); under spec.k=auto the harness profiles the built engine (depth_profile.py)."""
     timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing)
+    runtime = offload_model(ctx, timing, host_all=host_all)
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)

@@ -191,13 +191,15 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
     return wall_s / virtual_s
 
 
-def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
-                  ) -> OffloadRuntime:
+def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None,
+                  host_all: bool = False) -> OffloadRuntime:
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
-    the device, through `timing`'s link, evicting by `offload.policy`."""
-    if timing.clock in ("wall",) and ctx.budget.slots < ctx.loaded.spec.num_experts:
-        # (every expert resident, budget=full: nothing is copied while decoding, and the
-        # CPU's own clock times the compute alone)
+    the device, through `timing`'s link, evicting by `offload.policy`; `host_all` (the
+    host_experts systems): no slots, every routed expert computed on the host."""
+    slots = 0 if host_all else ctx.budget.slots
+    if timing.clock in ("wall",) and 0 < slots < ctx.loaded.spec.num_experts:
+        # (every expert resident, budget=full, or none, host_experts: nothing is copied while
+        # decoding, and the CPU's own clock times the compute alone)
         raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
                         "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated, or "
                         "budget=full (every expert resident: the CPU's own clock).")
@@ -209,9 +211,10 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
         # fused parameters move out layer by layer
         store = HostExpertStore.from_model(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
-    cache = ExpertCache(store, ctx.budget.slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
+    cache = ExpertCache(store, slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
                         transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
     runtime = OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher)
+    runtime.host_all = host_all
     runtime.rates = timing.cost or timing.rates
     g = ctx.cfg.offload.grouped
     runtime.grouped = None if g == "auto" else g

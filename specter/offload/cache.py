@@ -45,7 +45,7 @@ class ExpertCache:
         prefetch lands when no slot of its layer can take it; a staged expert serves its
         layer's next target forward and its buffer is freed right after (`release_staged`)."""
         layout = store.layout
-        assert layout is not None and 1 <= slots <= layout.num_experts
+        assert layout is not None and 0 <= slots <= layout.num_experts  # 0: host_experts
         self.store, self.slots, self.link = store, slots, link
         self.layout = layout
         # Bytes the link is charged per move (the real model's expert under charged sizes).

@@ -269,9 +269,20 @@ class CostModel:
         """A routed expert computed on the host for `tokens` tokens (`host_expert_s`) plus its
         activations' round trip over the link: the tokens' inputs down and outputs back,
         each one transfer of tokens x hidden elements (per real layer a modelled one stands for)."""
+        return self.host_expert_s(tokens) + self.activation_trip_s(tokens)
+
+    def activation_trip_s(self, tokens: int) -> float:
+        """`tokens` activations down the link and their outputs back: two transfers of tokens
+        x hidden elements (per real layer a modelled one stands for)."""
         act = tokens * self.sizes.hidden * self.sizes.elem_bytes
-        trip = 2 * (act / self.hw.h2d_bandwidth_Bps + self.hw.h2d_latency_s)
-        return self.host_expert_s(tokens) + trip * self.sizes.moe_multiplier
+        return 2 * (act / self.hw.h2d_bandwidth_Bps + self.hw.h2d_latency_s) * self.sizes.moe_multiplier
+
+    def host_layer_job_s(self, counts: list[int], tokens: int) -> float:
+        """Every routed expert of one MoE layer on the host (system=host_experts): each expert
+        over its `counts` tokens (`host_expert_s`: its weights stream once at batch 1, its
+        FLOPs bound as tokens grow), plus one round trip of the layer's `tokens` activations
+        over the link (inputs down, the summed output back)."""
+        return sum(self.host_expert_s(n) for n in counts) + self.activation_trip_s(tokens)
 
     def lm_head_s(self, tokens: int) -> float:
         """The lm head, plus any real dense MLP layers the modelled model lacks."""

@@ -176,6 +176,9 @@ class OffloadRuntime:
         # copy, never admitted (Fiddler's rule). `rates`: the cost model that decides (the
         # virtual clock's, or on a real clock a profile's rates, never charged).
         self.host_compute = False
+        # True (system=host_experts): every routed expert is computed on the host, none is
+        # ever copied (the cache has no slots): `_host_layer`.
+        self.host_all = False
         self.rates = cost
         self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
         # Resident experts as grouped GEMMs (offload/grouped.py): None = where offered,
@@ -211,6 +214,8 @@ class OffloadRuntime:
         needed = groups.needed
         self.last_needed[l] = needed
         self.last_counts[l] = groups.counts
+        if self.host_all:
+            return self._host_layer(module, l, hidden, groups, top_k_weights)
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -349,6 +354,35 @@ class OffloadRuntime:
                 copy_free += copy_s
         return chosen
 
+    def _host_layer(self, module, l: int, hidden: torch.Tensor, groups,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Every routed expert of MoE layer `l` on the host (`host_all`): the T tokens'
+        activations [T, H] down once, each needed expert's weighted products summed on the host
+        in expert-id order (as HF's eager loop sums: bitwise resident's on a CPU run), the sum
+        [T, H] back once. One host job; the compute stream waits for it."""
+        if self.record_demand:
+            self.stats.distinct[l].update(groups.needed)
+            self.stats.forward_distinct.append(len(groups.needed))
+            self.stats.host_experts += len(groups.needed)
+            self.stats.host_tokens += top_k_weights.numel()
+        cpu, weights = torch.device("cpu"), self.host_weights_for()
+        x = hidden.to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
+        w = top_k_weights.to(cpu, weights.dtype)
+        pos, token = groups.pos.to(cpu), groups.token.to(cpu)
+        act, serial, starts, counts = module._apply_gate, self.serial, groups.starts, groups.counts
+
+        def job() -> torch.Tensor:
+            final = torch.zeros_like(x)
+            for e in groups.needed:
+                p = pos[starts[e]:starts[e] + counts[e]]
+                t = token[starts[e]:starts[e] + counts[e]]
+                final.index_add_(0, t, expert_mlp(x[t], *weights.get(l, e), act, serial) * w[t, p, None])
+            return final
+
+        seconds = self.rates.host_layer_job_s(list(counts.values()), hidden.shape[0]) \
+            if self.rates is not None else 0.0  # a real clock without a profile: the job's own time
+        return self.link.wait_host(self.link.host(job, seconds)).to(hidden.device, hidden.dtype)
+
     def _host_expert(self, module, l, e, hidden, groups, top_k_weights):
         """Expert `e` queued on the host CPU from its host copy: (token_idx on the device, the
         host job whose value is the weighted output [n, H] on the CPU). The host computes in
@@ -382,7 +416,10 @@ class OffloadRuntime:
         104 fp32 experts, 3.6 GB of host memory)."""
         if self.host_weights is None:
             store = self.cache.store
-            dtype = store.layout.dtype if self.device.type == "cpu" else torch.float32
+            # host_all computes every expert from the store's own dtype, as llama.cpp computes
+            # from the stored format (fp32 copies of every expert would double the host's bytes)
+            same = self.device.type == "cpu" or self.host_all
+            dtype = store.layout.dtype if same else torch.float32
             self.host_weights = HostWeights(store, dtype, 4 * len(self.modules))
         return self.host_weights
 
