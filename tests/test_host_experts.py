@@ -139,3 +139,15 @@ def test_the_crossover_table_finds_the_fastest_and_the_crossing():
     t.loc[t["system"] == "host_experts", "tpot_ms"] += 100  # never below Specter: no crossing
     assert crossing(t, "host_experts", "specter") != crossing(t, "host_experts", "specter")
     assert answer(t).iloc[0]["fastest at desktop_ddr5_2ch (60 GB/s)"] == "specter"
+
+
+def test_figures_name_the_host_the_host_systems_ran_with():
+    import pandas as pd
+
+    from experiments.plots.base import clock_note
+
+    df = pd.DataFrame({"system": ["specter", "host_experts"], "clock": "virtual",
+                       "hardware": "a100_pcie4_ideal", "cfg.hardware.host": "epyc7742_2s",
+                       "cfg.hardware.host_mem_bandwidth_Bps": 3e11})
+    assert "host epyc7742_2s (300 GB/s)" in clock_note(df)
+    assert "host" not in clock_note(df[df["system"] == "specter"])

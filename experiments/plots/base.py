@@ -259,10 +259,33 @@ def clock_note(df: pd.DataFrame, paper_numbers: bool = True) -> str:
     dev = _values(df, "device")
     if dev:
         parts.append(f"run on {'/'.join(dev)}")
+    host = host_note(df)
+    if host:
+        parts.append(host)
     note = ", ".join(parts)
     if paper_numbers:
         note += f"; paper: {paper.HARDWARE}"
     return note
+
+
+HOST_SYSTEMS = ("lru_hybrid", "specter_hybrid", "host_experts", "host_experts_s")
+
+
+def host_note(df: pd.DataFrame) -> str:
+    """The host CPU profile(s) (conf/host/) the host-computing systems among the rows ran
+    with, e.g. "host epyc7742_2s (300 GB/s)"; empty when no such system is among them."""
+    if "system" not in df or "cfg.hardware.host" not in df:
+        return ""
+    rows = df[df["system"].isin(HOST_SYSTEMS)]
+    pairs = sorted({(str(h), float(b)) for h, b in zip(
+        rows["cfg.hardware.host"], col(rows, "cfg.hardware.host_mem_bandwidth_Bps"))
+        if str(h) not in ("", "nan", "None")})
+    if not pairs:
+        return ""
+    names = sorted({h for h, _ in pairs})
+    bws = sorted({b for _, b in pairs if b == b})
+    rate = f" ({'/'.join(f'{b / 1e9:g}' for b in bws)} GB/s)" if bws else ""
+    return f"host {'/'.join(names)}{rate}"
 
 
 def title(fig, text: str, df: pd.DataFrame, paper_numbers: bool = True) -> None:
