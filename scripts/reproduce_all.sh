@@ -12,7 +12,7 @@
 #                                        local safetensors checkpoints
 # Options: --out DIR (results root; default results/<profile>), --figures DIR (default
 # figures/<profile>), --only STEP[,STEP...] (main, cache, ablation, latency, oracle, depth,
-# working_set, batch, hybrid, fidelity, routing, memory, kernel, anchors, validate, figures), then `--` and extra run.py overrides.
+# working_set, batch, hybrid, crossover, fidelity, routing, memory, kernel, anchors, validate, figures), then `--` and extra run.py overrides.
 # On the virtual clock (--quick, --small) the timed steps run on BOTH engine profiles of the
 # modelled A100, a100_pcie4_ideal (optimised engine) and a100_pcie4_hf (eager framework;
 # docs/calibration.md), and the figures show them side by side.
@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 PY="${PY:-.venv/bin/python}"
 
 PROFILE="" OUT="" FIGS="" ONLY="" EXTRA=()
-STEPS="main cache ablation latency oracle depth working_set batch hybrid fidelity routing memory kernel anchors validate figures"
+STEPS="main cache ablation latency oracle depth working_set batch hybrid crossover fidelity routing memory kernel anchors validate figures"
 need_value() {  # an option that takes a value got none
   [[ $# -ge 2 && -n "$2" && "$2" != --* ]] || {
     echo "reproduce_all.sh: $1 needs a value (see the header of this script)." >&2; exit 2; }
@@ -149,11 +149,13 @@ fi
 if want ablation; then header "ablation: the paper's four rows (full, no PIO, no PIO+SIC, none)"; run ablation model=$DS; fi
 if want latency; then header "latency: H2D total, exposed and hidden"; run latency model=$DS; fi
 if want oracle; then header "oracle: wrong prefetch IDs 0-75%"; run oracle model=$DS; fi
-if want depth; then
+if want depth; then  # the main case's workload: K* here is the K the main step profiles
+  WL_ALL=("${WL[@]}"); WL=("${MAIN_WL[@]}")
   for m in "${MOE[@]}"; do
     header "depth: TPOT vs K, model=${m%% *}"
-    run depth model=$m spec.k="$DEPTH_KS" budget=high
+    run depth model=$m spec.k="$DEPTH_KS" budget=high dataset="$MAIN_DATASETS"
   done
+  WL=("${WL_ALL[@]}")
 fi
 if want working_set; then
   header "working_set: distinct experts vs K; speculative speedup, MoE vs dense twin"
@@ -208,6 +210,14 @@ fi
 if want kernel; then
   header "kernel: INT4 draft kernel and verification reordering microbenchmark"
   "$PY" -m experiments.kernel_bench --out "$OUT/kernel" "${KERNEL[@]}"
+fi
+if want crossover && [[ "$PROFILE" != full ]]; then  # a virtual-clock sweep of the host's rates
+  header "crossover: specter, specter_hybrid and host_experts against the host's memory bandwidth"
+  # its own profile and workload (conf/experiment/crossover.yaml); specter and resident do not
+  # use the host: one run each
+  "$PY" run.py -m experiment=crossover out_dir="$OUT/crossover" progress=false "${EXTRA[@]}"
+  "$PY" run.py -m experiment=crossover out_dir="$OUT/crossover" progress=false \
+    system=specter,resident hardware.host_mem_bandwidth_Bps=3.0e11 "${EXTRA[@]}"
 fi
 if want anchors && [[ ${#ANCHORS[@]} -gt 0 ]]; then
   # into the validation tree: the validate step appends these rows to its table
