@@ -57,7 +57,7 @@ from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.offload.build import Timing
 from specter.offload.prefetch import WindowPrefetcher
-from specter.offload.runtime import OffloadRuntime
+from specter.offload.runtime import OffloadRuntime, host_layer_sum
 
 ENGINE = SpeculativeEngine
 K_DEFAULT = 4
@@ -127,14 +127,9 @@ class HostDraftExperts:
         host = o.host
         x, idx_h, w_h = hidden.to(host), idx.to(host), w.to(host)  # the activation goes over
         store, layout = o.runtime.cache.store, o.runtime.cache.layout
-        final = torch.zeros_like(x)
-        groups = group_by_expert(idx_h, layout.num_experts)
-        for e in groups.needed:  # expert-id order, as HF's eager loop sums
-            gate_up, down = layout.views(store.expert(self.layer, e))  # host [2I, H], [H, I]
-            pos, tok = groups.of(e)
-            h = self.module._apply_gate(nn.functional.linear(x[tok], gate_up))
-            y = nn.functional.linear(h, down) * w_h[tok, pos, None]
-            final.index_add_(0, tok, y.to(final.dtype))
+        final = host_layer_sum(x, group_by_expert(idx_h, layout.num_experts), w_h,
+                               lambda e: layout.views(store.expert(self.layer, e)),
+                               self.module._apply_gate)  # host [2I, H], [H, I] views
         return final.to(hidden.device)  # ... and comes back
 
 

@@ -40,7 +40,7 @@ from specter.budget import Footprint
 from specter.engine import DeviceMemory, Generation, eos_ids, pad_id
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.offload.build import Timing, timing_for
+from specter.offload.build import Timing, refuse_wall_clock_offload, timing_for
 
 
 def resident_layers(slots: int, num_experts: int, moe_layers: int) -> int:
@@ -253,9 +253,8 @@ class TransformersOffloadEngine:
 
 def build(ctx) -> TransformersOffloadEngine:
     timing = timing_for(ctx)  # before any hook: the emulated clock calibrates on the model
-    if timing.clock == "wall" and ctx.device.type == "cpu":
-        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
-                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated.")
+    refuse_wall_clock_offload(timing.clock, ctx.device, ctx.budget.slots,
+                              ctx.loaded.spec.num_experts)
     return TransformersOffloadEngine(ctx.loaded.model, ctx.device, timing, ctx.budget.slots,
                                      stop_on_eos=ctx.cfg.workload.stop_on_eos,
                                      whole_layers=ctx.budget.whole_layers,

@@ -27,16 +27,16 @@ def run_cases(out: Path, todo: list[Case], common: list[str], log=print,
     """Each case through the runner in this process (Hydra's compose API, the configs of
     run.py); returns how many failed (their one-sentence errors printed)."""
     from experiments import runner
-    from experiments.configs import compose_run_config, typed_overrides
+    from experiments.configs import run_config
     from specter.errors import UserError
 
     failed = 0
     for i, case in enumerate(todo, 1):
-        overrides = typed_overrides([*case.overrides, *common, f"out_dir={out}",
-                                     f"experiment={experiment}", "progress=false"])
         log(f"[{experiment}] case {i}/{len(todo)}: {' '.join(case.overrides)}")
-        try:
-            runner.run(compose_run_config(overrides), log=lambda *_: None)
+        try:  # composed and checked as run.py does: a misspelt choice fails this case alone
+            runner.run(run_config([*case.overrides, *common, f"out_dir={out}",
+                                   f"experiment={experiment}", "progress=false"]),
+                       log=lambda *_: None)
         except UserError as e:
             failed += 1
             log(f"[{experiment}]   error: {e}")

@@ -106,7 +106,7 @@ class HotPath:
 def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
     """Each system run through the runner with the counter around its decode calls."""
     from experiments import runner
-    from experiments.configs import compose_run_config, typed_overrides
+    from experiments.configs import run_config
 
     rows = []
     base = ["model=small_deepseek", "budget=high", "dataset=gsm8k", "hardware=a100_pcie4_hf",
@@ -114,8 +114,7 @@ def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
             "quant.backend=gather_int4", "progress=false"]
     for system in systems:
         hot = HotPath()
-        rc = compose_run_config(typed_overrides(
-            [*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"]))
+        rc = run_config([*base, *overrides, f"system={system}", f"out_dir={out / 'records' / system}"])
         runner.run(rc, log=lambda *_: None, decode_context=hot)
         rows += hot.rows(system)
         total = rows[-1]

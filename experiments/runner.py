@@ -46,6 +46,7 @@ from specter.placement.loader import load_model
 from specter.placement.plan import PlacementPlan
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import build_id, default_cache_dir
+from specter.offload.build import WALL_CLOCK_OFFLOAD
 from specter.offload.counted import counted_host_costs
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
@@ -209,10 +210,7 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
     if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
             and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
-        raise UserError(f"system={cfg.system.name} offloads experts, which on the CPU needs a "
-                        "modelled link: use hardware=a100_pcie4_hf (virtual clock) or "
-                        "hardware=a100_pcie4_hf hardware.clock=emulated, or budget=full (every "
-                        "expert resident: the CPU's own clock).")
+        raise UserError(f"system={cfg.system.name}: {WALL_CLOCK_OFFLOAD}")
 
 
 def host_with_held_store() -> int | None:

@@ -384,3 +384,25 @@ def test_quantized_experts_and_attention_are_charged_at_their_bits(tiny_models, 
     assert low["n_transfers"] == full["n_transfers"] > 0
     assert low["h2d_bytes"] * (params * elem) == full["h2d_bytes"] * per_expert
     assert low["tpot_ms"] < full["tpot_ms"] and low["charged.expert_bits"] == 2
+
+
+def test_every_builder_reads_one_rule_for_copying_under_the_cpus_own_clock(tmp_path):
+    """The preflight and both builders (offload_model, the transformers baseline) refuse the
+    same cases with the same sentence: some experts held but not all. budget=full passes the
+    preflight and builds, the transformers path included (the sentence recommends it)."""
+    from conftest import run_cli
+    from specter.errors import UserError
+    from specter.offload.build import WALL_CLOCK_OFFLOAD, refuse_wall_clock_offload
+
+    for slots in (1, 7):
+        with pytest.raises(UserError, match="needs a modelled link"):
+            refuse_wall_clock_offload("wall", "cpu", slots, 8)
+    for clock, device, slots in (("wall", "cpu", 0), ("wall", "cpu", 8), ("virtual", "cpu", 2),
+                                 ("wall", "cuda", 2)):
+        refuse_wall_clock_offload(clock, device, slots, 8)
+    common = ("model=tiny_deepseek", "system=transformers", "hardware=cpu", "workload.items=1",
+              "workload.max_new_tokens=4", "progress=false")
+    r = run_cli(*common, "budget=low", f"out_dir={tmp_path / 'low'}")
+    assert r.returncode != 0 and WALL_CLOCK_OFFLOAD in r.stderr
+    r = run_cli(*common, "budget=full", f"out_dir={tmp_path / 'full'}")
+    assert r.returncode == 0, r.stderr[-2000:]

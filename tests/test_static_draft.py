@@ -3,7 +3,7 @@
 torch.compile(fullgraph=True) raises on any graph break, host read or data-dependent shape:
 the conditions a CUDA graph capture needs, checked by the compiler on the CPU. The tests
 compile with the "eager" backend (dynamo's graph, no code generation: seconds, not minutes);
-the benchmark (experiments/compile_bench.py) times inductor's code.
+the benchmark (scripts/bench_compile.sh, experiments/compile_table.py) times inductor's code.
 """
 
 from __future__ import annotations
@@ -113,6 +113,43 @@ def test_listeners_hear_every_draft_layer_after_a_compiled_step():
     heard.clear()
     _run(lm, sw, ids, 12, 4, StaticDraft(sw, compiler="eager"))
     assert heard == eager and len(eager) > 0
+
+
+def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerly():
+    """After a compiled step the lookahead buffer counts every layer in one call (one launch,
+    not one per MoE layer), to the same counts as the eager draft's layer-by-layer adds; the
+    virtual clock's every-layer charge charges what its per-layer form charges."""
+    from types import SimpleNamespace
+
+    from specter.decoding.drafts import draft_experts_charge
+    from specter.pio.elb import ExpertLookaheadBuffer
+
+    lm, sw = _setup("tiny_qwen")
+    layers, experts = len(sw.draft_layers), lm.model.config.num_experts
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    eager, compiled = (ExpertLookaheadBuffer(layers, experts, CPU) for _ in range(2))
+    heard: list = []
+    sw.listen(eager.add)
+    _run(lm, sw, ids, 12, 4)
+    sw.draft_listeners.clear()
+    sw.listen(compiled.add, lambda routes: (heard.append(routes.tolist()), compiled.add_all(routes)))
+    _run(lm, sw, ids, 12, 4, StaticDraft(sw, compiler="eager"))
+    assert torch.equal(eager.counts, compiled.counts) and eager.counts.sum() > 0
+    steps = len(heard)
+    assert steps > 0 and all(len(r) == layers for r in heard)  # one call per step, every layer
+
+    charged: list = []
+    timing = SimpleNamespace(link=SimpleNamespace(compute=charged.append), cost=SimpleNamespace(
+        router_s=lambda t: ("router", t), draft_experts_s=lambda n, b, g: ("experts", tuple(n))))
+    per_layer, all_layers = draft_experts_charge(
+        timing, SimpleNamespace(experts=SimpleNamespace(spec=SimpleNamespace(bits=4, group=32))))
+    for routes in heard:
+        for layer, top_k in enumerate(torch.tensor(routes).unbind(0)):
+            per_layer(layer, top_k)
+    one_by_one, charged[:] = list(charged), []
+    for routes in heard:
+        all_layers(torch.tensor(routes))
+    assert charged == one_by_one and len(charged) == 2 * layers * steps
 
 
 def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():

@@ -126,3 +126,18 @@ def test_run_cases_runs_each_case_through_the_runner(tmp_path):
     df = records.load(tmp_path)
     assert len(df) == 2 and (df["experiment"] == "validate").all()
     assert (df["batch_size"] == 2).all() and (df["system"] == "lru").all()
+    # a misspelt choice or knob is one failed case with its sentence, not the table's end
+    said: list[str] = []
+    bad = [validate.Case(("hardware=a100_pcie4_hff", "model=tiny_deepseek", "system=lru")),
+           validate.Case(("hardware=a100_pcie4_hf", "model=tiny_deepseek", "system=lru",
+                          "workload.itemz=2"))]
+    assert validate.run_cases(tmp_path, bad, common, log=said.append) == 2
+    assert sum("error: " in line for line in said) == 2 and "workload.items" in said[3]
+
+
+def test_every_table_case_composes_and_passes_run_pys_checks():
+    """validate's cases compose through run.py's own checks (experiments.configs.run_config)."""
+    from experiments.configs import run_config
+
+    for case in [*validate.cases(validate.PROFILES), *validate.batch_cases(validate.PROFILES)]:
+        run_config([*case.overrides, "experiment=validate", "workload.items=1"]).validate()

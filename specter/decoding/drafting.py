@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.engine import BatchCache
+from specter.engine import BatchCache, cache_bytes
 
 
 def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick, tell,
@@ -97,6 +97,10 @@ class SharedDraft:
     def start(self, rows: int, device) -> None:
         """After the prefill (the target's cache is the draft's: nothing to make)."""
 
+    def held_bytes(self) -> int:
+        """No KV of its own: the target's cache is counted as the target's."""
+        return 0
+
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
@@ -126,6 +130,10 @@ class SeparateDraft:
 
     def start(self, rows: int, device) -> None:
         self.kv = BatchCache(self.model, device, rows)
+
+    def held_bytes(self) -> int:
+        """Device bytes of its own KV cache (the second cache a shared instance saves)."""
+        return 0 if self.kv is None else cache_bytes(self.kv.cache)
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
               stop: set[int], out: list[list[int]], on_device: bool = False):

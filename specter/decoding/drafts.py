@@ -9,15 +9,18 @@
   draft, baselines/specmoe.py).
 
 Each part: `self_draft` (the target's `SelfDraft` whose draft mode the loop switches in; None
-when the draft is a second model), `separate` (that second model's `SeparateDraft`, else
-None), `listen(fn)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call: the
-clock's charge, a window prefetcher), `device_bytes` (device memory beyond the target's own
+when the draft is a second model), `layout` (where and how it drafts: a `SeparateDraft`, a
+`CopiedKVDraft` or a compiled `StaticDraft`; None: in the target's own cache),
+`listen(fn, all_layers)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call:
+the clock's charge, a window prefetcher; `all_layers(routes [L, T, k])` its form for a compiled
+step's every layer at once), `device_bytes` (device memory beyond the target's own
 parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `reset()` and
 `as_record()`.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,7 +44,7 @@ def charges_virtually(timing: Timing) -> bool:
 
 class DraftPart:
     """The interface above, with its no-op defaults: a draft subclasses it and sets
-    `self_draft` or `separate`."""
+    `self_draft` or `layout`."""
 
     self_draft: SelfDraft | None = None
     timing: Timing | None = None
@@ -50,8 +53,8 @@ class DraftPart:
     layout = None  # where and how it drafts (drafting.py, static_draft.py); None: SharedDraft
     device_bytes = 0
 
-    def listen(self, fn) -> None:
-        self.self_draft.draft_listeners.append(fn)
+    def listen(self, fn, all_layers=None) -> None:
+        self.self_draft.listen(fn, all_layers)
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         pass
@@ -84,16 +87,28 @@ class DraftPart:
 
 def draft_experts_charge(timing: Timing, draft: Draft):
     """A draft listener charging the router and the fused INT4 experts of one draft layer to
-    the virtual clock (one kernel over every routed expert the layer's tokens chose)."""
+    the virtual clock (one kernel over every routed expert the layer's tokens chose), and its
+    every-layer form for a compiled step (one read of the step's routes, counted on the host).
+    Returns `(per_layer, all_layers)`, the two arguments of `listen`."""
     cost, link, spec = timing.cost, timing.link, draft.experts.spec
 
+    def charge_counts(tokens: int, per_expert: list[int]) -> None:
+        link.compute(cost.router_s(tokens))
+        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
+
     def charge(layer: int, top_k_index: torch.Tensor) -> None:
-        link.compute(cost.router_s(top_k_index.shape[0]))
         with charging_only():
             counts = torch.bincount(top_k_index.flatten())
             per_expert = counts[counts > 0].tolist()  # host sync: charging only
-        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
-    return charge
+        charge_counts(top_k_index.shape[0], per_expert)
+
+    def charge_all(routes: torch.Tensor) -> None:
+        with charging_only():
+            layers = routes.tolist()  # [L][T][k] on the host: one read, charging only
+        for rows in layers:
+            per_expert = Counter(e for row in rows for e in row)
+            charge_counts(len(rows), [per_expert[e] for e in sorted(per_expert)])
+    return charge, charge_all
 
 
 class SelfInt4Draft(DraftPart):
@@ -105,7 +120,7 @@ class SelfInt4Draft(DraftPart):
                                     graphs=draft.graphs)
         self.device_bytes = self.self_draft.draft_bytes
         if charges_virtually(timing):
-            self.listen(draft_experts_charge(timing, draft))
+            self.listen(*draft_experts_charge(timing, draft))
 
     def use_static(self, compiler: str, mode: str | None, positions: int = 0) -> None:
         """Draft in a static cache, each step one compiled graph (static_draft.py); each
@@ -159,14 +174,14 @@ class SeparateInt4Draft(DraftPart):
         self.instance.mode = "draft"  # this instance is only ever the draft
         self.charger = timing.charger(draft_model, charge_experts=False)
         if charges_virtually(timing):
-            self.listen(draft_experts_charge(timing, draft))
+            self.listen(*draft_experts_charge(timing, draft))
         # the INT4 copy (counted once) and the second instance's non-expert weights
         self.device_bytes = self.instance.draft_bytes + sum(
             p.numel() * p.element_size() for p in draft_model.parameters())
         self.kv_copy_bytes = self.kv_copies = 0
 
-    def listen(self, fn) -> None:
-        self.instance.draft_listeners.append(fn)
+    def listen(self, fn, all_layers=None) -> None:
+        self.instance.listen(fn, all_layers)
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill", rows)

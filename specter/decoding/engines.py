@@ -102,7 +102,7 @@ class SpeculativeEngine:
         self.memory = DeviceMemory(model, device,
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
         self.charger = timing.charger(model, charge_experts=False)
-        draft.listen(self.window.on_draft_experts)
+        draft.listen(self.window.on_draft_experts, self.window.on_draft_routes)
         if draft.layout is not None and hasattr(draft.layout, "after_step"):
             # a compiled draft step is charged after it runs (its hooks do not run inside)
             draft.layout.after_step = getattr(self.charger, "charge_compiled_step", None)

@@ -102,7 +102,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
         if max(quotas) > 0:
             draft.commit(draft_kept)
-        memory.observe_cache(kv.cache, draft.held_bytes() if hasattr(draft, "held_bytes") else 0)
+        memory.observe_cache(kv.cache, draft.held_bytes())
         prefetch.end_window()
         rows.leave(going, kv, draft)
     return rows.generations(clock, memory)

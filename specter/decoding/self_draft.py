@@ -96,6 +96,9 @@ class SelfDraft:
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
         # clock's charge, the orchestrator's lookahead buffer.
         self.draft_listeners: list = []
+        # A listener's form for every layer at once (routes [L, T, k]), used after a compiled
+        # step (`replay`): one call per step, not one per MoE layer (`listen`'s `all_layers`).
+        self.all_layers: dict = {}
         # Inside a compiled draft step (static_draft.py) the listeners do not run: each layer's
         # routing is kept in `routes` and `replay` tells them after the step.
         self.capture = False
@@ -110,12 +113,28 @@ class SelfDraft:
         finally:
             self.capture = previous
 
+    def listen(self, fn, all_layers=None) -> None:
+        """`fn(layer, top_k_index)` hears each draft MoE layer; `all_layers(routes)`, when
+        given, hears a compiled step's every layer in one call instead."""
+        self.draft_listeners.append(fn)
+        if all_layers is not None:
+            self.all_layers[fn] = all_layers
+
     def replay(self, routes) -> None:
         """Tell the listeners of a compiled step's routing (`routes[l]`: MoE layer l's
-        top_k_index), in layer order as the eager forward does."""
-        for layer in range(len(routes)):
-            for listener in self.draft_listeners:
-                listener(layer, routes[layer])
+        top_k_index): those with an every-layer form once, the others layer by layer in layer
+        order as the eager forward does."""
+        per_layer = []
+        for listener in self.draft_listeners:
+            whole = self.all_layers.get(listener)
+            if whole is not None:
+                whole(routes)
+            else:
+                per_layer.append(listener)
+        if per_layer:
+            for layer, top_k_index in enumerate(routes.unbind(0)):
+                for listener in per_layer:
+                    listener(layer, top_k_index)
 
     @contextmanager
     def draft(self):

@@ -29,7 +29,7 @@ import time
 import torch
 
 from specter.counting import compiled_region, host_side, upload
-from specter.engine import BatchCache
+from specter.engine import BatchCache, cache_bytes
 from specter.errors import UserError
 
 MODES = ("auto", "on", "off")
@@ -78,6 +78,7 @@ class StaticDraft:
         self.capacity = 0
         self.positions = positions
         self.synced = 0  # positions of the target's cache copied in
+        self._held = self._per_position = 0  # the buffers' bytes, and per position (`_ensure`)
         # Dynamo keeps compiled graphs per code object, guarded on `self`: every StaticDraft
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
@@ -91,13 +92,13 @@ class StaticDraft:
 
     # -- the compiled step --------------------------------------------------------------------
     def _step(self, tok: torch.Tensor):
-        """tok [1, 1] -> (logits [1, V], next token [1, 1], routes [L, 1, k]), all on the
-        device; the draft's K and V written at the cache's index, which advances by one."""
+        """tok [1, 1] -> (next token [1, 1], routes [L, 1, k]), both on the device (greedy: the
+        logits stay inside the graph); the draft's K and V written at the cache's index, which
+        advances by one."""
         self.shared.routes = []
         out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
-        logits = out.logits[:, -1]
         routes = torch.stack(self.shared.routes)
-        return logits, logits.argmax(dim=-1, keepdim=True), routes
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True), routes
 
     # -- the layout's interface (drafting.py) --------------------------------------------------
     def start(self, rows: int, device) -> None:
@@ -108,10 +109,8 @@ class StaticDraft:
         self.synced = 0
 
     def held_bytes(self) -> int:
-        """Device bytes of the static buffers."""
-        return sum(t.numel() * t.element_size() for layer in getattr(self.cache, "layers", [])
-                   for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-                   if isinstance(t, torch.Tensor))
+        """Device bytes of the static buffers (measured once, when they are made)."""
+        return self._held
 
     def _ensure(self, target, need: int) -> None:
         """Buffers of at least `need` positions (a power of two, kept: a longer request makes
@@ -126,6 +125,9 @@ class StaticDraft:
         for src, dst in zip(target.layers, self.cache.layers):
             dst.lazy_initialization(src.keys, src.values)
         self.synced = 0
+        self._held = cache_bytes(self.cache)
+        self._per_position = sum(t.numel() // t.shape[2] * t.element_size()
+                                 for layer in self.cache.layers for t in (layer.keys, layer.values))
 
     def _sync(self, kv: BatchCache, k: int) -> None:
         """Copy the positions the target committed since the last window into the buffers and
@@ -138,9 +140,7 @@ class StaticDraft:
                 dst.keys[:, :, s:n].copy_(src.keys[:, :, s:n])
                 dst.values[:, :, s:n].copy_(src.values[:, :, s:n])
             if self.on_copy is not None:
-                per_position = sum(t.numel() // t.shape[2] * t.element_size()
-                                   for layer in self.cache.layers for t in (layer.keys, layer.values))
-                self.on_copy(n - s, 1, None, nbytes=(n - s) * per_position)
+                self.on_copy(n - s, 1, None, nbytes=(n - s) * self._per_position)
         for dst in self.cache.layers:
             dst.cumulative_length.fill_(n)
         self.synced = n
@@ -148,8 +148,12 @@ class StaticDraft:
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`drafting.draft_steps` for one row in the static cache: the pending token first, then
-        each proposal. `on_device` (greedy): the choices stay on the device and are read once
-        after the window's last step (the row drafts its whole quota, as the eager path does)."""
+        each proposal. Greedy only (`resolve_compile` keeps sampling eager): the choices stay on
+        the device and are read once after the window's last step (the row drafts its whole
+        quota, as the eager path does)."""
+        if not on_device:
+            raise ValueError("the compiled draft step drafts greedily; spec.compile keeps a "
+                             "sampled draft eager")
         k = k_effs[0]
         self._sync(kv, k)
         with host_side():
@@ -164,9 +168,9 @@ class StaticDraft:
                 if self.graphs:  # a new step of the CUDA graph tree (its outputs are reused)
                     torch.compiler.cudagraph_mark_step_begin()
                 with compiled_region():  # counted as one graph replay (experiments/hotpath.py)
-                    logits, nxt, routes = self.step(tok)
-                if self.graphs:  # kept past the next replay: copies of the graph's outputs
-                    logits, nxt, routes = logits.clone(), nxt.clone(), routes.clone()
+                    nxt, routes = self.step(tok)
+                if self.graphs:  # the token is kept past the next replay, which overwrites the
+                    nxt = nxt.clone()  # graph's outputs; `routes` is read (queued) before it
                 if self._fresh:  # this call compiled (host wall time, whatever the clock)
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
@@ -174,25 +178,12 @@ class StaticDraft:
                 self.shared.replay(routes)
                 if self.after_step is not None:
                     self.after_step()
-                if on_device:
-                    chosen.append(nxt)
-                    tok = nxt
-                    yield i + 1, k
-                    continue
-                t = pick(0, logits[0])
-                out[0].append(t)
-                last = t in stop or i + 1 == k
-                yield i + 1, (i + 1 if last else k)
-                if last:
-                    return
-                with host_side():
-                    tok = torch.tensor([[t]], dtype=torch.long)
-                upload()
-                tok = tok.to(kv.device)
-        if on_device:
-            row = torch.cat(chosen, dim=1)[0].tolist()  # the window's one read of its proposals
-            cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
-            out[0].extend(row[:cut])
+                chosen.append(nxt)
+                tok = nxt
+                yield i + 1, k
+        row = torch.cat(chosen, dim=1)[0].tolist()  # the window's one read of its proposals
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        out[0].extend(row[:cut])
 
     def commit(self, n_valid: list[int]) -> None:
         """After verification (the next window copies what was committed)."""

@@ -191,18 +191,27 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
     return wall_s / virtual_s
 
 
+WALL_CLOCK_OFFLOAD = ("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
+                      "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated, or "
+                      "budget=full (every expert resident: the CPU's own clock).")
+
+
+def refuse_wall_clock_offload(clock: str, device, slots: int, num_experts: int) -> None:
+    """The one rule for copying experts under the CPU's own clock: there is no link to time
+    (a wall-clock run on the CPU copies in memory), so a run that holds some experts but not
+    all (0 < slots < experts) needs a modelled link. Every expert resident (budget=full) or
+    none held (host_experts) copies nothing while decoding: the CPU's clock times the compute."""
+    if clock == "wall" and torch.device(device).type == "cpu" and 0 < slots < num_experts:
+        raise UserError(WALL_CLOCK_OFFLOAD)
+
+
 def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None,
                   host_all: bool = False) -> OffloadRuntime:
     """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
     the device, through `timing`'s link, evicting by `offload.policy`; `host_all` (the
     host_experts systems): no slots, every routed expert computed on the host."""
     slots = 0 if host_all else ctx.budget.slots
-    if timing.clock in ("wall",) and 0 < slots < ctx.loaded.spec.num_experts:
-        # (every expert resident, budget=full, or none, host_experts: nothing is copied while
-        # decoding, and the CPU's own clock times the compute alone)
-        raise UserError("offloading on the CPU needs a modelled link: use hardware=a100_pcie4_hf "
-                        "(virtual clock) or hardware=a100_pcie4_hf hardware.clock=emulated, or "
-                        "budget=full (every expert resident: the CPU's own clock).")
+    refuse_wall_clock_offload(timing.clock, ctx.device, slots, ctx.loaded.spec.num_experts)
     model, device = ctx.loaded.model, ctx.device
     store = host_store(model)  # the plan put the experts in host memory (placement/loader.py)
     if store is not None:

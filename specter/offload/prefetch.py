@@ -40,6 +40,8 @@ class WindowPrefetcher:
     def on_draft_experts(self, layer: int, top_k_index: torch.Tensor) -> None:
         """The draft routed its tokens to `top_k_index` [T, k] at MoE layer `layer`."""
 
+    on_draft_routes = None  # or f(routes [L, T, k]): a compiled step's every layer in one call
+
     def on_forward(self, phase: str) -> None:
         """A forward is about to run: "prefill" | "draft" | "verify"."""
 

@@ -209,13 +209,13 @@ class OffloadRuntime:
         cache = self.cache
         self.charge("router_s", hidden.shape[0])  # the router that just ran
         self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
+        if self.host_all:  # every expert on the host: the routing is grouped there
+            return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
         # The layer's one host read: residency is a host decision (specter/grouping.py).
         groups = group_by_expert(top_k_index, cache.store.layout.num_experts)
         needed = groups.needed
         self.last_needed[l] = needed
         self.last_counts[l] = groups.counts
-        if self.host_all:
-            return self._host_layer(module, l, hidden, groups, top_k_weights)
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -354,32 +354,29 @@ class OffloadRuntime:
                 copy_free += copy_s
         return chosen
 
-    def _host_layer(self, module, l: int, hidden: torch.Tensor, groups,
+    def _host_layer(self, module, l: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Every routed expert of MoE layer `l` on the host (`host_all`): the T tokens'
-        activations [T, H] down once, each needed expert's weighted products summed on the host
-        in expert-id order (as HF's eager loop sums: bitwise resident's on a CPU run), the sum
-        [T, H] back once. One host job; the compute stream waits for it."""
+        """Every routed expert of MoE layer `l` on the host (`host_all`): the routing, the
+        weights and the T tokens' activations [T, H] down once each (beside a GPU: three
+        reads, the routing grouped on the host), each needed expert's weighted products summed
+        on the host in expert-id order (as HF's eager loop sums: bitwise resident's on a CPU
+        run), the sum [T, H] back once. One host job; the compute stream waits for it."""
+        cpu, weights = torch.device("cpu"), self.host_weights_for()
+        groups = group_by_expert(top_k_index.to(cpu), self.cache.store.layout.num_experts)
+        self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
         if self.record_demand:
             self.stats.distinct[l].update(groups.needed)
             self.stats.forward_distinct.append(len(groups.needed))
             self.stats.host_experts += len(groups.needed)
             self.stats.host_tokens += top_k_weights.numel()
-        cpu, weights = torch.device("cpu"), self.host_weights_for()
         x = hidden.to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
         w = top_k_weights.to(cpu, weights.dtype)
-        pos, token = groups.pos.to(cpu), groups.token.to(cpu)
-        act, serial, starts, counts = module._apply_gate, self.serial, groups.starts, groups.counts
+        act, serial = module._apply_gate, self.serial
 
         def job() -> torch.Tensor:
-            final = torch.zeros_like(x)
-            for e in groups.needed:
-                p = pos[starts[e]:starts[e] + counts[e]]
-                t = token[starts[e]:starts[e] + counts[e]]
-                final.index_add_(0, t, expert_mlp(x[t], *weights.get(l, e), act, serial) * w[t, p, None])
-            return final
+            return host_layer_sum(x, groups, w, lambda e: weights.get(l, e), act, serial)
 
-        seconds = self.rates.host_layer_job_s(list(counts.values()), hidden.shape[0]) \
+        seconds = self.rates.host_layer_job_s(list(groups.counts.values()), hidden.shape[0]) \
             if self.rates is not None else 0.0  # a real clock without a profile: the job's own time
         return self.link.wait_host(self.link.host(job, seconds)).to(hidden.device, hidden.dtype)
 
@@ -489,6 +486,18 @@ def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
     if serial:
         return torch.cat([mlp(x[i:i + 1]) for i in range(len(x))]) if len(x) else x
     return mlp(x)
+
+
+def host_layer_sum(x: torch.Tensor, groups, w: torch.Tensor, views_of, act,
+                   serial: bool = False) -> torch.Tensor:
+    """A MoE layer's routed experts computed where `x` [T, H] lies (the host): every needed
+    expert of `groups` (its (gate_up, down) from `views_of(e)`) over its tokens, weighted by
+    `w` [T, k], summed in expert-id order (HF's order: bitwise the resident layer's)."""
+    final = torch.zeros_like(x)
+    for e in groups.needed:
+        token_idx, out = expert_output(x, groups.of(e), w, *views_of(e), act, serial)
+        final.index_add_(0, token_idx, out.to(final.dtype))
+    return final
 
 
 def sum_in_expert_order(hidden: torch.Tensor, outs: dict, experts: list[int]) -> torch.Tensor:

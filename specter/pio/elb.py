@@ -21,6 +21,11 @@ class ExpertLookaheadBuffer:
         idx = top_k_index.reshape(-1).to(torch.int64)
         self.counts[layer].scatter_add_(0, idx, torch.ones_like(idx, dtype=torch.int32))
 
+    def add_all(self, routes: torch.Tensor) -> None:
+        """Every draft MoE layer of one step at once; routes [L, T, k] (one launch)."""
+        idx = routes.reshape(routes.shape[0], -1).to(torch.int64)
+        self.counts.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+
     def reset(self) -> None:
         self.counts.zero_()
 

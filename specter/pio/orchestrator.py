@@ -134,6 +134,9 @@ class Orchestrator(WindowPrefetcher):
     def on_draft_experts(self, layer: int, top_k_index) -> None:
         self.elb.add(layer, top_k_index)
 
+    def on_draft_routes(self, routes) -> None:
+        self.elb.add_all(routes)
+
     def on_forward(self, phase: str) -> None:
         if phase == "draft":
             self._t_step = self.link.mark()
