@@ -1,7 +1,9 @@
 """The compiled draft step's table from scripts/bench_compile.sh's records (issue 36 item 4).
 
-Per case (system, INT4 backend, spec.compile): TPOT on the case's clock, the draft step's time
-(a window's draft time over its depth), the compile time and how many compilations ran.
+Per case (system, INT4 backend, compiled or eager: a speculative system's draft step under
+`spec.compile`, resident's decode step under `system.compile`): TPOT on the case's clock, the
+draft step's time (a window's draft time over its depth), the compile time and how many
+compilations ran.
 A request whose first step compiled is left out of the TPOT and step medians (its time is
 the compile's); the compile is its own column.
 
@@ -19,20 +21,37 @@ from experiments import records
 from experiments.hotpath import markdown
 
 
+def _either(g: pd.DataFrame, draft: str, decode: str) -> pd.Series:
+    """A compiled-step column: the draft's (speculative systems) or resident's decode step's."""
+    out = pd.Series(float("nan"), index=g.index, dtype=object)
+    for col in (draft, decode):
+        if col in g:
+            out = out.where(out.notna(), g[col])
+    return out
+
+
 def table(df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    if "draft.backend" not in df:  # resident's rows alone
+        df["draft.backend"] = float("nan")
+    df["_compiled"] = _either(df, "draft_compiled", "decode_compiled").map(
+        lambda v: False if v is None or (isinstance(v, float) and v != v) else bool(v))
+    df["_compiles"] = pd.to_numeric(_either(df, "draft_compiles", "decode_compiles"),
+                                    errors="coerce").fillna(0)
+    df["_compile_s"] = pd.to_numeric(_either(df, "draft_compile_s", "decode_compile_s"),
+                                     errors="coerce").fillna(0)
     out = []
-    for key, g in df.groupby(["system", "draft.backend", "draft_compiled"], dropna=False):
-        first = g["draft_compiles"].fillna(0) > 0 if "draft_compiles" in g \
-            else pd.Series(False, index=g.index)  # the requests that compiled
+    for key, g in df.groupby(["system", "draft.backend", "_compiled"], dropna=False):
+        first = g["_compiles"] > 0  # the requests that compiled
         kept = g[~first] if (~first).any() else g
-        step = (kept["draft_ms_per_window"] / kept["k"]).median() if "k" in kept else float("nan")
+        step = (kept["draft_ms_per_window"] / kept["k"]).median() \
+            if "k" in kept and "draft_ms_per_window" in kept else float("nan")
         out.append({"system": key[0], "backend": key[1] if isinstance(key[1], str) else "-",
-                    "draft step": "compiled" if key[2] == True else "eager",  # noqa: E712 (NaN: none)
+                    "step": "compiled" if key[2] else "eager",
                     "clock": g["clock"].iloc[0], "rows": len(kept),
                     "TPOT ms": kept["tpot_ms"].median(), "draft step ms": step,
                     "acceptance": kept.get("acceptance_rate", pd.Series(dtype=float)).median(),
-                    "compile s": g["draft_compile_s"].fillna(0).sum() if "draft_compile_s" in g else 0.0,
-                    "compiles": int(g["draft_compiles"].fillna(0).sum()) if "draft_compiles" in g else 0})
+                    "compile s": g["_compile_s"].sum(), "compiles": int(g["_compiles"].sum())})
     return pd.DataFrame(out)
 
 
@@ -41,11 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("results", type=Path)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
-    df = records.load(a.results)
-    for col in ("draft.backend", "draft_compiled"):
-        if col not in df:
-            df[col] = float("nan")
-    t = table(df)
+    t = table(records.load(a.results))
     text = markdown(t, index=False, floatfmt=".3g")
     print(text)
     if a.out:

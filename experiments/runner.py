@@ -136,6 +136,9 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["offload"]["grouped"]
     if "spec" in d and not d["spec"]["tune_own_k"]:  # the case of runs before the knob
         del d["spec"]["tune_own_k"]
+    if d["system"].get("compile") == "off":  # resident eager: the case of runs before the knob
+        d["system"].pop("compile")
+        d["system"].pop("compile_backend")
     hw = d["hardware"]
     if not hw["expert_bits"] and not hw["attn_bits"]:  # unquantized: the case of runs before
         for key in ("expert_bits", "attn_bits", "quant_group"):

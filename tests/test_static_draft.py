@@ -189,7 +189,7 @@ def test_compiled_runs_through_the_runner_record_it_and_charge_the_same_steps(tm
     from experiments import records
 
     t = table(pd.concat([records.load(tmp_path / s) for s in ("off", "on")]))
-    assert list(t["draft step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
+    assert list(t["step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
 
 
 def test_the_hot_path_counter_counts_a_compiled_step_as_one_graph_replay():

@@ -43,6 +43,8 @@ class GreedyEngine:
         self.memory = DeviceMemory(model, device, extra_bytes=slots)
         self.charger = timing.charger(model, charge_experts=runtime is None)
         self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
+        self.static = None  # a StaticDecode: batch-1 decode steps compiled (system.compile)
+        self.compiled: dict = {}  # its record columns (resident's decode_compiled, ...)
 
     def reset(self) -> None:
         """The fixed initial resident set and statistics, before each request (outside timing)."""
@@ -68,9 +70,19 @@ class GreedyEngine:
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """The requests decoded together; the batch's statistics (demand, link, prefetcher)
         are the same columns on every row."""
-        gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
-                                   self.timing.link, self.stop, self.memory, self._before_forward)
-        shared = {}
+        if self.static is not None and len(prompts) == 1:
+            before = self.static.compiles, self.static.compile_s
+            with torch.no_grad():
+                gens = [self.static.generate(prompts[0], max_new_tokens, self.device,
+                                             self.timing.link, self.stop, self.memory,
+                                             self._before_forward)]
+            self.compiled.update(decode_compiles=self.static.compiles - before[0],  # this request's
+                                 decode_compile_s=self.static.compile_s - before[1])
+        else:
+            gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
+                                       self.timing.link, self.stop, self.memory,
+                                       self._before_forward)
+        shared = dict(self.compiled)
         if self.runtime is not None:
             shared.update(self.runtime.as_record())
         shared.update(self.timing.link_record())

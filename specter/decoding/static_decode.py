@@ -1,0 +1,178 @@
+"""Resident's decode step as one compiled graph, over a static cache: the fair baseline of a
+compiled draft step (every system that decodes one token at a time may compile that step).
+
+Owns: `StaticDecode`, batch-1 greedy decoding whose decode steps (a token id on the device ->
+every layer with every routed expert resident -> logits -> the greedy token, left on the
+device) run as one graph under `torch.compile(fullgraph=True, dynamic=False)`, and the
+fixed-shape experts function that makes the step one graph: Hugging Face's experts loop reads
+the routing on the host (which experts have tokens), a graph break. At one token the layer's
+k experts are its k chosen ones, so the function runs exactly k expert MLPs in expert-id
+order (the k ids sorted on the device), each on the weights indexed by a device tensor, each
+weighted and added as HF's loop adds them: the same operations in the same order, so the
+tokens are the resident model's (tests/test_static_decode.py checks them against
+`generate`). `resolve_system_compile` (`system.compile=auto|on|off`).
+
+The prompt is prefilled eagerly (HF's own experts; its length varies) into a dynamic cache
+whose keys and values are then copied into the static buffers, sized once for the run
+(`positions`) so that one compilation serves every request.
+Does not own: the eager greedy loop (engine.py), the draft's compiled step (static_draft.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+
+from specter.counting import compiled_region
+from specter.engine import BatchCache, Generation, cache_bytes
+from specter.errors import UserError
+from specter.models.introspect import experts_modules
+from specter.offload.runtime import expert_mlp
+
+IMPL_NAME = "specter_static_decode"
+MODES = ("auto", "on", "off")
+
+
+def _fixed_shape_experts(self, hidden_states, top_k_index, top_k_weights):
+    """One token's routed experts with no host read: hidden [1, H], top_k_* [1, k]. HF's loop
+    visits the chosen experts in ascending id, computes each on its token and adds it to a
+    zero sum; here the same k MLPs in the same order (`sort` on the device)."""
+    owner = self._specter_static
+    if not owner.active or hidden_states.shape[0] != 1:
+        return owner.eager(self, hidden_states, top_k_index, top_k_weights)
+    experts, slots = torch.sort(top_k_index[0])  # distinct ids: the order is HF's
+    final = torch.zeros_like(hidden_states)
+    row = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
+    for j in range(top_k_index.shape[1]):
+        e = experts[j:j + 1]  # [1]: an index tensor (a 0-d one would be read as an int)
+        gate_up, down = self.gate_up_proj.index_select(0, e)[0], self.down_proj.index_select(0, e)[0]
+        y = expert_mlp(hidden_states, gate_up, down, self._apply_gate)
+        y = y * top_k_weights.index_select(1, slots[j:j + 1])  # [1, 1], as HF's [n, 1]
+        final.index_add_(0, row, y.to(final.dtype))
+    return final
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _fixed_shape_experts)
+
+
+def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, str]:
+    """(compiled, why) for resident's `system.compile`: one row, a real clock (the virtual
+    clock charges each forward from hooks the compiled graph does not run)."""
+    if setting not in MODES:
+        raise UserError(f"system.compile must be one of {', '.join(MODES)} (got '{setting}').")
+    if setting == "off":
+        return False, "system.compile=off"
+    reasons = []
+    if rows != 1:
+        reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
+    if clock != "wall":
+        reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
+                       "does not run (use a real clock: hardware=cpu or a CUDA device)")
+    if not reasons:
+        return True, f"system.compile={setting}"
+    if setting == "on":
+        raise UserError("system.compile=on cannot compile resident's decode step: "
+                        + "; ".join(reasons) + ".")
+    return False, "eager: " + "; ".join(reasons)
+
+
+class StaticDecode:
+    """Batch-1 greedy decoding with each decode step one compiled graph (module docstring).
+    `compiler`: torch.compile's backend ("eager": the graph checked, no code generated);
+    `mode`: its mode ("reduce-overhead" captures CUDA graphs); `positions`: the longest
+    context a request reaches (prompt and new tokens), so one set of buffers serves the run."""
+
+    def __init__(self, model: nn.Module, compiler: str = "inductor", mode: str | None = None,
+                 positions: int = 0):
+        _register()
+        self.model, self.compiler, self.mode = model, compiler, mode
+        self.graphs = mode == "reduce-overhead"
+        self.positions = positions
+        self.active = False
+        mods = [m for _, m in experts_modules(model)]
+        from specter.decoding.self_draft import _target_function
+
+        self.eager = _target_function(model, mods[0])  # HF's loop (the prefill's)
+        for m in mods:
+            m._specter_static = self
+        model.config._experts_implementation = IMPL_NAME
+        self.cache = None
+        self.capacity = 0
+        torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler,
+                                  mode=mode)
+        self.steps_run = self.compiles = 0
+        self.compile_s = 0.0
+        self._fresh = False
+
+    def _step(self, tok: torch.Tensor) -> torch.Tensor:
+        """tok [1, 1] -> the greedy next token [1, 1] on the device; K and V written at the
+        cache's index, which advances by one."""
+        out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+
+    def _load(self, dynamic, n: int) -> None:
+        """The buffers (made once, or larger for a longer request) with the prompt's KV."""
+        from transformers import StaticCache
+
+        if self.cache is None or n > self.capacity:
+            self.capacity = max(64, 1 << (max(n, self.positions) - 1).bit_length())
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.capacity)
+            for src, dst in zip(dynamic.layers, self.cache.layers):
+                dst.lazy_initialization(src.keys, src.values)
+            self._fresh = True
+        for src, dst in zip(dynamic.layers, self.cache.layers):  # later positions: masked
+            dst.keys[:, :, :src.keys.shape[2]].copy_(src.keys)
+            dst.values[:, :, :src.values.shape[2]].copy_(src.values)
+            dst.cumulative_length.fill_(src.keys.shape[2])
+
+    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device, clock,
+                 stop: set[int], memory, before_forward=None) -> Generation:
+        """`greedy_decode_batch` for one request, its decode steps compiled."""
+        if not prompt:
+            raise ValueError("every request needs at least one prompt token")
+        memory.start()
+        tell = before_forward or (lambda *a, **k: None)
+        kv = BatchCache(self.model, device, 1)
+        start = clock.mark()
+        tell(len(prompt), len(prompt), "prefill", rows=1)
+        logits = kv.forward([list(prompt)])
+        tok = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1] on the device
+        tokens, times = [], []
+        n = len(prompt)
+        self._load(kv.cache, n + max_new_tokens)
+        kv = None  # the dynamic cache is not read again
+        while True:
+            picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
+            tokens.append(picked)
+            times.append(clock.mark())
+            memory.observe_cache(None, cache_bytes(self.cache))
+            if len(tokens) >= max_new_tokens or picked in stop:
+                break
+            tell(1, n + 1, "decode", rows=1)
+            began = time.perf_counter()
+            if self.graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            self.active = True
+            try:
+                with compiled_region():
+                    tok = self.step(tok)
+            finally:
+                self.active = False
+            if self.graphs:
+                tok = tok.clone()
+            if self._fresh:
+                self.compile_s += time.perf_counter() - began
+                self.compiles, self._fresh = self.compiles + 1, False
+            self.steps_run += 1
+            n += 1
+        peak, source = memory.peak()
+        return Generation(tokens=tokens, commit_times_s=[clock.timestamp(m) for m in times],
+                          start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+                          peak_mem_source=source)

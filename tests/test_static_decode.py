@@ -1,0 +1,79 @@
+"""Resident's decode step as one compiled graph over a static cache
+(specter/decoding/static_decode.py): a graph with no break (fullgraph=True fails on any), the
+tokens of plain `generate` on every tiny architecture, and the knob through the runner."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY, run_cli
+from specter.config import ModelConfig
+from specter.decoding.static_decode import StaticDecode, resolve_system_compile
+from specter.engine import DeviceMemory, eos_ids, greedy_decode_batch
+from specter.errors import UserError
+from specter.offload.build import Timing
+from specter.placement.loader import load_model
+
+CPU = torch.device("cpu")
+PROMPTS = ("The committee met on Tuesday to discuss the budget, and after a long debate",
+           "Question: a farmer has 12 cows and buys 5 more. How many")
+
+
+def _hf(model, ids, n):
+    eos = eos_ids(model)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(eos) or None, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_a_compiled_resident_step_is_the_target_token_for_token(name):
+    lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
+    want = [_hf(lm.model, lm.tokenizer(p)["input_ids"][:16], 12) for p in PROMPTS]
+    static = StaticDecode(lm.model, compiler="eager", positions=40)
+    link = Timing.wall(CPU).link
+    for p, expect in zip(PROMPTS, want):
+        ids = lm.tokenizer(p)["input_ids"][:16]
+        with torch.no_grad():
+            got = static.generate(ids, 12, CPU, link, eos_ids(lm.model), DeviceMemory(lm.model, CPU))
+        eager = greedy_decode_batch(lm.model, [ids], 12, CPU, link, eos_ids(lm.model),
+                                    DeviceMemory(lm.model, CPU))[0]
+        assert got.tokens == expect == eager.tokens  # the prefill's HF loop still serves T > 1
+    assert static.compiles == 1 and static.steps_run > 0  # one compilation for the run
+
+
+def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
+    assert resolve_system_compile("off", 1, "wall") == (False, "system.compile=off")
+    assert resolve_system_compile("auto", 1, "wall")[0]
+    on, why = resolve_system_compile("auto", 1, "virtual")
+    assert not on and "virtual clock" in why
+    with pytest.raises(UserError, match="system.compile=on cannot compile"):
+        resolve_system_compile("on", 4, "wall")
+    with pytest.raises(UserError, match="system.compile must be one of"):
+        resolve_system_compile("yes", 1, "wall")
+
+
+def test_compiled_resident_runs_through_the_runner_and_says_so(tmp_path):
+    import pandas as pd
+
+    rows = {}
+    for setting in ("off", "on"):
+        out = tmp_path / setting
+        r = run_cli("model=tiny_qwen", "system=resident", "hardware=cpu", "dataset=gsm8k",
+                    "workload.items=1", "workload.repeats=1", "workload.max_new_tokens=8",
+                    "progress=false", f"system.compile={setting}",
+                    "system.compile_backend=eager", f"out_dir={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[setting] = pd.read_parquet(next(out.glob("records/*/*.parquet"))).iloc[0]
+    off, on = rows["off"], rows["on"]
+    assert list(on["output_tokens"]) == list(off["output_tokens"])
+    assert bool(on["decode_compiled"]) and not bool(off["decode_compiled"])
+    assert on["decode_compile"] == "system.compile=on" and on["decode_compiles"] == 1
+    # the benchmark's table reads both kinds of compiled step
+    from experiments import records
+    from experiments.compile_table import table
+
+    t = table(pd.concat([records.load(tmp_path / s) for s in ("off", "on")]))
+    assert list(t["step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
