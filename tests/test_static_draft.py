@@ -192,6 +192,32 @@ def test_compiled_runs_through_the_runner_record_it_and_charge_the_same_steps(tm
     assert list(t["step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
 
 
+def test_specmoeoffs_separate_draft_compiles_over_its_own_static_cache(tmp_path, name="tiny_deepseek"):
+    """SpecMoEOff's second instance drafts in its own static buffers (the unseen committed
+    tokens fed eagerly, each step one graph): the same tokens as eager and as resident, the
+    same proposals (acceptance), its own hooks charging each compiled step."""
+    import pandas as pd
+
+    rows = {}
+    for system, setting in (("resident", "off"), ("specmoeoff", "off"), ("specmoeoff", "on")):
+        out = tmp_path / f"{system}-{setting}"
+        r = run_cli(f"model={name}", f"system={system}", "hardware=a100_pcie4_hf",
+                    "dataset=gsm8k", "workload.items=1", "workload.repeats=1",
+                    "workload.max_new_tokens=16", "progress=false", "quant.backend=gather_int4",
+                    f"spec.compile={setting}", "spec.compile_backend=eager", "spec.k=4",
+                    f"out_dir={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[(system, setting)] = pd.read_parquet(next(out.glob("records/*/*.parquet"))).iloc[0]
+    ref, off, on = rows[("resident", "off")], rows[("specmoeoff", "off")], rows[("specmoeoff", "on")]
+    assert list(on["output_tokens"]) == list(off["output_tokens"]) == list(ref["output_tokens"])
+    assert bool(on["draft_compiled"]) and on["draft_kv"] == "own" and on["draft_compiles"] == 1
+    assert not bool(off["draft_compiled"])
+    assert on["acceptance_rate"] == pytest.approx(off["acceptance_rate"])
+    # charged by the second instance's own hooks after each step: within a few percent (the
+    # unseen tokens are one forward before the first step instead of one block with it)
+    assert on["tpot_ms"] == pytest.approx(off["tpot_ms"], rel=0.05)
+
+
 def test_the_hot_path_counter_counts_a_compiled_step_as_one_graph_replay():
     """Under the operation counter (experiments/hotpath.py) a compiled draft step still runs,
     and counts as one graph replay and one launch, not as the operations inside it."""

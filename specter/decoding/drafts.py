@@ -60,7 +60,17 @@ class DraftPart:
         pass
 
     def reset(self) -> None:
-        pass
+        self.kv_copy_bytes = self.kv_copies = 0
+        if hasattr(self.layout, "compiles"):  # what compiles during the next request
+            self._compiled_before = (self.layout.compiles, self.layout.compile_s)
+
+    def compile_record(self) -> dict:
+        """A compiled layout's compilations during the request (none: no columns)."""
+        if not hasattr(self.layout, "compiles"):
+            return {}
+        n, seconds = getattr(self, "_compiled_before", (0, 0.0))
+        return {"draft_compiles": self.layout.compiles - n,
+                "draft_compile_s": self.layout.compile_s - seconds}
 
     def as_record(self) -> dict:
         return {}
@@ -130,19 +140,9 @@ class SelfInt4Draft(DraftPart):
         self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy,
                                   positions=positions)
 
-    def reset(self) -> None:
-        self.kv_copy_bytes = self.kv_copies = 0
-        if self.layout is not None:  # what compiles during the next request
-            self._compiled_before = (self.layout.compiles, self.layout.compile_s)
-
     def as_record(self) -> dict:
         static = self.layout is not None
-        compiled = {}
-        if static:
-            n, seconds = getattr(self, "_compiled_before", (0, 0.0))
-            compiled = {"draft_compiles": self.layout.compiles - n,  # in this request
-                        "draft_compile_s": self.layout.compile_s - seconds}
-        return {**self.draft.as_record(), "shared_instance": True, **compiled,
+        return {**self.draft.as_record(), "shared_instance": True, **self.compile_record(),
                 "draft_kv": "static" if static else "shared",
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
 
@@ -183,14 +183,22 @@ class SeparateInt4Draft(DraftPart):
     def listen(self, fn, all_layers=None) -> None:
         self.instance.listen(fn, all_layers)
 
+    def use_static(self, compiler: str, mode: str | None, positions: int = 0) -> str | None:
+        """Draft in a static cache of its own, each step one compiled graph (static_draft.py
+        `own_kv`), charged by this instance's own hooks after each step; None, or why not."""
+        if isinstance(self.layout, CopiedKVDraft):
+            return "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
+        from specter.decoding.static_draft import StaticDraft
+
+        self.layout = StaticDraft(self.instance, compiler, mode, positions=positions,
+                                  after_step=self.charger.charge_compiled_step, own_kv=True)
+        return None
+
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         self.charger.begin_forward(tokens, context, phase == "prefill", rows)
-
-    def reset(self) -> None:
-        self.kv_copy_bytes = self.kv_copies = 0
 
     def as_record(self) -> dict:
         copied = isinstance(self.layout, CopiedKVDraft)
         return {**self.draft.as_record(), "shared_instance": False,
-                "draft_kv": "copied" if copied else "own",
+                "draft_kv": "copied" if copied else "own", **self.compile_record(),
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}

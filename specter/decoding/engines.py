@@ -115,8 +115,9 @@ class SpeculativeEngine:
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
         self.charger = timing.charger(model, charge_experts=False)
         draft.listen(self.window.on_draft_experts, self.window.on_draft_routes)
-        if draft.layout is not None and hasattr(draft.layout, "after_step"):
-            # a compiled draft step is charged after it runs (its hooks do not run inside)
+        if getattr(draft.layout, "after_step", False) is None:
+            # a compiled draft step of the target's own instance is charged after it runs by
+            # the target's hooks (they do not run inside); a second instance brings its own
             draft.layout.after_step = getattr(self.charger, "charge_compiled_step", None)
         self.compiled = {"draft_compiled": False, "draft_compile": "eager"}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
@@ -214,8 +215,8 @@ def build_speculative(ctx, name: str, make_draft, window=None,
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
-    compiled = compile_draft(ctx, draft, timing)
     depth = settle_depth(ctx.cfg.spec, ctx.cfg.model.paper_k, own_k)
+    compiled = compile_draft(ctx, draft, timing, depth.k_max)
     engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
                                window=window(runtime, timing, draft) if window else None,
                                stop_on_eos=ctx.cfg.workload.stop_on_eos,
@@ -224,9 +225,11 @@ def build_speculative(ctx, name: str, make_draft, window=None,
     return engine
 
 
-def compile_draft(ctx, draft, timing: Timing) -> dict:
-    """`spec.compile`: the shared instance's draft step as one compiled graph over a static
-    cache (static_draft.py), where its shapes are static; the record says whether and why."""
+def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
+    """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
+    (static_draft.py), where its shapes are static; the record says whether and why. The
+    buffers hold the longest request: its prompt, its new tokens and the deepest window
+    (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     w, spec = ctx.cfg.workload, ctx.cfg.spec
     backend = getattr(getattr(draft, "draft", None), "backend", None)
     counted = timing.cost is not None and timing.clock == "virtual" and timing.cost.hw.counted
@@ -235,9 +238,10 @@ def compile_draft(ctx, draft, timing: Timing) -> dict:
                         f"(got '{spec.compile}').")
     if not hasattr(draft, "use_static"):
         if spec.compile == "on":
-            raise UserError(f"spec.compile=on compiles the target's own instance drafting "
-                            f"(specter, lru_s, sp_e, sp_l); {ctx.cfg.system.name} drafts otherwise.")
-        return {"draft_compiled": False, "draft_compile": "eager: not the shared instance's draft"}
+            raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
+                            f"lru_s, sp_e, sp_l, specmoeoff); {ctx.cfg.system.name} drafts "
+                            "otherwise.")
+        return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device"}
     on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
     if on and counted:  # its launch counter counts eager operations
         if spec.compile == "on":
@@ -248,9 +252,12 @@ def compile_draft(ctx, draft, timing: Timing) -> dict:
         on, why = False, "eager: quant.graphs replays each draft layer as a CUDA graph"
     if on:
         mode = "reduce-overhead" if ctx.device.type == "cuda" else None
-        k_most = max(spec.k_max, spec.k if isinstance(spec.k, int) else 0, 32)
-        draft.use_static(spec.compile_backend, mode,
-                         positions=w.prompt_tokens + w.max_new_tokens + k_most + 1)
+        why_not = draft.use_static(spec.compile_backend, mode,
+                                   positions=w.prompt_tokens + w.max_new_tokens + k_max + 1)
+        if why_not is not None:
+            if spec.compile == "on":
+                raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
+            on, why = False, why_not
     return {"draft_compiled": on, "draft_compile": why}
 
 

@@ -13,7 +13,10 @@ The buffers mirror the target's committed KV. At each window's start the positio
 since the last window are copied in from the target's cache (device to device: the accepted
 tokens' K and V of every layer, charged as a copy). The draft's own positions past them are
 masked until the next window overwrites them. The target's cache and its verification are not
-touched, so the output stays the target's.
+touched, so the output stays the target's. A second instance with its own KV (SpecMoEOff's
+layout, `own_kv`) copies nothing: a window's first step feeds the committed tokens it has not
+seen and the pending token in one eager forward into its buffers, as its eager layout feeds
+them; its other steps are compiled the same way.
 
 Hooks in the compiled region (the virtual clock's charges, the draft's routing listeners) do
 not run inside it: the step records each draft layer's routing as an output, and after the
@@ -69,8 +72,11 @@ class StaticDraft:
     that one set of buffers, and one compilation, serves the whole run."""
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
-                 on_copy=None, after_step=None, positions: int = 0):
+                 on_copy=None, after_step=None, positions: int = 0, own_kv: bool = False):
         self.shared, self.model = shared, shared.model
+        # own_kv: a second instance's own KV (SpecMoEOff's layout), not a copy of the target's:
+        # the committed tokens it has not seen are fed in one eager forward before the steps
+        self.own_kv = own_kv
         self.compiler, self.mode = compiler, mode
         self.graphs = mode == "reduce-overhead"  # CUDA graphs: outputs overwritten per replay
         self.on_copy, self.after_step = on_copy, after_step
@@ -145,6 +151,29 @@ class StaticDraft:
             dst.cumulative_length.fill_(n)
         self.synced = n
 
+    def _catch_up(self, kv: BatchCache, seq: list[int], k: int, tell):
+        """own_kv: the window's first step, eager, as the eager layout takes it: the committed
+        tokens the draft has not seen (the target's corrections; the whole prompt at the first
+        window) and the pending token in one forward into the buffers. Returns the first
+        proposal [1, 1] on the device, or None when there is nothing unseen (the pending
+        token is then the first compiled step's)."""
+        n = len(seq) - 1  # committed positions; the last token is pending
+        self._ensure(kv.cache, n + k + 1)  # the target's layers give the shapes (same model)
+        s = self.synced
+        for dst in self.cache.layers:
+            dst.cumulative_length.fill_(s)
+        if n == s:
+            return None
+        with host_side():
+            ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
+        upload()
+        tell(n + 1 - s, n + 1, "draft", rows=1)
+        with self.shared.draft():
+            logits = self.model(input_ids=ids.to(kv.device), cache=self.cache,
+                                use_cache=True).logits
+        self.synced = n
+        return logits[:, -1].argmax(dim=-1, keepdim=True)
+
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`drafting.draft_steps` for one row in the static cache: the pending token first, then
@@ -155,14 +184,22 @@ class StaticDraft:
             raise ValueError("the compiled draft step drafts greedily; spec.compile keeps a "
                              "sampled draft eager")
         k = k_effs[0]
-        self._sync(kv, k)
-        with host_side():
-            tok = torch.tensor([[seqs[0][-1]]], dtype=torch.long)
-        upload()
-        tok = tok.to(kv.device)
-        chosen = []
+        chosen, first = [], None
+        if self.own_kv:
+            first = self._catch_up(kv, seqs[0], k, tell)
+        else:
+            self._sync(kv, k)
+        if first is not None:  # the window's first step ran eagerly
+            chosen.append(first)
+            tok = first
+            yield 1, k
+        else:
+            with host_side():
+                tok = torch.tensor([[seqs[0][-1]]], dtype=torch.long)
+            upload()
+            tok = tok.to(kv.device)
         with self.shared.draft(), self.shared.capturing():
-            for i in range(k):
+            for i in range(len(chosen), k):
                 tell(1, kv.length + i + 1, "draft", rows=1)
                 began = time.perf_counter()
                 if self.graphs:  # a new step of the CUDA graph tree (its outputs are reused)
@@ -186,7 +223,10 @@ class StaticDraft:
         out[0].extend(row[:cut])
 
     def commit(self, n_valid: list[int]) -> None:
-        """After verification (the next window copies what was committed)."""
+        """After verification: the next window copies what was committed; own_kv: the draft's
+        KV of the first `n_valid` tokens is kept (the accepted proposals'), the rest rewritten."""
+        if self.own_kv:
+            self.synced = n_valid[0]
 
     def select(self, rows: list[int]) -> None:
         """One row: it leaves when the request ends."""
