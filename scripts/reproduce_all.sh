@@ -2,7 +2,7 @@
 # Every experiment of the paper, then every figure and table from the parquet they wrote.
 #
 #   scripts/reproduce_all.sh --quick     small project-made models, short workload, virtual clock
-#                                        of a modelled A100 + PCIe 4.0 (2 CPU cores: about 75 min
+#                                        of a modelled A100 + PCIe 4.0 (2 CPU cores: about 2 h
 #                                        on a warm model cache, plus 11-22 min per small model's
 #                                        first build; see ARTIFACT.md, "Time")
 #   scripts/reproduce_all.sh --small     the same models with the artifact's full workload
@@ -49,7 +49,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 if [[ -z "$PROFILE" ]]; then
-  echo "reproduce_all.sh: choose a profile: --quick (CPU, about 75 min warm), --small (CPU, hours) or --full (GPU, real models)." >&2
+  echo "reproduce_all.sh: choose a profile: --quick (CPU, about 2 h warm), --small (CPU, hours) or --full (GPU, real models)." >&2
   exit 2
 fi
 OUT="${OUT:-results/$PROFILE}"
