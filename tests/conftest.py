@@ -57,3 +57,15 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.Comp
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, str(REPO / "run.py"), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Plain Hugging Face `generate`, greedy, stopping at the model's EOS ids: the reference
+    every decoding path must equal token for token."""
+    from specter.engine import eos_ids
+
+    eos = eos_ids(model)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                             eos_token_id=sorted(eos) or None, pad_token_id=0)
+    return out[0, len(ids):].tolist()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
 from specter.decoding.static_decode import StaticDecode, resolve_system_compile
 from specter.engine import DeviceMemory, eos_ids, greedy_decode_batch
@@ -20,12 +20,7 @@ PROMPTS = ("The committee met on Tuesday to discuss the budget, and after a long
            "Question: a farmer has 12 cows and buys 5 more. How many")
 
 
-def _hf(model, ids, n):
-    eos = eos_ids(model)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=sorted(eos) or None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+_hf = hf_greedy
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import TINY, run_cli
+from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
 from specter.decoding.loop import speculative_greedy
 from specter.decoding.self_draft import SelfDraft
@@ -45,12 +45,7 @@ def _run(lm, sw, ids, n, k, layout=None):
                               eos_ids(lm.model), DeviceMemory(lm.model, CPU), layout=layout)
 
 
-def _hf(model, ids, n):
-    eos = eos_ids(model)
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                             eos_token_id=sorted(eos) or None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+_hf = hf_greedy
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -27,12 +27,11 @@ from torch import nn
 
 from specter.counting import compiled_region
 from specter.engine import BatchCache, Generation, cache_bytes
-from specter.errors import UserError
+from specter.decoding.static_draft import MODES, settle_compile
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_mlp
 
 IMPL_NAME = "specter_static_decode"
-MODES = ("auto", "on", "off")
 
 
 def _fixed_shape_experts(self, hidden_states, top_k_index, top_k_weights):
@@ -64,22 +63,13 @@ def _register() -> None:
 def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, str]:
     """(compiled, why) for resident's `system.compile`: one row, a real clock (the virtual
     clock charges each forward from hooks the compiled graph does not run)."""
-    if setting not in MODES:
-        raise UserError(f"system.compile must be one of {', '.join(MODES)} (got '{setting}').")
-    if setting == "off":
-        return False, "system.compile=off"
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
     if clock != "wall":
         reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")
-    if not reasons:
-        return True, f"system.compile={setting}"
-    if setting == "on":
-        raise UserError("system.compile=on cannot compile resident's decode step: "
-                        + "; ".join(reasons) + ".")
-    return False, "eager: " + "; ".join(reasons)
+    return settle_compile("system.compile", setting, "resident's decode step", reasons)
 
 
 class StaticDecode:

@@ -38,14 +38,25 @@ from specter.errors import UserError
 MODES = ("auto", "on", "off")
 
 
+def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tuple[bool, str]:
+    """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
+    `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
+    sentence naming `what` and the reasons, and `auto` stays eager and says why."""
+    if setting not in MODES:
+        raise UserError(f"{knob} must be one of {', '.join(MODES)} (got '{setting}').")
+    if setting == "off":
+        return False, f"{knob}=off"
+    if not reasons:
+        return True, f"{knob}={setting}"
+    if setting == "on":
+        raise UserError(f"{knob}=on cannot compile {what}: " + "; ".join(reasons) + ".")
+    return False, "eager: " + "; ".join(reasons)
+
+
 def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
     no data-dependent shape: `gather_int4`), else stays eager and says why."""
-    if setting not in MODES:
-        raise UserError(f"spec.compile must be one of {', '.join(MODES)} (got '{setting}').")
-    if setting == "off":
-        return False, "spec.compile=off"
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
@@ -54,11 +65,7 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tu
                        "(quant.backend=gather_int4 compiles)")
     if sampling:
         reasons.append("speculative sampling picks on the host")
-    if not reasons:
-        return True, f"spec.compile={setting}"
-    if setting == "on":
-        raise UserError("spec.compile=on cannot compile the draft step: " + "; ".join(reasons) + ".")
-    return False, "eager: " + "; ".join(reasons)
+    return settle_compile("spec.compile", setting, "the draft step", reasons)
 
 
 class StaticDraft:
