@@ -39,6 +39,7 @@ ENGINES = ("ideal", "hf")
 MO = "Mixtral-offloading (Eliseev & Mazur, arXiv 2312.17238), Table 2"
 MI = "MoE-Infinity README, performance table (github EfficientMoE/MoE-Infinity)"
 SE = "Speculating Experts (arXiv 2603.19289), TPOT breakdown and prefetch results"
+KT = "kTransformers v0.3 AMX doc (github kvcache-ai/ktransformers doc/en/AMX.md @89823ccb)"
 
 REAL = {"small_mixtral": "Mixtral-8x7B", "small_deepseek": "DeepSeek-V2-Lite",
         "small_qwen3": "Qwen3-30B-A3B"}
@@ -271,8 +272,26 @@ def speculating_experts() -> list[Anchor]:
     return out
 
 
+# --------------------------------------------------------------- kTransformers (CPU experts)
+# The one published decode speed found with every routed expert on the host beside one GPU, for
+# a model this harness has (docs/measurements/host-anchors-sources-2026-12-03.md): Qwen3-30B-A3B,
+# an RTX 4090, a Core i9-14900KF with 2 x DDR5-4000, "4-bit", one request: 12.0 tokens/s. Its
+# "Xeon 4" rows (49.8 and 33 tokens/s) name no memory channels, so no host profile: left out.
+KT_NOTE = ("experts computed on the CPU at decode (the serve rules' generate_device: cpu); "
+           "'4-bit' as stated (the kernel's format not stated: 4 bits + a scale per 64 here); "
+           "prompt and output lengths not stated; kTransformers captures CUDA graphs: ideal engine only")
+
+
+def ktransformers() -> list[Anchor]:
+    run = Run("small_qwen3", "host_experts", "rtx4090",
+              ("budget=high", "host=i9_14900kf_ddr5_2ch", "hardware.expert_bits=4"),
+              engines=("ideal",))
+    return [Anchor(KT, "absolute", "tokens/s, one request, 4-bit, i9-14900KF (2 x DDR5-4000)",
+                   "Qwen3-30B-A3B", "host_experts", "rtx4090", 12.0, (run,), tok_s, KT_NOTE)]
+
+
 def anchors() -> list[Anchor]:
-    return [*table2(), *moe_infinity(), *speculating_experts()]
+    return [*table2(), *moe_infinity(), *speculating_experts(), *ktransformers()]
 
 
 def runs(engines=ENGINES) -> list[tuple[str, ...]]:
@@ -287,7 +306,8 @@ def runs(engines=ENGINES) -> list[tuple[str, ...]]:
 
 
 # ----------------------------------------------------------------------------------- the table
-GROUPS = {"hardware": "hardware", "model": "model", "system": "system", "budget": "budget"}
+GROUPS = {"hardware": "hardware", "model": "model", "system": "system", "budget": "budget",
+          "host": "cfg.hardware.host"}
 
 
 def _select(df: pd.DataFrame, case: tuple[str, ...]) -> pd.DataFrame:

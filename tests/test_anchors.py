@@ -34,6 +34,8 @@ def test_the_publications_rows_are_all_there():
         2.092, 1.603, 1.567, 0.661, 1.168, 0.580}
     assert len(by(anchors.MI, "absolute")) == 6
     assert len(by(anchors.SE, "within")) == 4  # copy share + prefetch gain on three GPUs
+    kt = by(anchors.KT, "absolute")  # every routed expert on the publication's own host
+    assert len(kt) == 1 and "host=i9_14900kf_ddr5_2ch" in kt[0].runs[0].overrides
     assert all(x.runs for x in a)
     # MoE-Infinity's mixtral-offloading number is called not comparable in the text: out of
     # the medians, and every row that reads it with it
@@ -60,7 +62,7 @@ def _fake_records(tpot_of) -> pd.DataFrame:
 def test_table_reads_each_rows_own_records():
     def tpot(r):  # distinct per system and profile, so a wrong pick changes the numbers
         base = {"mo_sm": 400.0, "lru": 500.0, "transformers": 1000.0, "resident": 50.0,
-                "quasi_hidden": 450.0, "vllm_offload": 200.0}[r["system"]]
+                "quasi_hidden": 450.0, "vllm_offload": 200.0, "host_experts": 300.0}[r["system"]]
         return base * (2.0 if r["hardware"].endswith("_hf") else 1.0) \
             * (1.25 if r.get("cfg.hardware.expert_bits") == 3 else 1.0)
 
@@ -81,8 +83,10 @@ def test_table_reads_each_rows_own_records():
     vllm = t[t["system"] == "vllm_offload"]
     assert set(vllm[vllm["kind"] == "absolute"]["engine"]) == {"ideal"}  # vLLM's engine only
     assert row("s/token, vLLM 0.8.5 (cpu_offload_gb)", "rtx_a5000_ideal")["ours"] == pytest.approx(0.2)
+    kt = t[t["source"] == anchors.KT].iloc[0]  # the CPU-expert row, on its own host
+    assert kt["ours"] == pytest.approx(1e3 / 300.0) and kt["ratio"] == pytest.approx(kt["ours"] / 12.0)
     med = anchors.medians(t)
-    assert set(med["source"]) == {anchors.MO, anchors.MI, anchors.SE}
+    assert set(med["source"]) == {anchors.MO, anchors.MI, anchors.SE, anchors.KT}
     assert (med["rows"] > 0).all() and med["median |log ratio|"].map(math.isfinite).all()
 
 
