@@ -246,7 +246,7 @@ PREFLIGHT = [
     ({"model": {"name": "tiny_olmoe", "source": "project", "budget_slots": {"high": 16}},
       "hardware_charge": "real", "system": {"name": "lru"}},
      "hardware.charge=real needs a model that stands for a real one"),
-    ({"system": {"name": "lru"}, "hardware_name": "cpu"}, "offloads experts, which on the CPU"),
+    ({"system": {"name": "lru"}, "hardware_name": "cpu"}, "system=lru: offloading on the CPU needs a modelled link"),
     ({"out_dir_file": True}, "is a file, not a folder"),
     ({"cache_dir": "/proc/no/such"}, "cache_dir=/proc/no/such cannot be written"),
 ]
