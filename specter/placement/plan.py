@@ -13,11 +13,8 @@ Does not own: reading the tensors (loader.py), their bytes (bytes.py), which sys
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-
-from specter.placement.bytes import header, is_routed_expert
 
 EXPERT_PLACES = ("device", "host", "none")
 
@@ -30,15 +27,6 @@ class PlacementPlan:
     def __post_init__(self) -> None:
         if self.experts not in EXPERT_PLACES:
             raise ValueError(f"experts={self.experts!r}: one of {EXPERT_PLACES}")
-
-    def where(self, key: str) -> str:
-        """The place of the checkpoint tensor named `key`: "device", "host" or "none"."""
-        return self.experts if is_routed_expert(key) else "device"
-
-    def tensors(self, folder: Path) -> dict[str, str]:
-        """Every tensor of the checkpoint `folder` (its safetensors headers) and its place."""
-        return {key: self.where(key) for file in sorted(Path(folder).glob("*.safetensors"))
-                for key in header(file)}
 
 
 def plan_for(offloads: bool, loads_experts: str, device: torch.device) -> PlacementPlan:
