@@ -233,4 +233,4 @@ def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) 
         ctx, "specmoe",
         lambda timing, runtime: HostDraft(ctx.loaded.model, runtime, timing, draft_top_k,
                                           renormalize),
-        window=make_window, own_k=OWN_K)
+        window=make_window)

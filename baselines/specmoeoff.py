@@ -89,5 +89,4 @@ def build(ctx) -> SpeculativeEngine:
         ctx, "specmoeoff",
         lambda timing, _: SeparateInt4Draft(ctx.loaded.model, second, draft, ctx.device, timing),
         window=lambda runtime, timing, draft: RouteFrequencyPrefetch(
-            len(runtime.modules), runtime, ctx.loaded.spec.top_k),
-        own_k=OWN_K)
+            len(runtime.modules), runtime, ctx.loaded.spec.top_k))

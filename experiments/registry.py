@@ -8,6 +8,7 @@ system) and one line here. Recipes import their optional dependencies inside `bu
 from __future__ import annotations
 
 import importlib
+from typing import Any
 from dataclasses import dataclass, fields
 
 import torch
@@ -46,6 +47,13 @@ class BuildContext:
     loaded: LoadedModel
     budget: ResolvedBudget
     device: torch.device
+    # a speculative engine's `Depth` (decoding/depth.py), settled once here from the run's
+    # config and the recipe's OWN_K; the engine and the runner's preflight read the one rule
+    depth: Any = None
+
+    def __post_init__(self):
+        if self.depth is None:
+            self.depth = depth_of(self.cfg)
 
 
 def recipe(name: str):

@@ -136,9 +136,14 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["offload"]["grouped"]
     if "spec" in d and not d["spec"]["tune_own_k"]:  # the case of runs before the knob
         del d["spec"]["tune_own_k"]
-    if d["system"].get("compile") == "off":  # resident eager: the case of runs before the knob
-        d["system"].pop("compile")
-        d["system"].pop("compile_backend")
+    # spec.compile / system.compile: a setting (auto compiles where it can); the case holds
+    # what was resolved (the runner adds `draft_compiled` / `decode_compiled` with the backend
+    # when a step ran compiled), so an eager row is the case of runs before the knobs
+    if "spec" in d:
+        d["spec"].pop("compile")
+        d["spec"].pop("compile_backend")
+    d["system"].pop("compile", None)
+    d["system"].pop("compile_backend", None)
     hw = d["hardware"]
     if not hw["expert_bits"] and not hw["attn_bits"]:  # unquantized: the case of runs before
         for key in ("expert_bits", "attn_bits", "quant_group"):
@@ -147,6 +152,25 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         if hw[key] == default or "expert_bits" not in hw:  # the case of runs before the knob
             del hw[key]
     return d
+
+
+WARMUP_TOKENS = 8  # enough for a decode step, and a draft window's steps, to run compiled
+
+
+def warm_up(engine, cfg: RunConfig, prompt: list[int], log) -> float:
+    """On a real clock, a compiled step (`spec.compile`, `system.compile`) compiles in an
+    untimed request before the timed ones, so no row's TPOT holds the compilation: its wall
+    seconds, the `compile_warmup_s` column (0.0 when nothing compiled here)."""
+    compiled = getattr(engine, "compiled", {})
+    if cfg.hardware.clock != "wall" or not (compiled.get("draft_compiled")
+                                            or compiled.get("decode_compiled")):
+        return 0.0
+    began = time.perf_counter()
+    engine.reset()
+    engine.generate(prompt, min(cfg.workload.max_new_tokens, WARMUP_TOKENS))
+    seconds = time.perf_counter() - began
+    log(f"[specter] compiled step warmed up in {seconds:.1f} s (an untimed request)")
+    return seconds
 
 
 def measured_config(cfg: RunConfig) -> dict[str, Any]:
@@ -189,9 +213,9 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
 
     positions = read_max_positions(checkpoint)
     w = cfg.workload
-    need = w.prompt_tokens + w.max_new_tokens + window_tokens(cfg)
+    spec = window_tokens(cfg)
+    need = w.prompt_tokens + w.max_new_tokens + spec
     if positions is not None and need > positions:
-        spec = window_tokens(cfg)
         raise UserError(
             f"workload.prompt_tokens ({w.prompt_tokens}) + workload.max_new_tokens "
             f"({w.max_new_tokens})" + (f" + a speculative window of {spec}" if spec else "")
@@ -466,6 +490,10 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         case["attn_implementation"] = attn
     if getattr(getattr(getattr(engine, "draft", None), "draft", None), "graphs", False):
         case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
+    compiled = getattr(engine, "compiled", {})
+    for kind, knob in (("draft", cfg.spec), ("decode", cfg.system)):
+        if compiled.get(f"{kind}_compiled"):  # a compiled step: not the case of eager ones
+            case[f"{kind}_compiled"] = knob.compile_backend
     if cfg.model.source == "project":  # a rebuilt model with another recipe, or the shipped
         case["model_build"] = build_id(checkpoint)  # build, is another case
     store = records.CaseStore(cfg.out_dir, case)
@@ -494,6 +522,8 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     done = rows - sum(len(m) for _, _, m in left)
     if done:
         log(f"[specter] resuming: {done} of {rows} rows already in {store.dir}")
+    if todo:
+        fixed["compile_warmup_s"] = warm_up(engine, cfg, prompts[todo[0][1][0]], log)
     tpots: list[float] = []
     throughputs: list[float] = []
     written = 0

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from specter.config import BudgetConfig, ModelConfig
 from specter.errors import UserError
 from specter.models.introspect import MoESpec
-from specter.quant.formats import int4_expert_bytes
+from specter.quant.formats import draft_expert_bytes
 
 PROPORTION = {"xhigh": 1 / 2, "high": 1 / 4, "low": 1 / 8}
 
@@ -155,13 +155,12 @@ def resolve_gb(gb: float, spec: MoESpec, sizes_of: str, footprint: Footprint, kv
     accelerate's device map), from the FP16 bytes of `spec` (the real model a project-made
     one stands for, or the model itself: `sizes_of` says which)."""
     per_expert = spec.expert_bytes
-    params = per_expert // 2  # FP16
     fixed = [("reserve (CUDA context, allocator slack, activations)", int(reserve_gb * GIB)),
              ("non-expert weights (FP16)", spec.non_expert_bytes),
              (f"KV cache at {kv_tokens} tokens", spec.kv_bytes_per_token * kv_tokens)]
     if footprint.int4_draft:
         fixed.append(("INT4 draft: every routed expert", spec.num_moe_layers * spec.num_experts
-                      * int4_expert_bytes(params, group)))
+                      * draft_expert_bytes(spec.hidden, spec.expert_inter, 4, group, 2)))
     if footprint.second_instance:
         fixed += [("second instance: non-expert weights", spec.non_expert_bytes),
                   ("second instance: KV cache", spec.kv_bytes_per_token * kv_tokens)]

@@ -8,8 +8,9 @@ import pytest
 
 from experiments import hotpath, records
 
+# the eager draft step's operations (spec.compile=off); the compiled step's: the last test
 SMALL = ["model=tiny_deepseek", "workload.items=1", "workload.max_new_tokens=12",
-         "workload.stop_on_eos=false", "spec.k=4"]
+         "workload.stop_on_eos=false", "spec.k=4", "spec.compile=off"]
 
 
 def _by(rows, system, phase):
@@ -47,7 +48,7 @@ def test_charging_a_modelled_clock_is_not_counted(counted, tmp_path):
     clock (its experts priced from the router's choice, a host read per layer): the same
     counts, since a real engine would not issue that read."""
     rows, _ = counted
-    wall = hotpath.measure(["resident"], [*SMALL, "hardware=cpu"], tmp_path,
+    wall = hotpath.measure(["resident"], [*SMALL, "hardware=cpu", "system.compile=off"], tmp_path,
                            log=lambda *_: None)
     for phase in ("prefill", "decode", "bookkeeping"):
         a, b = _by(rows, "resident", phase), _by(wall, "resident", phase)
@@ -136,3 +137,20 @@ def test_a_greedy_draft_step_never_waits_for_the_host(counted):
     plans = round(float((rec["plan_boundaries_per_window"] * rec["windows"]).sum()))
     assert 0 < plans <= draft["forwards"]
     assert book["syncs"] + book["host_reads"] <= 2 * windows + plans, (book, plans)
+
+
+def test_the_default_draft_issues_no_more_than_residents_decode(tmp_path):
+    """issue 36 item 6: with the default settings (spec.compile=auto; the counter's
+    gather_int4, the fixed-shape backend whose operations are a GPU's), Specter's draft step
+    is one compiled graph, and per committed token Specter issues at most 1.1x resident's
+    launching operations and no more host syncs. The graph is checked by the eager backend
+    here (inductor's code would be counted the same: one replay per step)."""
+    common = ["model=tiny_deepseek", "workload.items=1", "workload.max_new_tokens=24",
+              "workload.stop_on_eos=false", "spec.compile_backend=eager"]
+    rows = hotpath.measure(["resident", "specter"], common, tmp_path, log=lambda *_: None)
+    res, spec = (_by(rows, s, "decoding (all but prefill)") for s in ("resident", "specter"))
+    assert _by(rows, "specter", "draft")["graph_replays"] > 0
+    assert spec["launching_per_token"] <= 1.1 * res["launching_per_token"], (spec, res)
+    assert spec["syncs_per_token"] <= res["syncs_per_token"], (spec, res)
+    rec = records.load(tmp_path / "records" / "specter")
+    assert rec["draft_compiled"].all() and (rec["draft_compile"] == "spec.compile=auto").all()

@@ -18,12 +18,15 @@ REQUIRED = ["run_id", "system", "model", "budget", "dataset", "hardware", "reque
 
 def smoke_cfg(out_dir, **over) -> RunConfig:
     d = {"model": {"name": "tiny_deepseek", "source": "project", "budget_slots": {"high": 16}},
-         "budget": {"name": "high"}, "system": {"name": "resident"},
+         # eager: the runner's mechanics, not the compiled step (tests/test_static_decode.py)
+         "budget": {"name": "high"}, "system": {"name": "resident", "compile": "off"},
          "dataset": {"name": "gsm8k"}, "hardware": {"name": "cpu", "device": "cpu"},
          "workload": {"items": 2, "max_new_tokens": 6, "repeats": 2},
          "out_dir": str(out_dir), "progress": False}
     for k, v in over.items():
         d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
+    if d["system"]["name"] != "resident":  # the knob is resident's
+        d["system"].pop("compile", None)
     return RunConfig.from_dict(d)
 
 

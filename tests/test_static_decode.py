@@ -48,6 +48,24 @@ def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
         resolve_system_compile("on", 4, "wall")
     with pytest.raises(UserError, match="system.compile must be one of"):
         resolve_system_compile("yes", 1, "wall")
+    on, why = resolve_system_compile("auto", 1, "wall", "cuda")  # no GPU has run it yet
+    assert not on and "system.compile=on runs it" in why
+    assert resolve_system_compile("on", 1, "wall", "cuda")[0]
+
+
+def test_the_default_stays_eager_on_a_virtual_clock_and_says_why(tmp_path):
+    """system.compile's default (auto) stays eager on a virtual clock (its charges come from
+    hooks a graph does not run), with no warm-up; on hardware=cpu it compiles (the next test,
+    whose compilation runs in the runner's untimed warm-up request)."""
+    import pandas as pd
+
+    common = ("model=tiny_qwen", "system=resident", "dataset=gsm8k", "workload.items=1",
+              "workload.repeats=1", "workload.max_new_tokens=8", "progress=false")
+    r = run_cli(*common, "hardware=a100_pcie4_hf", f"out_dir={tmp_path / 'virtual'}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    virtual = pd.read_parquet(next((tmp_path / "virtual").glob("records/*/*.parquet"))).iloc[0]
+    assert not bool(virtual["decode_compiled"]) and "virtual clock" in virtual["decode_compile"]
+    assert virtual["compile_warmup_s"] == 0.0
 
 
 def test_compiled_resident_runs_through_the_runner_and_says_so(tmp_path):
@@ -65,7 +83,10 @@ def test_compiled_resident_runs_through_the_runner_and_says_so(tmp_path):
     off, on = rows["off"], rows["on"]
     assert list(on["output_tokens"]) == list(off["output_tokens"])
     assert bool(on["decode_compiled"]) and not bool(off["decode_compiled"])
-    assert on["decode_compile"] == "system.compile=on" and on["decode_compiles"] == 1
+    # compiled in the untimed warm-up request, not in the timed one
+    assert on["decode_compile"] == "system.compile=on" and on["decode_compiles"] == 0
+    assert on["compile_warmup_s"] > 0 and off["compile_warmup_s"] == 0.0
+    assert on["case_id"] != off["case_id"]
     # the benchmark's table reads both kinds of compiled step
     from experiments import records
     from experiments.compile_table import table

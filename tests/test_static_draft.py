@@ -156,6 +156,34 @@ def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
         resolve_compile("on", "gather_int4", 1, True)
     with pytest.raises(UserError, match="spec.compile must be one of"):
         resolve_compile("yes", "gather_int4", 1, False)
+    on, why = resolve_compile("auto", "triton", 1, False, "cuda")  # CUDA: on's until a GPU ran it
+    assert not on and "spec.compile=on runs it" in why
+    on, why = resolve_compile("auto", "triton", 1, False)
+    assert not on and "per layer as a CUDA graph" in why
+    assert resolve_compile("on", "gather_int4", 1, False, "cuda")[0]
+
+
+def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
+    """quant.backend=auto takes gather_int4 (the one backend whose step compiles whole) where
+    spec.compile asks for a compiled step: auto on the CPU's own clock, one greedy row, or on;
+    on a virtual clock, a batch or sampling it keeps cpu_int4 (eager, and says why)."""
+    from types import SimpleNamespace as NS
+
+    from specter.quant.build import draft_compiles, resolve_backend
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+
+    def wants(clock="wall", compile="auto", batch=1, temperature=0.0, device=cpu):
+        cfg = NS(hardware=NS(clock=clock), spec=NS(compile=compile),
+                 workload=NS(batch=batch, temperature=temperature))
+        return draft_compiles(cfg, device)
+
+    assert wants() and wants(clock="virtual", compile="on") and wants(device=cuda, compile="on")
+    assert not wants(clock="virtual") and not wants(batch=4) and not wants(temperature=0.7)
+    assert not wants(compile="off") and not wants(device=cuda)
+    assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "gather_int4"
+    assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == "gather_int4"
+    assert resolve_backend("cpu_int4", 4, cpu, {32}, compiles=True)[0] == "cpu_int4"
 
 
 def test_compiled_runs_through_the_runner_record_it_and_charge_the_same_steps(tmp_path):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.decoding.depth import Depth, settle_depth
+from specter.decoding.depth import Depth
 from specter.decoding.loop import speculative_batch
 from specter.decoding.static_draft import MODES as COMPILE_MODES, resolve_compile
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
@@ -198,8 +198,7 @@ def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
                         stop_on_eos=ctx.cfg.workload.stop_on_eos)
 
 
-def build_speculative(ctx, name: str, make_draft, window=None,
-                      own_k: tuple[int, str] | None = None, reorder: bool = True,
+def build_speculative(ctx, name: str, make_draft, window=None, reorder: bool = True,
                       overlap: bool = True, host_compute: bool = False,
                       host_all: bool = False) -> SpeculativeEngine:
     """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
@@ -207,15 +206,15 @@ def build_speculative(ctx, name: str, make_draft, window=None,
     experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
     window prefetcher, or None. `host_all`: verification's experts all on the host (no slots).
     `reorder=False` verifies token by token, `overlap=False` loads
-    verification's misses serially (the runtime's ablations). K: the one rule of
-    `decoding/depth.py settle_depth` (`own_k`: the system's own K and its name, its recipe's
-    `OWN_K`); under spec.k=auto the harness profiles the built engine (depth_profile.py)."""
+    verification's misses serially (the runtime's ablations). K: `ctx.depth`, settled once by
+    the harness with the one rule of `decoding/depth.py settle_depth` (a recipe's `OWN_K`
+    included); under spec.k=auto the harness profiles the built engine (depth_profile.py)."""
     timing = timing_for(ctx)
     runtime = offload_model(ctx, timing, host_all=host_all)
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
-    depth = settle_depth(ctx.cfg.spec, ctx.cfg.model.paper_k, own_k)
+    depth = ctx.depth
     compiled = compile_draft(ctx, draft, timing, depth.k_max)
     engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
                                window=window(runtime, timing, draft) if window else None,
@@ -242,7 +241,8 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
                             f"lru_s, sp_e, sp_l, specmoeoff); {ctx.cfg.system.name} drafts "
                             "otherwise.")
         return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device"}
-    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
+    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0,
+                              ctx.device.type)
     if on and counted:  # its launch counter counts eager operations
         if spec.compile == "on":
             raise UserError("spec.compile=on: a counted profile counts eager launches; "

@@ -24,7 +24,7 @@ from torch import nn
 
 from specter.models.introspect import experts_modules
 from specter.quant.calibrate import QuantizedExperts
-from specter.quant.formats import int4_expert_bytes
+from specter.quant.formats import draft_expert_bytes
 from specter.quant.kernels import layers_nbytes, make_experts
 
 IMPL_NAME = "specter_self_draft"
@@ -182,8 +182,8 @@ def account_model(source: str, spec, slots: int, context: int, draft_bytes: int 
     """From an `MoESpec` (measured tensors of a loaded model, or a real config on meta)."""
     n_moe = spec.num_moe_layers
     if draft_bytes is None:
-        params = 3 * spec.hidden * spec.expert_inter  # gate, up, down
-        draft_bytes = n_moe * spec.num_experts * int4_expert_bytes(params, group, 2)
+        draft_bytes = n_moe * spec.num_experts * draft_expert_bytes(
+            spec.hidden, spec.expert_inter, 4, group, 2)
     return MemoryAccount(source=source, non_expert_bytes=spec.non_expert_bytes,
                          draft_expert_bytes=draft_bytes,
                          target_slot_bytes=spec.slot_bytes(slots),

@@ -60,16 +60,19 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _fixed_shape_experts)
 
 
-def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, str]:
+def resolve_system_compile(setting: str, rows: int, clock: str,
+                           device_type: str = "cpu") -> tuple[bool, str]:
     """(compiled, why) for resident's `system.compile`: one row, a real clock (the virtual
-    clock charges each forward from hooks the compiled graph does not run)."""
+    clock charges each forward from hooks the compiled graph does not run); `auto` on the
+    CPU only (settle_compile)."""
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
     if clock != "wall":
         reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")
-    return settle_compile("system.compile", setting, "resident's decode step", reasons)
+    return settle_compile("system.compile", setting, "resident's decode step", reasons,
+                          device_type)
 
 
 class StaticDecode:

@@ -38,14 +38,22 @@ from specter.errors import UserError
 MODES = ("auto", "on", "off")
 
 
-def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tuple[bool, str]:
+CUDA_UNTRIED = ("eager: auto does not compile on CUDA until a GPU has run the captured step "
+                "({knob}=on runs it)")
+
+
+def settle_compile(knob: str, setting: str, what: str, reasons: list[str],
+                   device_type: str = "cpu") -> tuple[bool, str]:
     """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
     `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
-    sentence naming `what` and the reasons, and `auto` stays eager and says why."""
+    sentence naming `what` and the reasons, and `auto` stays eager and says why. `auto`
+    compiles on the CPU only: a CUDA capture of the step is `on`'s until a GPU has run one."""
     if setting not in MODES:
         raise UserError(f"{knob} must be one of {', '.join(MODES)} (got '{setting}').")
     if setting == "off":
         return False, f"{knob}=off"
+    if setting == "auto" and device_type == "cuda":
+        return False, CUDA_UNTRIED.format(knob=knob)
     if not reasons:
         return True, f"{knob}={setting}"
     if setting == "on":
@@ -53,19 +61,24 @@ def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tu
     return False, "eager: " + "; ".join(reasons)
 
 
-def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
+def resolve_compile(setting: str, backend: str, rows: int, sampling: bool,
+                    device_type: str = "cpu") -> tuple[bool, str]:
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
-    no data-dependent shape: `gather_int4`), else stays eager and says why."""
+    no data-dependent shape: `gather_int4`) on the CPU, else stays eager and says why."""
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
-    if backend != "gather_int4":
+    if backend == "triton":
+        reasons.append("the triton backend's kernel is replayed per layer as a CUDA graph "
+                       "(quant.graphs), not traced into one step (quant.backend=gather_int4 "
+                       "compiles)")
+    elif backend != "gather_int4":
         reasons.append(f"the {backend} backend reads the routing on the host "
                        "(quant.backend=gather_int4 compiles)")
     if sampling:
         reasons.append("speculative sampling picks on the host")
-    return settle_compile("spec.compile", setting, "the draft step", reasons)
+    return settle_compile("spec.compile", setting, "the draft step", reasons, device_type)
 
 
 class StaticDraft:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Sequence
 
 from specter.errors import UserError
+from specter.quant.formats import draft_expert_bytes
 
 GiB = 2**30
 RUNTIME_RESERVE = GiB  # Python, torch and the tokenizer of a CPU run, outside the weights
@@ -212,19 +213,6 @@ def store_reserved_bytes(b: CheckpointBytes, num_experts: int, pinned: bool = Tr
     if not n or not b.expert_bytes:
         return b.expert_bytes
     return plan_store(-(-b.expert_bytes // n), n).reserved_bytes(pinned)
-
-
-def draft_expert_bytes(hidden: int, inter: int, bits: int, group: int, scale_bytes: int) -> int:
-    """One expert quantized (quant/formats.py's layout): gate_up [2I, H] and down [H, I] as
-    codes (`bits` per weight; INT3 one byte each) and one scale per row and group of input
-    columns, in the model's dtype."""
-    from specter.quant.formats import effective_group
-
-    code_bytes = (lambda w: w) if bits == 3 else (lambda w: w * bits // 8)
-    codes = code_bytes(2 * inter * hidden) + code_bytes(hidden * inter)
-    scales = 2 * inter * (hidden // effective_group(hidden, group)) \
-        + hidden * (inter // effective_group(inter, group))
-    return codes + scales * scale_bytes
 
 
 def run_extras(b: CheckpointBytes, num_experts: int, hidden: int, element_size: int,

@@ -56,13 +56,17 @@ def kernel_choice_path(cache_dir: Path, device: torch.device) -> Path:
 
 
 def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int],
-                    cache_dir: Path | None = None, counted: bool = False) -> tuple[str, str]:
+                    cache_dir: Path | None = None, counted: bool = False,
+                    compiles: bool = False) -> tuple[str, str]:
     """(backend, why): `quant.backend`, or for `auto` the fastest INT4 backend measured on this
     kind of device (kernel_bench --write-choice, at a real model's expert shape and one token:
     a draft step) among those that can run here, when that measurement exists; else triton on
     CUDA, cpu_int4 on the CPU. `counted`: a counted profile's virtual clock on the CPU
     (specter/offload/counted.py) charges the operations the draft issues, so auto takes
-    gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's)."""
+    gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's).
+    `compiles`: the draft step is to run as one compiled graph (`spec.compile`, see
+    `draft_compiles`), which only gather_int4 allows (the others read the routing on the host
+    or call a kernel the compiler does not trace), so auto takes it."""
     if name not in BACKENDS + ("auto",):
         raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
     if name != "auto":
@@ -71,6 +75,10 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         return "reference", "auto: not 4-bit"
     if counted and device.type == "cpu":
         return "gather_int4", "auto: a counted profile on the CPU charges a GPU's operations"
+    if compiles:
+        if device.type == "cpu":
+            return "gather_int4", f"auto: the draft step compiles whole on it ({COMPILED_WHY})"
+        return "gather_int4", "auto: spec.compile=on compiles the step, only gather_int4's"
     int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
         usable = {"reference", "gather_int4", *(["triton"] if triton_available() else []),
@@ -88,6 +96,26 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         if ms:
             return min(ms, key=ms.get), f"auto: fastest measured ({path})"
     return default, "auto: no measurement"
+
+
+# what `auto` gains by compiling on the CPU, measured on its own clock (small_deepseek, K = 4)
+COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 5.2 ms a draft step compiled against "
+                "12.2 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
+
+
+def draft_compiles(cfg, device: torch.device) -> bool:
+    """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
+    `auto` on a real clock on the CPU, where the compiled step was measured faster, with one
+    greedy row. On a virtual clock `auto` keeps the eager default (cpu_int4): the modelled
+    step's time does not depend on the backend, and each run would pay a compilation. Where
+    gather_int4 is chosen anyway (quant.backend=gather_int4, as the hot-path counter runs it),
+    `auto` compiles it (static_draft.resolve_compile). On CUDA `auto` keeps triton with its
+    per-layer graphs: no GPU has run a captured whole step yet (spec.compile=on runs one)."""
+    mode, w = cfg.spec.compile, cfg.workload
+    if mode == "on":
+        return True
+    return (mode == "auto" and cfg.hardware.clock == "wall" and device.type == "cpu"
+            and w.batch == 1 and w.temperature == 0)
 
 
 GRAPHS = ("auto", "on", "off")
@@ -149,6 +177,7 @@ def draft_for(ctx) -> Draft:
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
     hw = ctx.cfg.hardware
     counted = hw.clock == "virtual" and (hw.host_op_s > 0 or hw.sync_s > 0)
-    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted)
+    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,
+                                   draft_compiles(ctx.cfg, ctx.device) and not counted)
     graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device)
     return Draft(experts, path, reused, backend, why, graphs, graphs_why)

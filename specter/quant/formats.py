@@ -70,10 +70,15 @@ class QuantizedMatrix:
                                self.group, self.shape)
 
 
-def int4_expert_bytes(expert_params: int, group: int = 128, scale_bytes: int = 2) -> int:
-    """Bytes of one expert's weights in the INT4 format: 4-bit codes (two per byte) plus one
-    `scale_bytes` scale per group of `group` weights."""
-    return expert_params // 2 + expert_params // group * scale_bytes
+def draft_expert_bytes(hidden: int, inter: int, bits: int, group: int, scale_bytes: int) -> int:
+    """One expert quantized (this module's layout): gate_up [2I, H] and down [H, I] as
+    codes (`bits` per weight; INT3 one byte each) and one scale per row and group of input
+    columns, in the model's dtype."""
+    code_bytes = (lambda w: w) if bits == 3 else (lambda w: w * bits // 8)
+    codes = code_bytes(2 * inter * hidden) + code_bytes(hidden * inter)
+    scales = 2 * inter * (hidden // effective_group(hidden, group)) \
+        + hidden * (inter // effective_group(inter, group))
+    return codes + scales * scale_bytes
 
 
 def _per_byte(bits: int) -> int:
