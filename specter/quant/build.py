@@ -99,8 +99,8 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
 
 
 # what `auto` gains by compiling on the CPU, measured on its own clock (small_deepseek, K = 4)
-COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 5.2 ms a draft step compiled against "
-                "12.2 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
+COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step compiled against "
+                "9.0 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
 
 
 def draft_compiles(cfg, device: torch.device) -> bool:
