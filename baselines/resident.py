@@ -45,5 +45,6 @@ def build(ctx) -> GreedyEngine:
         mode = "reduce-overhead" if ctx.device.type == "cuda" else None
         engine.static = StaticDecode(ctx.loaded.model, sc.compile_backend, mode,
                                      positions=w.prompt_tokens + w.max_new_tokens + 1)
-    engine.compiled = {"decode_compiled": on, "decode_compile": why}
+    engine.compiled = {"decode_compiled": on, "decode_compile": why,
+                       "decode_captured": on and ctx.device.type == "cuda"}  # CUDA graphs
     return engine

@@ -191,7 +191,9 @@ class SeparateInt4Draft(DraftPart):
         from specter.decoding.static_draft import StaticDraft
 
         self.layout = StaticDraft(self.instance, compiler, mode, positions=positions,
-                                  after_step=self.charger.charge_compiled_step, own_kv=True)
+                                  after_step=getattr(self.charger, "charge_compiled_step", None),
+                                  charging=getattr(self.charger, "captured_step", None),
+                                  own_kv=True)
         return None
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:

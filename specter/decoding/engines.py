@@ -119,7 +119,8 @@ class SpeculativeEngine:
             # a compiled draft step of the target's own instance is charged after it runs by
             # the target's hooks (they do not run inside); a second instance brings its own
             draft.layout.after_step = getattr(self.charger, "charge_compiled_step", None)
-        self.compiled = {"draft_compiled": False, "draft_compile": "eager"}
+            draft.layout.charging = getattr(self.charger, "captured_step", None)
+        self.compiled = {"draft_compiled": False, "draft_compile": "eager", "draft_captured": False}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
         self.generators: list[torch.Generator] | None = None
 
@@ -240,7 +241,8 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
             raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
                             f"lru_s, sp_e, sp_l, specmoeoff); {ctx.cfg.system.name} drafts "
                             "otherwise.")
-        return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device"}
+        return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
+                "draft_captured": False}
     on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0,
                               ctx.device.type)
     if on and counted:  # its launch counter counts eager operations
@@ -258,7 +260,9 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
             if spec.compile == "on":
                 raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
             on, why = False, why_not
-    return {"draft_compiled": on, "draft_compile": why}
+    # captured: replayed as a CUDA graph (reduce-overhead), or charged as one on a virtual clock
+    captured = on and (ctx.device.type == "cuda" or timing.clock == "virtual")
+    return {"draft_compiled": on, "draft_compile": why, "draft_captured": captured}
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,

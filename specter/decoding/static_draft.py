@@ -27,6 +27,7 @@ Does not own: the window loop (loop.py), the eager layouts (drafting.py), the ex
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -92,7 +93,8 @@ class StaticDraft:
     that one set of buffers, and one compilation, serves the whole run."""
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
-                 on_copy=None, after_step=None, positions: int = 0, own_kv: bool = False):
+                 on_copy=None, after_step=None, positions: int = 0, own_kv: bool = False,
+                 charging=None):
         self.shared, self.model = shared, shared.model
         # own_kv: a second instance's own KV (SpecMoEOff's layout), not a copy of the target's:
         # the committed tokens it has not seen are fed in one eager forward before the steps
@@ -100,6 +102,9 @@ class StaticDraft:
         self.compiler, self.mode = compiler, mode
         self.graphs = mode == "reduce-overhead"  # CUDA graphs: outputs overwritten per replay
         self.on_copy, self.after_step = on_copy, after_step
+        # `charging()`: the block a step's replayed charges are made in (a virtual clock's
+        # `Charger.captured_step`: priced as a captured graph's replay), or None
+        self.charging = charging
         self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
         self.capacity = 0
         self.positions = positions
@@ -232,9 +237,10 @@ class StaticDraft:
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
                 self.steps_run += 1
-                self.shared.replay(routes)
-                if self.after_step is not None:
-                    self.after_step()
+                with self.charging() if self.charging is not None else contextlib.nullcontext():
+                    self.shared.replay(routes)
+                    if self.after_step is not None:
+                        self.after_step()
                 chosen.append(nxt)
                 tok = nxt
                 yield i + 1, k

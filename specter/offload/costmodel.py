@@ -22,7 +22,7 @@ so lands on the real model's scale while routing and tokens still come from the 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -54,6 +54,14 @@ class HardwareProfile:
     def counted(self) -> bool:
         """Host costs charged from what the code issues, not as per-layer constants."""
         return self.host_op_s > 0 or self.sync_s > 0
+
+    def captured(self) -> "HardwareProfile":
+        """This device running a captured CUDA graph (a compiled step, `spec.compile`): no
+        per-kernel launch and no eager framework cost inside it, only its kernels' compute and
+        memory time; the replay's one launch is charged by `Charger.captured_step`. A small
+        kernel's few-microsecond floor on the GPU is not modelled."""
+        return replace(self, launch_overhead_s=0.0, layer_overhead_s=0.0, expert_overhead_s=0.0,
+                       draft_overhead_s=None, offload_layer_overhead_s=0.0)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ T = tokens in this forward, k = top-k, H = hidden, E = routed experts.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -126,6 +127,20 @@ class Charger:
         self.parts.append(seconds)
         self.handles.append(module.register_forward_hook(
             lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
+
+    @contextlib.contextmanager
+    def captured_step(self):
+        """The charges of one compiled step, made inside this block (the hooks' replay, the
+        draft's listeners), as the modelled GPU runs a captured graph: each kernel's compute
+        and memory time (`HardwareProfile.captured`), then one launch for the graph's replay.
+        The cost model is shared, so every charge in the block is priced so."""
+        hw = self.cost.hw
+        self.cost.hw = hw.captured()
+        try:
+            yield
+        finally:
+            self.cost.hw = hw
+        self.link.compute(hw.launch_overhead_s)  # the replay: one launch
 
     def charge_compiled_step(self) -> None:
         """What the hooks charge for one forward that ran compiled (static_draft.py: one
