@@ -45,6 +45,9 @@ def build(ctx) -> GreedyEngine:
         mode = "reduce-overhead" if ctx.device.type == "cuda" else None
         engine.static = StaticDecode(ctx.loaded.model, sc.compile_backend, mode,
                                      positions=w.prompt_tokens + w.max_new_tokens + 1)
-    engine.compiled = {"decode_compiled": on, "decode_compile": why,
-                       "decode_captured": on and ctx.device.type == "cuda"}  # CUDA graphs
+        if hasattr(engine.charger, "captured_step"):  # a virtual clock: charged as captured
+            engine.static.charger = engine.charger
+    engine.compiled = {"decode_compiled": on, "decode_compile": why,  # captured: CUDA graphs
+                       "decode_captured": on and (ctx.device.type == "cuda"  # or charged so
+                                                  or engine.timing.clock == "virtual")}
     return engine

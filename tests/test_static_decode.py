@@ -44,6 +44,10 @@ def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
     assert resolve_system_compile("auto", 1, "wall")[0]
     on, why = resolve_system_compile("auto", 1, "virtual")
     assert not on and "virtual clock" in why
+    assert resolve_system_compile("on", 1, "virtual")[0]  # charged as a captured graph
+    assert resolve_system_compile("on", 1, "cuda", "cuda")[0]  # a GPU's own clock
+    with pytest.raises(UserError, match="emulated clock"):
+        resolve_system_compile("on", 1, "emulated")
     with pytest.raises(UserError, match="system.compile=on cannot compile"):
         resolve_system_compile("on", 4, "wall")
     with pytest.raises(UserError, match="system.compile must be one of"):
@@ -93,3 +97,24 @@ def test_compiled_resident_runs_through_the_runner_and_says_so(tmp_path):
 
     t = table(pd.concat([records.load(tmp_path / s) for s in ("off", "on")]))
     assert list(t["step"]) == ["eager", "compiled"] and t["compiles"].tolist() == [0, 1]
+
+
+def test_on_a_virtual_clock_a_compiled_step_is_charged_as_a_captured_graph(tmp_path):
+    """system.compile=on on the eager A100 profile: the tokens of the eager step, the step
+    charged after it runs as a captured graph (its kernels' time and one launch: the eager
+    profile's framework costs gone), so TPOT falls; the roofline's compute is still charged."""
+    import pandas as pd
+
+    rows = {}
+    for setting in ("off", "on"):
+        out = tmp_path / setting
+        r = run_cli("model=tiny_deepseek", "system=resident", "hardware=a100_pcie4_hf",
+                    "dataset=gsm8k", "workload.items=1", "workload.repeats=1",
+                    "workload.max_new_tokens=8", "progress=false", f"system.compile={setting}",
+                    "system.compile_backend=eager", f"out_dir={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[setting] = pd.read_parquet(next(out.glob("records/*/*.parquet"))).iloc[0]
+    off, on = rows["off"], rows["on"]
+    assert list(on["output_tokens"]) == list(off["output_tokens"])
+    assert bool(on["decode_captured"]) and not bool(off["decode_captured"])
+    assert 0 < on["tpot_ms"] < 0.5 * off["tpot_ms"], (on["tpot_ms"], off["tpot_ms"])

@@ -41,6 +41,7 @@ def _fixed_shape_experts(self, hidden_states, top_k_index, top_k_weights):
     owner = self._specter_static
     if not owner.active or hidden_states.shape[0] != 1:
         return owner.eager(self, hidden_states, top_k_index, top_k_weights)
+    owner.routes.append(top_k_index)  # an output of the step (a virtual clock's charge)
     experts, slots = torch.sort(top_k_index[0])  # distinct ids: the order is HF's
     final = torch.zeros_like(hidden_states)
     row = torch.zeros(1, dtype=torch.long, device=hidden_states.device)
@@ -62,13 +63,17 @@ def _register() -> None:
 
 def resolve_system_compile(setting: str, rows: int, clock: str,
                            device_type: str = "cpu") -> tuple[bool, str]:
-    """(compiled, why) for resident's `system.compile`: one row, a real clock (the virtual
-    clock charges each forward from hooks the compiled graph does not run); `auto` on the
-    CPU only (settle_compile)."""
+    """(compiled, why) for resident's `system.compile`: one row; not the emulated clock (it
+    sleeps in hooks a graph does not run). `auto` compiles on a real clock on the CPU only:
+    on a virtual clock `on` charges the step as a captured graph (as a compiled draft step
+    is), and the paper's resident is eager."""
+    if setting == "auto" and clock == "virtual":
+        return False, ("eager: on a virtual clock auto stays eager, as the paper's resident "
+                       "(system.compile=on charges the step as a captured graph)")
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
-    if clock != "wall":
+    if clock not in ("wall", "cuda", "virtual"):
         reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")
     return settle_compile("system.compile", setting, "resident's decode step", reasons,
@@ -97,6 +102,10 @@ class StaticDecode:
         model.config._experts_implementation = IMPL_NAME
         self.cache = None
         self.capacity = 0
+        self.routes: list[torch.Tensor] = []
+        # a virtual clock's Charger (offload/runtime.py): each compiled step charged after it
+        # runs, as a captured graph's replay; None on real clocks
+        self.charger = None
         torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler,
                                   mode=mode)
@@ -104,11 +113,12 @@ class StaticDecode:
         self.compile_s = 0.0
         self._fresh = False
 
-    def _step(self, tok: torch.Tensor) -> torch.Tensor:
-        """tok [1, 1] -> the greedy next token [1, 1] on the device; K and V written at the
-        cache's index, which advances by one."""
+    def _step(self, tok: torch.Tensor):
+        """tok [1, 1] -> (the greedy next token [1, 1], routes [L, 1, k]) on the device; K and
+        V written at the cache's index, which advances by one."""
+        self.routes = []
         out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
-        return out.logits[:, -1].argmax(dim=-1, keepdim=True)
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True), torch.stack(self.routes)
 
     def _load(self, dynamic, n: int) -> None:
         """The buffers (made once, or larger for a longer request) with the prompt's KV."""
@@ -155,11 +165,14 @@ class StaticDecode:
             self.active = True
             try:
                 with compiled_region():
-                    tok = self.step(tok)
+                    tok, routes = self.step(tok)
             finally:
                 self.active = False
             if self.graphs:
                 tok = tok.clone()
+            if self.charger is not None:
+                with self.charger.captured_step():
+                    self.charger.charge_compiled_step(routes)
             if self._fresh:
                 self.compile_s += time.perf_counter() - began
                 self.compiles, self._fresh = self.compiles + 1, False

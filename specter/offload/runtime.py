@@ -142,20 +142,35 @@ class Charger:
             self.cost.hw = hw
         self.link.compute(hw.launch_overhead_s)  # the replay: one launch
 
-    def charge_compiled_step(self) -> None:
+    def charge_compiled_step(self, routes: torch.Tensor | None = None) -> None:
         """What the hooks charge for one forward that ran compiled (static_draft.py: one
-        position per row kept), after it ran."""
+        position per row kept), after it ran; `routes` [L, T, k] (static_decode.py): every MoE
+        layer's routing, for the experts the pre-hooks would have charged."""
         for seconds in self.parts:
             self.link.compute(seconds())
+        if routes is not None:
+            with charging_only():
+                layers = routes.tolist()  # one read of the step's routing: charging only
+            for rows in layers:
+                per_expert = defaultdict(int)
+                for row in rows:
+                    for e in row:
+                        per_expert[e] += 1
+                self._charge_counts(len(rows), [per_expert[e] for e in sorted(per_expert)])
+
+    def _charge_counts(self, tokens: int, per_expert: list[int]) -> None:
+        self.link.compute(self.cost.router_s(tokens))
+        for n in per_expert:
+            self.link.compute(self.cost.expert_s(n))
 
     def _charge_hf_experts(self, module, args) -> None:
+        if torch.compiler.is_compiling():  # traced, not run: charge_compiled_step charges it
+            return
         _, top_k_index, _ = args
         with charging_only():
             counts = torch.bincount(top_k_index.flatten())  # tokens per expert
             per_expert = counts[counts > 0].tolist()  # host sync: charging only
-        self.link.compute(self.cost.router_s(self.tokens))
-        for n in per_expert:
-            self.link.compute(self.cost.expert_s(n))
+        self._charge_counts(self.tokens, per_expert)
 
     def begin_forward(self, tokens: int, context: int, prefill: bool = False,
                       rows: int = 1) -> None:
