@@ -15,9 +15,10 @@ BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-300}"
 HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-180}"
+CAPTURED_TIMEOUT_S="${CAPTURED_TIMEOUT_S:-360}"
 # Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
 # been measured first, e.g. STAGES=tests,hybrid).
-STAGES=",${STAGES:-real_size,hotpath,calibration,tests,h2d,bench,hybrid},"
+STAGES=",${STAGES:-real_size,captured,hotpath,calibration,tests,h2d,bench,hybrid},"
 want() { [[ "$STAGES" == *",$1,"* ]]; }
 [ -x "$PY" ] || PY=python3
 status=0
@@ -48,6 +49,27 @@ echo "== real size: DeepSeek-V2-Lite full depth, random weights, budget.gb=24, r
 timeout -k 10 "$REAL_SIZE_TIMEOUT_S" env PY="$PY" OUT="$OUT/real_size" \
   MODEL="${REAL_SIZE_MODEL:-deepseek}" bash scripts/real_size.sh 2>&1 | tee -a "$OUT/real_size.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+# issue 36 item 5: the compiled steps captured as CUDA graphs (torch.compile's
+# reduce-overhead over the static caches), eager against captured, counted per committed token
+# (launches, syncs, graph replays; TPOT in the records) for resident (system.compile) and
+# specter (spec.compile, gather_int4) at DeepSeek-V2-Lite's real sizes, random weights, 1 item
+# x 24 tokens, real CUDA time. Each run compiles in the runner's untimed warm-up request
+# (compile_warmup_s). The tables: $OUT/captured_{off,on}_{resident,specter}/hotpath.md.
+if want captured; then
+echo "== captured: eager vs captured steps on CUDA, real sizes" | tee "$OUT/captured.txt"
+CAP=(hardware=cuda model="${CAPTURED_MODEL:-deepseek}" model.weights=random workload.items=1
+     workload.repeats=1 workload.max_new_tokens=24)
+for c in off on; do
+  for sys in resident specter; do
+    knob=$([ "$sys" = resident ] && echo system.compile=$c || echo spec.compile=$c)
+    echo "-- $sys $knob" | tee -a "$OUT/captured.txt"
+    timeout -k 10 $((CAPTURED_TIMEOUT_S / 4)) "$PY" -m experiments.hotpath "$OUT/captured_${c}_$sys" \
+      system=$sys "$knob" "${CAP[@]}" 2>&1 | grep -E "hotpath|error|Error" | tee -a "$OUT/captured.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
+done
 fi
 
 # What decoding issues on the GPU, counted exactly (a sync or a read counts only when its
