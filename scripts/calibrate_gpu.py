@@ -787,7 +787,8 @@ def stage_table(ctx: Ctx) -> dict:
         real_label, real_systems, real_over = "cuda", systems, ["hardware=cuda"]
     else:
         real_systems = [s for s in systems if s == "resident"]
-        real_label, real_over = "cpu", ["hardware=cpu"]
+        # eager, as the profiles it is compared with model (auto compiles on the CPU's clock)
+        real_label, real_over = "cpu", ["hardware=cpu", "system.compile=off"]
         out["notes"].append("CPU: offloading systems have no real-time link here; their "
                             "measured column is empty")
     path = ctx.out / "hardware_measured.yaml"
