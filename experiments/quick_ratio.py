@@ -1,0 +1,61 @@
+"""The quick profile's check against `--small` (issue 37 item 5): Specter's lead over
+SpecMoEOff (SpecMoEOff's mean TPOT over Specter's, SpecMoEOff at its own K = 3, Specter at
+the run's K) per model, budget and hardware profile, in each results folder, and how far the
+quick lead is from the `--small` one.
+
+    python -m experiments.quick_ratio QUICK_MAIN_DIR SMALL_MAIN_DIR [--out FILE.md]
+
+Each folder is a main step's records (e.g. results/quick/main, results/small/main). A tuned
+SpecMoEOff (`spec.tune_own_k=true`) is its own variant and is left out. Means are over every
+request of the case, all datasets together, as the main table's are.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pandas as pd
+
+from experiments import records
+from experiments.hotpath import markdown
+
+KEYS = ["model", "budget", "hardware"]
+
+
+def leads(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (model, budget, hardware): Specter's and SpecMoEOff's mean TPOT and the lead."""
+    df = df[df["system"].isin(["specter", "specmoeoff"])]
+    if "cfg.spec.tune_own_k" in df:
+        df = df[~df["cfg.spec.tune_own_k"].fillna(False).astype(bool)]
+    tpot = df.pivot_table(index=KEYS, columns="system", values="tpot_ms", aggfunc="mean")
+    tpot = tpot.dropna(subset=[c for c in ("specter", "specmoeoff") if c in tpot])
+    if tpot.empty or not {"specter", "specmoeoff"} <= set(tpot.columns):
+        return pd.DataFrame(columns=[*KEYS, "specter", "specmoeoff", "lead"])
+    tpot["lead"] = tpot["specmoeoff"] / tpot["specter"]
+    return tpot.reset_index()
+
+
+def compare(quick: pd.DataFrame, small: pd.DataFrame) -> pd.DataFrame:
+    """The quick lead beside `--small`'s, with the relative difference."""
+    q, s = leads(quick), leads(small)
+    both = q.merge(s, on=KEYS, suffixes=(" quick", " small"))
+    both["quick vs small"] = both["lead quick"] / both["lead small"] - 1.0
+    return both[[*KEYS, "lead quick", "lead small", "quick vs small"]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("quick", type=Path)
+    ap.add_argument("small", type=Path)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args(argv)
+    t = compare(records.load(a.quick), records.load(a.small))
+    text = markdown(t, index=False, floatfmt=".3f")
+    print(text)
+    if a.out:
+        a.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
