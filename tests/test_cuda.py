@@ -217,6 +217,31 @@ def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
 
 
 @pytest.mark.cuda
+def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
+    """issue 36 item 5: spec.compile=on and system.compile=on on CUDA capture the step
+    (reduce-overhead: CUDA graphs over the static caches); the tokens are the eager ones, and
+    every row says the step was captured."""
+    from experiments import records, runner
+    from experiments.configs import run_config
+
+    tokens = {}
+    for system, extra in (("resident", ["system.compile=off"]),
+                          ("resident", ["system.compile=on"]),
+                          ("specter", ["spec.compile=on", "quant.backend=gather_int4"])):
+        out = tmp_path / f"{system}-{extra[0]}"
+        runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
+                               "workload.items=2", "workload.max_new_tokens=24",
+                               "workload.stop_on_eos=false", "spec.k=4", "progress=false",
+                               f"out_dir={out}", *extra]), log=lambda *_: None)
+        df = records.load(out).sort_values("request_id")
+        tokens[(system, extra[0])] = df["output_tokens"].map(tuple).tolist()
+        if extra[0].endswith("=on"):
+            kind = "draft" if system == "specter" else "decode"
+            assert df[f"{kind}_captured"].all() and (df["compile_warmup_s"] > 0).all()
+    assert len(set(map(tuple, tokens.values()))) == 1
+
+
+@pytest.mark.cuda
 def test_the_cuda_clock_marks_without_waiting():
     """`CudaLink.mark` records an event (no device sync); `elapsed` answers None until the
     device reaches the end mark, then the span in seconds, and waits only when asked."""
