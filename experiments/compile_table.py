@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments import records
-from experiments.hotpath import markdown
+from experiments.hotpath import show
 
 
 def _either(g: pd.DataFrame, draft: str, decode: str) -> pd.Series:
@@ -66,11 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     t = table(records.load(a.results))
-    text = markdown(t, index=False, floatfmt=".3g")
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-
+    show(t, a.out, floatfmt=".3g")
 
 if __name__ == "__main__":
     main()

@@ -160,6 +160,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def show(df, out=None, floatfmt: str = ".3g") -> None:
+    """Print `df` as a markdown table, and write it to `out` when given (the table tools')."""
+    text = markdown(df, index=False, floatfmt=floatfmt)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def markdown(df, **kwargs) -> str:
     """`df` as a markdown table where tabulate is installed, else as plain text."""
     try:

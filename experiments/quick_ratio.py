@@ -18,7 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from experiments import records
-from experiments.hotpath import markdown
+from experiments.hotpath import show
 
 KEYS = ["model", "budget", "hardware"]
 
@@ -51,11 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     t = compare(records.load(a.quick), records.load(a.small))
-    text = markdown(t, index=False, floatfmt=".3f")
-    print(text)
-    if a.out:
-        a.out.write_text(text + "\n")
-
+    show(t, a.out, floatfmt=".3f")
 
 if __name__ == "__main__":
     main()
