@@ -2,7 +2,7 @@
 the Specter paper, each run in the setting the publication states.
 
     python -m experiments.anchors OUT [--engines ideal,hf] [--items 3] [--tokens 48]
-                                      [--datasets gsm8k] [--table-only]
+                                      [--datasets gsm8k] [--source TEXT] [--table-only]
 
 1. Runs every row's setting (resumable: records already under OUT/records are skipped) on the
    publication's GPU as a profile of each engine kind (conf/hardware/<gpu>_ideal.yaml, an
@@ -40,6 +40,8 @@ MO = "Mixtral-offloading (Eliseev & Mazur, arXiv 2312.17238), Table 2"
 MI = "MoE-Infinity README, performance table (github EfficientMoE/MoE-Infinity)"
 SE = "Speculating Experts (arXiv 2603.19289), TPOT breakdown and prefetch results"
 KT = "kTransformers v0.3 AMX doc (github kvcache-ai/ktransformers doc/en/AMX.md @89823ccb)"
+IK = ("ik_llama.cpp (a llama.cpp fork), its author's runs on a Ryzen-7950X + RTX-4080 "
+      "(github ikawrakow/ik_llama.cpp PR #232, issue #490)")
 
 REAL = {"small_mixtral": "Mixtral-8x7B", "small_deepseek": "DeepSeek-V2-Lite",
         "small_qwen3": "Qwen3-30B-A3B"}
@@ -290,14 +292,59 @@ def ktransformers() -> list[Anchor]:
                    "Qwen3-30B-A3B", "host_experts", "rtx4090", 12.0, (run,), tok_s, KT_NOTE)]
 
 
-def anchors() -> list[Anchor]:
-    return [*table2(), *moe_infinity(), *speculating_experts(), *ktransformers()]
+# ---------------------------------------------------- ik_llama.cpp (CPU experts, llama-bench)
+# The llama.cpp family's way to run a model larger than the GPU: every layer on the GPU (-ngl),
+# then the routed experts' tensors overridden back to the CPU (-ot "exps=CPU"; mainline's later
+# --cpu-moe), so the CPU computes every routed expert and the GPU the rest. The fork's author
+# published llama-bench rows of exactly that for two models this harness has, on one desktop
+# (docs/measurements/host-anchors-2026-12-04.md): tg128, 128 new tokens after an empty prompt,
+# batch 1. Precision as run: the GGUF file's bits per weight, from its stated size over its
+# stated weights, charged as 4 bits plus a group's metadata (hardware.expert_bits takes 2, 3,
+# 4 or 8; the metadata bytes make up the fraction).
+IK_NOTE = ("every routed expert on the CPU (-ngl 99/100 -ot exps=CPU), attention and shared "
+           "experts on the GPU; llama-bench tg128: 128 new tokens, empty prompt (ours: the "
+           "anchors' workload); an optimised engine: ideal only")
 
 
-def runs(engines=ENGINES) -> list[tuple[str, ...]]:
+def ik_llama() -> list[Anchor]:
+    host = ("budget=high", "host=ryzen7950x")
+    # PR #232 (2025-02-24): `llama-bench -m deepseek_lite.gguf -p 512 -n 128 -t 16 -ngl 100 -rtr 1
+    # -ot "\.ffn_.*_exps\.=CPU"`: deepseek2 16B Q4_K - Medium, 9.78 GiB, tg128 45.28 t/s (CPU
+    # only: 28.70). 9.78 GiB x 8 / 15.71e9 weights = 5.35 bits; charged 4 + 11 bytes / 64 =
+    # 5.375 for the experts and the attention (Q4_K_M's mix of Q4_K and Q6_K blocks). The GPU
+    # is named in the author's issue #437 ("Ryzen-7950X CPU + 4080 GPU"), not in the PR.
+    lite = Run("small_deepseek", "host_experts", "rtx4080",
+               (*host, "hardware.expert_bits=4", "hardware.attn_bits=4", "hardware.quant_group=64",
+                "hardware.quant_meta_bytes=11"), engines=("ideal",))
+    # Issue #490 (2025-06-03, build 24c010b3): "Ryzen-7950X + RTX-4080 ... leaving all experts on
+    # the CPU (-ot exps=CPU)": qwen3moe IQ4_K_R4 - 4.5 bpw, 17.57 GiB, 30.53 B, -ngl 99, fa 1,
+    # n_ubatch 1024, tg128 34.48 t/s. Experts a mix of IQ4_K_R4 and IQ5_K_R4, everything else
+    # Q8_0: 4.94 bits a weight over the file; with the 1.5 B non-expert weights at 8.5 bits,
+    # the experts' 29.0 B take 4.75: charged 4 + 3 bytes / 32 = 4.75, the attention 8 + 3 / 32
+    # = 8.75 (Q8_0 is 8.5; the group's bytes are shared, and the attention is 3% of the weights).
+    qwen3 = Run("small_qwen3", "host_experts", "rtx4080",
+                (*host, "hardware.expert_bits=4", "hardware.attn_bits=8", "hardware.quant_group=32",
+                 "hardware.quant_meta_bytes=3"), engines=("ideal",))
+    return [Anchor(IK, "absolute", "tokens/s, tg128, Q4_K_M (5.35 bits), Ryzen-7950X",
+                   "DeepSeek-V2-Lite", "host_experts", "rtx4080", 45.28, (lite,), tok_s,
+                   "the model file is 'deepseek_lite.gguf' (DeepSeek-Lite, the author's name); "
+                   "the GPU named in issue #437, not in PR #232; " + IK_NOTE),
+            Anchor(IK, "absolute", "tokens/s, tg128, IQ4_K_R4/IQ5_K_R4 experts (4.75 bits), Ryzen-7950X",
+                   "Qwen3-30B-A3B", "host_experts", "rtx4080", 34.48, (qwen3,), tok_s, IK_NOTE)]
+
+
+def anchors(only: str | None = None) -> list[Anchor]:
+    """Every row, or those whose source names one of `only`'s comma-separated words
+    (case-insensitive)."""
+    every = [*table2(), *moe_infinity(), *speculating_experts(), *ktransformers(), *ik_llama()]
+    words = [w.strip().lower() for w in (only or "").split(",") if w.strip()]
+    return [a for a in every if not words or any(w in a.source.lower() for w in words)]
+
+
+def runs(engines=ENGINES, only: str | None = None) -> list[tuple[str, ...]]:
     """Every distinct case the anchors need, once."""
     seen: dict[tuple[str, ...], None] = {}
-    for a in anchors():
+    for a in anchors(only):
         for r in a.runs:
             for e in r.engines:
                 if e in engines:
@@ -331,9 +378,9 @@ def _tpot(df: pd.DataFrame, case: tuple[str, ...]) -> float:
     return float(v.mean()) if len(v) else math.nan
 
 
-def table(df: pd.DataFrame, engines=ENGINES) -> pd.DataFrame:
+def table(df: pd.DataFrame, engines=ENGINES, only: str | None = None) -> pd.DataFrame:
     rows = []
-    for a in anchors():
+    for a in anchors(only):
         for e in engines:
             if e != "ideal" and all(r.engines == ("ideal",) for r in a.runs):
                 continue  # vLLM's rows: its engine is the ideal one
@@ -382,6 +429,9 @@ def write(out: Path, t: pd.DataFrame) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     ap = table_cli("python -m experiments.anchors", __doc__.splitlines()[0], 48, "comma-separated")
     ap.add_argument("--engines", default=",".join(ENGINES), help="ideal, hf or both")
+    ap.add_argument("--source", default=None,
+                    help="only the rows whose source names one of these, comma-separated "
+                         "(e.g. ik_llama,kTransformers: the CPU-expert rows)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     engines = tuple(e for e in args.engines.split(",") if e)
@@ -389,9 +439,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         print(f"error: unknown engine '{bad[0]}'; choose from {', '.join(ENGINES)}.", file=sys.stderr)
         return 2
+    if not anchors(args.source):
+        print(f"error: no anchor's source names '{args.source}'.", file=sys.stderr)
+        return 2
     failed = 0
     if not args.table_only:
-        todo = [Case((*c, f"dataset={ds}")) for ds in args.datasets.split(",") for c in runs(engines)]
+        todo = [Case((*c, f"dataset={ds}")) for ds in args.datasets.split(",") for c in runs(engines, args.source)]
         failed = run_cases(out, todo, workload_overrides(args), experiment="anchors")
     from experiments import records
 
@@ -400,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     if df.empty:
         print(f"error: no anchor records under {out}", file=sys.stderr)
         return 2
-    t = table(df, engines)
+    t = table(df, engines, args.source)
     paths = write(out, t)
     with pd.option_context("display.width", 220, "display.max_columns", 20, "display.max_colwidth", 48):
         print(t.drop(columns=["note", "source"]).to_string(index=False, float_format=lambda v: f"{v:.4g}"))

@@ -7,7 +7,9 @@ quick lead is from the `--small` one.
 
 Each folder is a main step's records (e.g. results/quick/main, results/small/main). A tuned
 SpecMoEOff (`spec.tune_own_k=true`) is its own variant and is left out. Means are over every
-request of the case, all datasets together, as the main table's are.
+request of the case, all datasets together, as the main table's are. The last two columns
+repeat the check with `--small`'s records cut to the quick case's datasets, which separates
+the choice of datasets from the rest of the quick workload.
 """
 
 from __future__ import annotations
@@ -37,11 +39,20 @@ def leads(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def compare(quick: pd.DataFrame, small: pd.DataFrame) -> pd.DataFrame:
-    """The quick lead beside `--small`'s, with the relative difference."""
+    """The quick lead beside `--small`'s, with the relative difference; then `--small`'s lead
+    on the quick case's datasets alone, and the difference from it: what is left once the
+    choice of datasets is taken out (the shorter workload, the K profiled on fewer prompts)."""
     q, s = leads(quick), leads(small)
     both = q.merge(s, on=KEYS, suffixes=(" quick", " small"))
     both["quick vs small"] = both["lead quick"] / both["lead small"] - 1.0
-    return both[[*KEYS, "lead quick", "lead small", "quick vs small"]]
+    cols = [*KEYS, "lead quick", "lead small", "quick vs small"]
+    if "dataset" in quick and "dataset" in small:
+        same = leads(small[small["dataset"].isin(set(quick["dataset"]))])
+        same = same.rename(columns={"lead": "lead small, quick's datasets"})
+        both = both.merge(same[[*KEYS, "lead small, quick's datasets"]], on=KEYS, how="left")
+        both["same datasets"] = both["lead quick"] / both["lead small, quick's datasets"] - 1.0
+        cols += ["lead small, quick's datasets", "same datasets"]
+    return both[cols]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -69,6 +69,18 @@ def charging_only():
     return _every_counter("paused")
 
 
+def routed_counts(routes: torch.Tensor) -> list[tuple[int, list[int]]]:
+    """A compiled step's routing `routes` [L, T, k], read once on the host for charging only:
+    per layer, its tokens and the tokens each chosen expert got (in expert order)."""
+    with charging_only():
+        layers = routes.tolist()  # one read of the step's routing: charging only
+    out = []
+    for rows in layers:
+        per_expert = Counter(e for row in rows for e in row)
+        out.append((len(rows), [per_expert[e] for e in sorted(per_expert)]))
+    return out
+
+
 def host_side():
     """Operations on host-resident tensors: counted as host-side work."""
     return _every_counter("host")

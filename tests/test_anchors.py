@@ -36,6 +36,9 @@ def test_the_publications_rows_are_all_there():
     assert len(by(anchors.SE, "within")) == 4  # copy share + prefetch gain on three GPUs
     kt = by(anchors.KT, "absolute")  # every routed expert on the publication's own host
     assert len(kt) == 1 and "host=i9_14900kf_ddr5_2ch" in kt[0].runs[0].overrides
+    ik = by(anchors.IK, "absolute")  # llama-bench tg128, every routed expert on the CPU
+    assert [(x.model, x.paper) for x in ik] == [("DeepSeek-V2-Lite", 45.28), ("Qwen3-30B-A3B", 34.48)]
+    assert all("host=ryzen7950x" in x.runs[0].overrides and x.gpu == "rtx4080" for x in ik)
     assert all(x.runs for x in a)
     # MoE-Infinity's mixtral-offloading number is called not comparable in the text: out of
     # the medians, and every row that reads it with it
@@ -64,7 +67,9 @@ def test_table_reads_each_rows_own_records():
         base = {"mo_sm": 400.0, "lru": 500.0, "transformers": 1000.0, "resident": 50.0,
                 "quasi_hidden": 450.0, "vllm_offload": 200.0, "host_experts": 300.0}[r["system"]]
         return base * (2.0 if r["hardware"].endswith("_hf") else 1.0) \
-            * (1.25 if r.get("cfg.hardware.expert_bits") == 3 else 1.0)
+            * (1.25 if r.get("cfg.hardware.expert_bits") == 3 else 1.0) \
+            * (({11: 1.1, 3: 1.3}.get(r.get("cfg.hardware.quant_meta_bytes"), 1.0))
+               if r["hardware"] == "rtx4080_ideal" else 1.0)  # ik_llama's two rows
 
     t = anchors.table(_fake_records(tpot))
     assert t["ours"].notna().all()
@@ -85,8 +90,11 @@ def test_table_reads_each_rows_own_records():
     assert row("s/token, vLLM 0.8.5 (cpu_offload_gb)", "rtx_a5000_ideal")["ours"] == pytest.approx(0.2)
     kt = t[t["source"] == anchors.KT].iloc[0]  # the CPU-expert row, on its own host
     assert kt["ours"] == pytest.approx(1e3 / 300.0) and kt["ratio"] == pytest.approx(kt["ours"] / 12.0)
+    ik = t[t["source"] == anchors.IK].set_index("model")["ours"]
+    assert ik["DeepSeek-V2-Lite"] == pytest.approx(1e3 / 330.0)
+    assert ik["Qwen3-30B-A3B"] == pytest.approx(1e3 / 390.0)
     med = anchors.medians(t)
-    assert set(med["source"]) == {anchors.MO, anchors.MI, anchors.SE, anchors.KT}
+    assert set(med["source"]) == {anchors.MO, anchors.MI, anchors.SE, anchors.KT, anchors.IK}
     assert (med["rows"] > 0).all() and med["median |log ratio|"].map(math.isfinite).all()
 
 
@@ -130,3 +138,23 @@ def test_a_recorded_run_is_found_by_its_case(tmp_path):
                       else o for o in case)
     assert math.isnan(anchors._tpot(df, fp16_meta))  # another deployment's case is not this one
     assert int(df["charged.quant_meta_bytes"].iloc[0]) == 2
+
+
+def test_ik_llama_rows_charge_the_files_bits_per_weight():
+    """The GGUF files' bits per weight, from their stated sizes and weights (PR #232: 9.78 GiB
+    over 15.71 B; issue #490: experts at 4.75 once the Q8_0 rest is taken out), as charged."""
+    def bits(run):
+        o = dict(x.split("=", 1) for x in run.overrides)
+        return (int(o["hardware.expert_bits"])
+                + 8 * int(o["hardware.quant_meta_bytes"]) / int(o["hardware.quant_group"]))
+    lite, qwen3 = (a.runs[0] for a in anchors.anchors("ik_llama"))
+    assert abs(bits(lite) - 9.78 * 2**30 * 8 / 15.71e9) < 0.05
+    assert bits(qwen3) == 4.75
+
+
+def test_source_selects_rows_and_an_unknown_one_is_refused(tmp_path, capsys):
+    assert {a.source for a in anchors.anchors("ik_llama")} == {anchors.IK}
+    assert {a.source for a in anchors.anchors("ik_llama, ktransformers")} == {anchors.IK, anchors.KT}
+    assert all("ryzen7950x" in " ".join(c) for c in anchors.runs(only="ik_llama"))
+    assert anchors.main([str(tmp_path), "--source", "no such source", "--table-only"]) == 2
+    assert "no anchor's source names 'no such source'" in capsys.readouterr().err

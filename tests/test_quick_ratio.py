@@ -33,3 +33,20 @@ def test_the_quick_lead_is_compared_with_smalls():
     t = compare(_rows([20.0], [44.0]), _rows([20.0], [40.0]))
     assert t["quick vs small"].iloc[0] == pytest.approx(2.2 / 2.0 - 1.0)
     assert compare(_rows([20.0], [44.0]), _rows([20.0], None)).empty  # no SpecMoEOff in small
+
+
+def test_the_same_datasets_columns_take_the_choice_of_datasets_out():
+    def rows(by_dataset):
+        out = []
+        for ds, (sp, so) in by_dataset.items():
+            r = _rows([sp], [so])
+            r["dataset"] = ds
+            out.append(r)
+        return pd.concat(out, ignore_index=True)
+    quick = rows({"gsm8k": (20.0, 40.0)})
+    small = rows({"gsm8k": (20.0, 40.0), "humaneval": (20.0, 80.0)})
+    t = compare(quick, small).iloc[0]
+    assert t["lead small"] == pytest.approx(120.0 / 40.0)  # all datasets: 3x
+    assert t["quick vs small"] == pytest.approx(2.0 / 3.0 - 1.0)
+    assert t["lead small, quick's datasets"] == pytest.approx(2.0)  # gsm8k alone
+    assert t["same datasets"] == pytest.approx(0.0)

@@ -20,12 +20,11 @@ parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `r
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 
 import torch
 
-from specter.counting import charging_only
+from specter.counting import charging_only, routed_counts
 from specter.decoding.drafting import CopiedKVDraft, SeparateDraft
 from specter.decoding.self_draft import SelfDraft
 from specter.engine import cache_bytes
@@ -113,11 +112,8 @@ def draft_experts_charge(timing: Timing, draft: Draft):
         charge_counts(top_k_index.shape[0], per_expert)
 
     def charge_all(routes: torch.Tensor) -> None:
-        with charging_only():
-            layers = routes.tolist()  # [L][T][k] on the host: one read, charging only
-        for rows in layers:
-            per_expert = Counter(e for row in rows for e in row)
-            charge_counts(len(rows), [per_expert[e] for e in sorted(per_expert)])
+        for tokens, per_expert in routed_counts(routes):
+            charge_counts(tokens, per_expert)
     return charge, charge_all
 
 

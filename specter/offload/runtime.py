@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from specter.counting import charging_only
+from specter.counting import charging_only, routed_counts
 from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
@@ -149,14 +149,8 @@ class Charger:
         for seconds in self.parts:
             self.link.compute(seconds())
         if routes is not None:
-            with charging_only():
-                layers = routes.tolist()  # one read of the step's routing: charging only
-            for rows in layers:
-                per_expert = defaultdict(int)
-                for row in rows:
-                    for e in row:
-                        per_expert[e] += 1
-                self._charge_counts(len(rows), [per_expert[e] for e in sorted(per_expert)])
+            for tokens, per_expert in routed_counts(routes):
+                self._charge_counts(tokens, per_expert)
 
     def _charge_counts(self, tokens: int, per_expert: list[int]) -> None:
         self.link.compute(self.cost.router_s(tokens))
