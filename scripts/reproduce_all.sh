@@ -61,10 +61,11 @@ case "$PROFILE" in
     MOE=(small_deepseek small_qwen small_phi); DS=small_deepseek
     HW=(hardware=a100_pcie4_ideal,a100_pcie4_hf); HW1=(hardware=a100_pcie4_hf)
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
-    # the main case: several windows per request (3 items x 128 tokens, gsm8k and wikitext2), so
-    # its Specter / SpecMoEOff ratios stay within 10% of --small's. Measured (docs/measurements/quick-2026-12-02.md): 64
-    # tokens over gsm8k and humaneval gave ratios 12-21% below --small's (the shorter requests, and
-    # the two datasets with the smallest leads), 128 tokens over gsm8k and wikitext2 within 3%
+    # the main case: several windows per request (3 items x 128 tokens, gsm8k and wikitext2).
+    # Its Specter / SpecMoEOff leads against --small's (docs/measurements/small-ratio-2026-12-04.md):
+    # small_deepseek +2 to +6%, small_qwen -5 to 0%, small_phi -13% (its two smallest-lead
+    # datasets; within 2% on the same two). 64 tokens over gsm8k and humaneval gave 12-21% below
+    # (quick-2026-12-02.md)
     MAIN_WL=(workload.items=3 workload.max_new_tokens=128 workload.repeats=1)
     # spec.k=auto (the main step): the depth profiler on 2 prompts, one run (the clock is exact)
     PROFILER=(spec.profile_prompts=2 spec.profile_runs=1 "spec.profile_ks=[4,8,16,32]")
