@@ -7,6 +7,11 @@ link rate or its per-layer overhead is 2x wrong.
   `experiments.anchors` runs them, on tiny_mixtral charged as Mixtral-8x7B (accelerate copies
   whole layers, so the tiny model's routing does not matter), and again with the link's
   rate halved and doubled.
+- The host's bandwidth: ik_llama.cpp's DeepSeek-Lite row (every routed expert on a
+  Ryzen-7950X), which docs/measurements/host-anchors-2026-12-04 says agrees (ours 1.02x), run
+  the same way on tiny_deepseek charged as DeepSeek-V2-Lite (at batch 1 each MoE layer computes
+  its top-6 experts whatever the routing), and again with the host's bandwidth halved and
+  doubled.
 - The per-layer overhead: the eager profile against the one MoE measurement it is fit to
   (DeepSeek-MoE-16B on an A800, docs/calibration.md: reproduced within 0.1%), charged by the
   same CostModel methods the virtual clock charges, with the layer overhead halved and doubled.
@@ -52,6 +57,32 @@ def test_the_link_bound_rows_agree_and_fail_with_a_2x_link(tmp_path, gpu):
     for factor in (0.5, 2.0):
         off = _accelerate_ratio(tmp_path, gpu, f"hardware.h2d_bandwidth_Bps={bw * factor:g}")
         assert not AGREE[0] <= off <= AGREE[1], (factor, off)
+
+
+HOST_AGREE = (1 / 1.25, 1.25)  # the CPU-expert rows: observed 1.02-1.08
+
+
+def _host_ratio(tmp_path, *extra: str) -> float:
+    """ours / theirs, tokens per second, for ik_llama.cpp's DeepSeek-Lite row."""
+    from experiments import records
+
+    a = next(x for x in anchors.anchors("ik_llama") if x.model == "DeepSeek-V2-Lite")
+    case = tuple(o.replace("model=small_deepseek", "model=tiny_deepseek")
+                 for o in a.runs[0].case("ideal")) + extra
+    out = tmp_path / "_".join(["host", *(e.split("=")[-1] for e in extra)])
+    assert run_cases(out, [Case(case)], ["workload.items=1", "workload.max_new_tokens=8",
+                                         "workload.repeats=1", "dataset=gsm8k"],
+                     log=lambda *_: None, experiment="anchors") == 0
+    return a.value(float(records.load(out)["tpot_ms"].mean())) / a.paper
+
+
+def test_the_cpu_expert_row_agrees_and_fails_with_a_2x_host(tmp_path):
+    bw = 6.0e10  # conf/host/ryzen7950x.yaml
+    ratio = _host_ratio(tmp_path)
+    assert HOST_AGREE[0] <= ratio <= HOST_AGREE[1], ratio
+    for factor in (0.5, 2.0):
+        off = _host_ratio(tmp_path, f"hardware.host_mem_bandwidth_Bps={bw * factor:g}")
+        assert not HOST_AGREE[0] <= off <= HOST_AGREE[1], (factor, off)
 
 
 def test_the_eager_per_layer_overhead_fails_its_moe_row_at_2x():
