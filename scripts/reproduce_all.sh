@@ -63,7 +63,7 @@ case "$PROFILE" in
     WL=(workload.items=1 workload.max_new_tokens=32 workload.repeats=1)
     # the main case: several windows per request (3 items x 128 tokens, gsm8k and wikitext2).
     # Its Specter / SpecMoEOff leads against --small's (docs/measurements/small-ratio-2026-12-04.md):
-    # small_deepseek +2 to +6%, small_qwen -5 to 0%, small_phi -13% (its two smallest-lead
+    # small_deepseek +2 to +6%, small_qwen -7 to 0%, small_phi -13% (its two smallest-lead
     # datasets; within 2% on the same two). 64 tokens over gsm8k and humaneval gave 12-21% below
     # (quick-2026-12-02.md)
     MAIN_WL=(workload.items=3 workload.max_new_tokens=128 workload.repeats=1)

@@ -292,6 +292,25 @@ def test_depth_profiler_picks_measures_stores_and_reuses_k(tmp_path):
     assert bad.returncode == 2 and "spec.k must be a positive integer, auto or adaptive" in bad.stderr
 
 
+def test_a_depth_profile_is_keyed_by_the_codes_sources(tmp_path):
+    """A profile measured by other code is measured again: the key holds a digest of the
+    specter and baselines sources, which any edit changes."""
+    from types import SimpleNamespace
+
+    from experiments.configs import compose_run_config
+    from specter.decoding import depth_profile as depth
+
+    (tmp_path / "specter").mkdir()
+    (tmp_path / "specter" / "a.py").write_text("X = 1\n")
+    before = depth.code_digest(tmp_path)
+    (tmp_path / "specter" / "a.py").write_text("X = 2\n")
+    depth.code_digest.cache_clear()
+    assert depth.code_digest(tmp_path) != before
+    ctx = SimpleNamespace(cfg=compose_run_config([]), loaded=SimpleNamespace(checkpoint="c"),
+                          budget=SimpleNamespace(slots=4))
+    assert depth.profile_key(ctx)["code"] == depth.code_digest()
+
+
 def test_auto_depth_keeps_a_baselines_own_k_unless_it_is_tuned(tmp_path):
     """spec.k=auto profiles the systems without a K of their own; SpecMoEOff keeps its paper's
     K = 3 (and says why), unless spec.tune_own_k=true makes it a tuned-depth variant."""
