@@ -4,7 +4,8 @@ every run, and what is left that is not.
 Owns: the thread count every CPU build runs under (`BUILD_THREADS`, set for the build and the
 caller's restored afterwards), the training-seed offset a user may set to train other weights
 from the same recipes (`SPECTER_TRAIN_SEED_OFFSET`), the checksum of a checkpoint's weights, and
-the description of the build environment written beside each build.
+the description of the build environment written beside each build, and the digest of the
+sources a cached result was made by (`source_digest`: a depth profile, an INT4 draft).
 Does not own: the recipes (models/archs.py, models/zoo.py) or the quantizer (quant/).
 
 Why the thread count: CPU kernels split their reductions by thread, so the same recipe trained
@@ -17,6 +18,7 @@ trains with by default, so the benchmark-size models stay those the docs measure
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -27,6 +29,7 @@ import torch
 
 from specter.errors import UserError
 
+ROOT = Path(__file__).resolve().parents[1]  # the checkout: specter/, baselines/
 BUILD_THREADS = 2  # intra-op threads of every CPU build (training, routing stats, GPTQ)
 SEED_OFFSET_ENV = "SPECTER_TRAIN_SEED_OFFSET"
 
@@ -96,3 +99,15 @@ def checkpoint_checksum(folder: Path) -> str:
     for f in sorted(Path(folder).glob("*.safetensors")):
         state.update(load_file(str(f)))
     return state_checksum(state)
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest(*folders: str, root: Path = ROOT) -> str:
+    """A digest of the Python sources under `folders` (relative to `root`): what a cached result
+    depends on beyond its configuration, so a result made by other code is made again."""
+    h = hashlib.sha256()
+    for folder in folders:
+        for f in sorted((root / folder).rglob("*.py")):
+            h.update(f.relative_to(root).as_posix().encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]

@@ -298,17 +298,18 @@ def test_a_depth_profile_is_keyed_by_the_codes_sources(tmp_path):
     from types import SimpleNamespace
 
     from experiments.configs import compose_run_config
+    from specter import hermetic
     from specter.decoding import depth_profile as depth
 
     (tmp_path / "specter").mkdir()
     (tmp_path / "specter" / "a.py").write_text("X = 1\n")
-    before = depth.code_digest(tmp_path)
+    before = hermetic.source_digest("specter", root=tmp_path)
     (tmp_path / "specter" / "a.py").write_text("X = 2\n")
-    depth.code_digest.cache_clear()
-    assert depth.code_digest(tmp_path) != before
+    hermetic.source_digest.cache_clear()
+    assert hermetic.source_digest("specter", root=tmp_path) != before
     ctx = SimpleNamespace(cfg=compose_run_config([]), loaded=SimpleNamespace(checkpoint="c"),
                           budget=SimpleNamespace(slots=4))
-    assert depth.profile_key(ctx)["code"] == depth.code_digest()
+    assert depth.profile_key(ctx)["code"] == hermetic.source_digest("specter", "baselines")
 
 
 def test_auto_depth_keeps_a_baselines_own_k_unless_it_is_tuned(tmp_path):

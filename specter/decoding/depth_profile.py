@@ -5,7 +5,7 @@ Owns: for a (model, budget, hardware, system, draft) it runs the built engine at
 round-robin, after the evaluated items) x `spec.profile_runs` runs, picks the K with the lowest
 mean TPOT (ties: the smaller K), and stores the sweep as JSON under `<cache>/depth/`; later
 runs with the same key reuse it without measuring. The key holds the configuration and a
-digest of the code's sources, so a profile measured by other code (another commit, an edit)
+digest of the code's sources (`hermetic.source_digest`), so a profile measured by other code (another commit, an edit)
 is measured again, never reused. The harness calls it on an engine whose
 `Depth` says `auto` (experiments/registry.py `build_engine`), outside the engine's building.
 Does not own: the K rule (depth.py), the engine (systems), timing (the engine's clock:
@@ -14,13 +14,13 @@ virtual TPOTs make the choice deterministic).
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import math
 import os
 from pathlib import Path
 
+from specter import hermetic
 from specter.metrics import timing
 
 
@@ -34,24 +34,15 @@ def profile(ctx, engine, log=print) -> None:
     engine.use_k(k, f"auto ({'reused' if reused else 'profiled'}: {path})")
 
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@functools.lru_cache(maxsize=None)
-def code_digest(root: Path = ROOT) -> str:
-    """A digest of the sources that build, run and charge an engine (the specter and baselines
-    packages under `root`): what a stored profile's TPOTs depend on beyond its configuration."""
-    h = hashlib.sha256()
-    for package in ("specter", "baselines"):
-        for f in sorted((root / package).rglob("*.py")):
-            h.update(f.relative_to(root).as_posix().encode())
-            h.update(f.read_bytes())
-    return h.hexdigest()[:16]
+# What a stored profile's TPOTs depend on beyond its configuration: the sources that build,
+# run and charge an engine.
+CODE = ("specter", "baselines")
 
 
 def profile_key(ctx) -> dict:
     cfg = ctx.cfg
-    return {"code": code_digest(), "model": cfg.model.name, "checkpoint": str(ctx.loaded.checkpoint),
+    return {"code": hermetic.source_digest(*CODE), "model": cfg.model.name,
+            "checkpoint": str(ctx.loaded.checkpoint),
             "slots": ctx.budget.slots, "hardware": cfg.to_dict()["hardware"],
             "system": cfg.to_dict()["system"], "quant": cfg.to_dict()["quant"],
             "ks": list(cfg.spec.profile_ks), "prompts": cfg.spec.profile_prompts,

@@ -347,10 +347,11 @@ def ensure_quantized(model: nn.Module, tokenizer, spec: QuantSpec, cache_dir: Pa
 
 
 def _spec_digest(spec: QuantSpec, device: torch.device) -> str:
-    """The spec and, for a CPU quantization, the fixed thread count it ran on (a cache made
-    under another count would be other codes)."""
+    """The spec, the quantizer's sources (a cache made by another quantizer would be other
+    codes) and, for a CPU quantization, the fixed thread count it ran on (likewise)."""
     import hashlib
 
-    key = dict(asdict(spec), **({"build_threads": hermetic.BUILD_THREADS}
-                                if torch.device(device).type == "cpu" else {}))
+    key = dict(asdict(spec), code=hermetic.source_digest("specter/quant"),
+               **({"build_threads": hermetic.BUILD_THREADS}
+                  if torch.device(device).type == "cpu" else {}))
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:8]
