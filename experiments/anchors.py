@@ -444,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     failed = 0
     if not args.table_only:
-        todo = [Case((*c, f"dataset={ds}")) for ds in args.datasets.split(",") for c in runs(engines, args.source)]
+        todo = [Case((*c, f"dataset={ds}")) for ds in args.datasets.split(",")
+                for c in runs(engines, args.source)]
         failed = run_cases(out, todo, workload_overrides(args), experiment="anchors")
     from experiments import records
 

@@ -5,9 +5,9 @@ Owns: for a (model, budget, hardware, system, draft) it runs the built engine at
 round-robin, after the evaluated items) x `spec.profile_runs` runs, picks the K with the lowest
 mean TPOT (ties: the smaller K), and stores the sweep as JSON under `<cache>/depth/`; later
 runs with the same key reuse it without measuring. The key holds the configuration and a
-digest of the code's sources (`hermetic.source_digest`), so a profile measured by other code (another commit, an edit)
-is measured again, never reused. The harness calls it on an engine whose
-`Depth` says `auto` (experiments/registry.py `build_engine`), outside the engine's building.
+digest of the code's sources (`hermetic.source_digest`), so a profile measured by other code
+(another commit, an edit) is measured again, never reused. The harness calls it on an engine
+whose `Depth` says `auto` (experiments/registry.py `build_engine`), outside the engine's building.
 Does not own: the K rule (depth.py), the engine (systems), timing (the engine's clock:
 virtual TPOTs make the choice deterministic).
 """
