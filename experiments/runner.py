@@ -128,6 +128,9 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["quant"]["path"]
     if d["model"]["weights"] == "checkpoint":  # the case of runs before random weights
         del d["model"]["weights"]
+    for key in ("inflate_from", "layers"):  # the case of runs before inflated weights
+        if d["model"][key] is None:
+            del d["model"][key]
     if d["model"]["attn"] == "auto":  # resolved at load: the runner adds it unless sdpa
         del d["model"]["attn"]
     if d["quant"]["graphs"] == "auto":  # resolved with the draft: the runner adds it when on
@@ -265,7 +268,7 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device,
 
     dtype = pick_dtype(cfg.model, device)
     element_size = torch.finfo(dtype).bits // 8
-    if cfg.model.weights == "random":  # no headers: the weightless skeleton's bytes
+    if cfg.model.weights in ("random", "inflated"):  # no headers: the skeleton's bytes
         from specter.models.loading import native_classes
         from specter.placement.loader import skeleton_bytes
 
@@ -293,8 +296,8 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device,
                    device_bytes=host or host_memory_bytes(), device_extra=host_extra)
     # (on the CPU an offloading run is checked with its slots once the budget is resolved:
     # check_cpu_offload_fits, which counts b.host_extra)
-    source = ("random weights: the published config's skeleton" if cfg.model.weights == "random"
-              else f"{b.tensors} tensors' headers")
+    source = (f"{cfg.model.weights} weights: the published config's skeleton"
+              if cfg.model.weights in ("random", "inflated") else f"{b.tensors} tensors' headers")
     log(f"[specter] checkpoint: routed experts {size_text(b.expert_bytes)} "
         f"({plan.experts}), the rest "
         f"{size_text(b.non_expert_bytes)} (device), from {source}")

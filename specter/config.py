@@ -37,6 +37,13 @@ class ModelConfig:
     # its published config.json with random weights (its real sizes, no download: measuring
     # the engine on a GPU; random weights do not route like the trained model)
     weights: str = "checkpoint"
+    # "inflated": the named real model at its real sizes, built from a project-made model of
+    # its architecture so that it computes, routes and drafts like that trained model
+    # (specter/models/inflate.py; DeepSeek-V2-Lite from small_deepseek). `inflate_from` names
+    # another source (e.g. tiny_deepseek); `layers` cuts a random or inflated model's depth
+    # (real widths, fewer layers: CPU measurements at real size).
+    inflate_from: str | None = None
+    layers: int | None = None
     # The attention implementation: auto (flash_attention_2 on CUDA where the flash-attn extra
     # is installed and the architecture supports it, else sdpa; sdpa on the CPU), or eager,
     # sdpa, flash_attention_2 (refused in one sentence where it cannot run)
@@ -255,12 +262,27 @@ class RunConfig:
         if self.model.attn not in ("auto", "eager", "sdpa", "flash_attention_2"):
             raise UserError(f"model.attn must be auto, eager, sdpa or flash_attention_2 "
                             f"(got '{self.model.attn}').")
-        if self.model.weights not in ("checkpoint", "random"):
-            raise UserError(f"model.weights must be checkpoint or random (got '{self.model.weights}').")
-        if self.model.weights == "random" and self.model.source == "project":
-            raise UserError(f"model.weights=random builds a real model from its published config; "
-                            f"model={self.model.name} is project-made (its weights are built "
-                            "already): use model=deepseek, qwen, phi, mixtral, qwen3, olmoe or glm.")
+        if self.model.weights not in ("checkpoint", "random", "inflated"):
+            raise UserError(f"model.weights must be checkpoint, random or inflated (got "
+                            f"'{self.model.weights}').")
+        if self.model.weights != "checkpoint" and self.model.source == "project":
+            raise UserError(f"model.weights={self.model.weights} builds a real model from its "
+                            f"published config; model={self.model.name} is project-made (its "
+                            "weights are built already): use model=deepseek, qwen, phi, "
+                            "mixtral, qwen3, olmoe or glm.")
+        if self.model.weights == "inflated":
+            from specter.models.inflate import SOURCES
+
+            if self.model.name not in SOURCES:
+                raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a "
+                                f"project-made model; model={self.model.name} has no inflation "
+                                "rule (model.weights=random gives its sizes).")
+        if (self.model.layers is not None or self.model.inflate_from) and \
+                self.model.weights == "checkpoint":
+            raise UserError("model.layers and model.inflate_from apply to model.weights=random "
+                            "or inflated only.")
+        if self.model.layers is not None and self.model.layers < 2:
+            raise UserError(f"model.layers must be at least 2 (got {self.model.layers}).")
         for key in ("quant_group", "quant_meta_bytes"):
             if getattr(self.hardware, key) < 1:
                 raise UserError(f"hardware.{key} must be at least 1 (got "

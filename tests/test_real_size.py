@@ -171,13 +171,19 @@ def test_random_experts_are_named_by_their_seed_not_hashed(monkeypatch):
 
     monkeypatch.setattr(host_load, "_LAST_RANDOM_STORE", {})
     layout = ExpertLayout(num_experts=2, inter=4, hidden=8, dtype=torch.float32)
+    from types import SimpleNamespace
+
+    def maker(seed):
+        return host_load._RandomMaker(SimpleNamespace(initializer_range=0.02),
+                                      torch.device("cpu"), seed)
+
     key = ("{config}", "torch.float32", 0, False, 0.02)
-    store = host_load._random_store(key, [1, 2], layout, False, 0.02, 0)
+    store = host_load._made_store(key, [1, 2], layout, False, maker(0))
     assert store.checksum.startswith("random-")
-    assert host_load._random_store(key, [1, 2], layout, False, 0.02, 0) is store  # reused
-    other = host_load._random_store(key[:2] + (1,) + key[3:], [1, 2], layout, False, 0.02, 1)
+    assert host_load._made_store(key, [1, 2], layout, False, maker(0)) is store  # reused
+    other = host_load._made_store(key[:2] + (1,) + key[3:], [1, 2], layout, False, maker(1))
     assert other.checksum != store.checksum
-    pinned = host_load._random_store(key[:3] + (True,) + key[4:], [1, 2], layout, False, 0.02, 1)
+    pinned = host_load._made_store(key[:3] + (True,) + key[4:], [1, 2], layout, False, maker(1))
     assert pinned.checksum == host_load.random_checksum(key)  # pinning leaves the values
 
     def no_hashing(*_):

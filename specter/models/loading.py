@@ -32,6 +32,8 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
                                         build=cfg.build)
     if cfg.weights == "random":
         return random_folder(cfg, cache_dir)
+    if cfg.weights == "inflated":
+        return inflated_folder(cfg, cache_dir, seed, progress)
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():
@@ -60,15 +62,60 @@ def random_folder(cfg: ModelConfig, cache_dir: Path | None) -> Path:
                         f"which this project does not hold; it holds {', '.join(PUBLISHED)}.")
     digest = hashlib.sha256(json.dumps(PUBLISHED[cfg.name]["config"], sort_keys=True)
                             .encode()).hexdigest()[:10]
+    if cfg.layers is not None:
+        digest += f"-l{cfg.layers}"
     folder = (cache_dir or zoo.default_cache_dir()) / "random" / f"{cfg.name}-{digest}"
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        write_config_folder(cfg.name, tmp)
+        write_config_folder(cfg.name, tmp, layers=cfg.layers)
         try:
             os.replace(tmp, folder)
         except OSError:  # another process wrote it first
             import shutil
 
+            shutil.rmtree(tmp, ignore_errors=True)
+    check_checkpoint(folder)
+    return folder
+
+
+def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
+                    progress: bool = True) -> Path:
+    """`model.weights=inflated`: a folder holding the named real model's config.json as its
+    inflation from a project-made model carries it (models/inflate.py), the small model's
+    tokenizer and generation config, and `specter_inflated.json` naming the source (its folder
+    and weights' checksum); no weights (they are made at load from the source's). Written once
+    into the cache, keyed by the config and the source's checksum."""
+    import hashlib
+    import shutil
+
+    from specter.models.inflate import check_source, inflated_config
+    from specter.models.published import fixture_config
+
+    source = check_source(cfg.name, cfg.inflate_from)
+    src = zoo.ensure_project_model(source, seed=seed, cache_dir=cache_dir, progress=progress,
+                                   build=cfg.build)
+    small = json.loads((src / "config.json").read_text())
+    config = inflated_config(fixture_config(cfg.name, layers=cfg.layers), small)
+    build = json.loads((src / "specter_build.json").read_text()) \
+        if (src / "specter_build.json").is_file() else {}
+    meta = {"from": source, "source_folder": str(src.resolve()),
+            "source_weights_sha256": build.get("weights_sha256", ""),
+            "source_origin": build.get("origin", "local")}
+    digest = hashlib.sha256(json.dumps([config, meta["source_weights_sha256"]], sort_keys=True,
+                                       default=str).encode()).hexdigest()[:10]
+    folder = (cache_dir or zoo.default_cache_dir()) / "inflated" / f"{cfg.name}-{digest}"
+    if not (folder / "config.json").is_file():
+        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+        tmp.mkdir(parents=True, exist_ok=True)
+        for f in src.iterdir():
+            if f.suffix == ".json" and f.name not in ("config.json", "specter_build.json") \
+                    or f.name.startswith("tokenizer"):
+                shutil.copy(f, tmp / f.name)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        (tmp / "specter_inflated.json").write_text(json.dumps(meta, indent=2))
+        try:
+            os.replace(tmp, folder)
+        except OSError:  # another process wrote it first
             shutil.rmtree(tmp, ignore_errors=True)
     check_checkpoint(folder)
     return folder

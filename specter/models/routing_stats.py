@@ -135,6 +135,10 @@ def checkpoint_record(checkpoint) -> dict:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     build = read("specter_build.json")
+    inflated = read("specter_inflated.json")  # models/inflate.py: the source's build
+    if inflated and not build:
+        source = Path(inflated.get("source_folder", "")) / "specter_build.json"
+        build = json.loads(source.read_text()) if source.is_file() else {}
     r = build.get("routing_benchmark") or read("specter_routing.json")
     ws = r.get("working_set") or {}
     one, seventeen = ws.get("1", math.nan), ws.get("17", math.nan)
@@ -146,4 +150,6 @@ def checkpoint_record(checkpoint) -> dict:
             "model.origin": build.get("origin", "local") if build else math.nan,
             "model.built_on": build.get("cpu", math.nan),  # the CPU that trained it
             "model.train_seed": build.get("seed", math.nan),  # with $SPECTER_TRAIN_SEED_OFFSET
-            "model.weights_sha256": (build.get("weights_sha256") or "")[:16] or math.nan}
+            "model.weights_sha256": (build.get("weights_sha256") or "")[:16] or math.nan,
+            # model.weights=inflated: the project-made model it computes like
+            **({"model.inflated_from": inflated.get("from")} if inflated else {})}

@@ -14,7 +14,8 @@ experts, the device never holds them; the experts modules keep meta tensors of t
 shapes, what introspection reads, until the offloading runtime adopts them, and meanwhile the
 model runs its experts from the store, offload/streamed.py), or nowhere (`"none"`: a second
 instance whose experts are only an INT4 copy). `Placed` records what went where.
-Random weights (`model.weights=random`) are made in place by the same plan.
+Random and inflated weights (`model.weights=random|inflated`, models/inflate.py) are made in
+place by the same plan.
 Does not own: finding or checking the folder (models/loading.py), the plan's rule (plan.py),
 the device slots (offload/).
 """
@@ -82,6 +83,8 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
     config._attn_implementation = attn
     if cfg.weights == "random":
         model, placed = load_random(model_class, config, dtype, device, plan, seed)
+    elif cfg.weights == "inflated":
+        model, placed = load_inflated(model_class, config, dtype, device, plan, path)
     else:
         model, placed = load_split(path, model_class, config, dtype, device, plan)
     _generation_config(model, path)
@@ -322,12 +325,6 @@ def _random_fill(name: str, value: torch.Tensor, std: float, gen: torch.Generato
         value.normal_(0.0, std, generator=gen)
 
 
-def _random_expert(out: torch.Tensor, std: float, seed: int, l: int, e: int) -> None:
-    """Expert `e` of MoE layer `l` as one flat buffer N(0, std), from its own generator: the
-    same values wherever the expert is put (host store or device parameters)."""
-    out.normal_(0.0, std, generator=torch.Generator().manual_seed(seed * 1_000_003 + l * 1_009 + e))
-
-
 def _on_every_core(fn, jobs) -> None:
     """fn(job) for every job on every host core at once (torch releases the GIL; one
     generator fills on one core: DeepSeek-V2-Lite's 27 GiB of experts would take a minute)."""
@@ -338,18 +335,105 @@ def _on_every_core(fn, jobs) -> None:
         list(pool.map(fn, jobs))
 
 
-def _random_experts(store: HostExpertStore, std: float, seed: int) -> None:
+class _Maker:
+    """How a model without a checkpoint gets its values (`model.weights=random` or
+    `inflated`): each non-expert parameter (`fill`), each routed expert's flat buffer
+    (`expert`, by MoE layer index and expert, the same values wherever it is put), the buffers
+    it sets (`buffers`), and the key naming every value (the host store is reused by the next
+    job with the same key; the draft's source checksum follows from it)."""
+
+    kind = ""
+
+    def fill(self, name: str, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def expert(self, layout: ExpertLayout, l: int, e: int, out: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def buffers(self, model: nn.Module) -> None:
+        pass
+
+
+class _RandomMaker(_Maker):
+    """Norms 1, biases 0, the rest N(0, initializer_range), seeded; expert (l, e) from its own
+    generator."""
+
+    kind = "random"
+
+    def __init__(self, config, device: torch.device, seed: int):
+        self.std = getattr(config, "initializer_range", None) or 0.02
+        self.seed = seed
+        self.gen = None if device.type == "meta" else \
+            torch.Generator(device=device).manual_seed(seed)
+
+    def fill(self, name, value):
+        _random_fill(name, value, self.std, self.gen)
+
+    def expert(self, layout, l, e, out):
+        out.normal_(0.0, self.std,
+                    generator=torch.Generator().manual_seed(self.seed * 1_000_003 + l * 1_009 + e))
+
+    def key(self, config, dtype, plan) -> tuple:
+        import json
+
+        return (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype), self.seed,
+                plan.pin, self.std)
+
+
+class _InflatedMaker(_Maker):
+    """The real model's values inflated from a project-made model's (models/inflate.py)."""
+
+    kind = "inflated"
+
+    def __init__(self, config, folder: Path):
+        import json
+
+        from specter.models.inflate import Inflation
+        from specter.placement.plan import RESIDENT
+
+        meta = json.loads((folder / "specter_inflated.json").read_text())
+        src = Path(meta["source_folder"])
+        src_config, src_class = native_classes(src)
+        small, _ = load_split(src, src_class, src_config, torch.float32, torch.device("cpu"),
+                              RESIDENT)
+        self.small_buffers = {n: b.detach().clone() for n, b in small.named_buffers()}
+        self.source_sha = meta.get("source_weights_sha256", "")
+        self.inf = Inflation({k: v.detach() for k, v in small.state_dict().items()},
+                             src_config.to_dict(), config.to_dict())
+        self.layers = self.inf.moe_layers()
+
+    def fill(self, name, value):
+        if value.device.type != "meta":
+            value.copy_(self.inf.tensor(name, tuple(value.shape)))
+
+    def expert(self, layout, l, e, out):
+        gate_up, down = layout.views(out)
+        self.inf.expert(self.layers[l], e, gate_up, down)
+
+    def buffers(self, model):
+        from specter.models.inflate import set_rotary
+
+        with torch.no_grad():
+            set_rotary(model, self.small_buffers, self.inf)
+
+    def key(self, config, dtype, plan) -> tuple:
+        import json
+
+        return (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype),
+                self.source_sha, plan.pin, "inflated")
+
+
+def _made_experts(store: HostExpertStore, maker: _Maker) -> None:
     jobs = [(l, e) for l in range(store.num_moe_layers) for e in range(store.layout.num_experts)]
-    _on_every_core(lambda le: _random_expert(store.expert(*le), std, seed, *le), jobs)
+    _on_every_core(lambda le: maker.expert(store.layout, *le, store.expert(*le)), jobs)
 
 
-def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
-                  seed: int) -> None:
-    """The experts' fused parameters on `device`, holding the values `_random_experts` gives
-    the store (each layer made on the host, on every core, and copied in)."""
+def _made_fused(mods, layout: ExpertLayout, device: torch.device, maker: _Maker) -> None:
+    """The experts' fused parameters on `device`, holding the values the maker gives the store
+    (each layer made on the host, on every core, and copied in)."""
     for l, (_, m) in enumerate(mods):
         host = torch.empty(layout.num_experts, layout.numel, dtype=layout.dtype)
-        _on_every_core(lambda e: _random_expert(host[e], std, seed, l, e), range(layout.num_experts))
+        _on_every_core(lambda e: maker.expert(layout, l, e, host[e]), range(layout.num_experts))
         views = [layout.views(host[e]) for e in range(layout.num_experts)]
         gate_up = torch.stack([g for g, _ in views]).to(device)
         down = torch.stack([d for _, d in views]).to(device)
@@ -357,78 +441,89 @@ def _random_fused(mods, layout: ExpertLayout, device: torch.device, std: float,
         m.down_proj = _param(down)
 
 
-# The last random host store made, reused by the next run of the same model in this process (a
+# The last made host store, reused by the next run of the same model in this process (a
 # sweep over systems and budgets: `run.py -m ...`): the experts of DeepSeek-V2-Lite are 27 GiB
-# to draw. Keyed by everything that determines its values; systems only read a store.
+# to make. Keyed by everything that determines its values; systems only read a store.
 _LAST_RANDOM_STORE: dict = {}
 
 
-def _random_store(key: tuple, layers: list[int], layout: ExpertLayout, pin: bool, std: float,
-                  seed: int) -> HostExpertStore:
+def _made_store(key: tuple, layers: list[int], layout: ExpertLayout, pin: bool,
+                maker: _Maker) -> HostExpertStore:
     store = _LAST_RANDOM_STORE.get(key)
     if store is None:
-        _LAST_RANDOM_STORE.clear()  # one at a time: free the last model's before drawing
+        _LAST_RANDOM_STORE.clear()  # one at a time: free the last model's before making
         store = HostExpertStore(layers, layout, pin=pin)
-        _random_experts(store, std, seed)
+        _made_experts(store, maker)
         store.checksum = random_checksum(key)
         _LAST_RANDOM_STORE[key] = store
     return store
 
 
 def held_random_store_bytes() -> int:
-    """Host bytes of the random store this process keeps for the next job (`_random_store`):
-    that job either reuses it or frees it before drawing its own, so a preflight counts them
+    """Host bytes of the made store this process keeps for the next job (`_made_store`):
+    that job either reuses it or frees it before making its own, so a preflight counts them
     as memory it can have."""
     return sum(store.reserved_bytes for store in _LAST_RANDOM_STORE.values())
 
 
 def random_checksum(key: tuple) -> str:
-    """The draft's source checksum (quant/calibrate.py `source_checksum`) of random experts:
-    their values follow from `key` (config, dtype, seed, std) and torch's generator, so the key
-    names them without hashing the store's bytes (DeepSeek-V2-Lite's 27 GiB: tens of seconds
-    on one core)."""
+    """The draft's source checksum (quant/calibrate.py `source_checksum`) of made experts:
+    their values follow from `key` (config, dtype, seed or source checksum, how made) and
+    torch, so the key names them without hashing the store's bytes (DeepSeek-V2-Lite's 27 GiB:
+    tens of seconds on one core)."""
     import hashlib
 
     blob = repr((key[0], key[1], key[2], key[4], torch.__version__)).encode()
-    return "random-" + hashlib.sha256(blob).hexdigest()[:16]
+    prefix = "inflated-" if key[4] == "inflated" else "random-"
+    return prefix + hashlib.sha256(blob).hexdigest()[:16]
 
 
 def load_random(model_class, config, dtype: torch.dtype, device: torch.device,
                 plan: PlacementPlan, seed: int = 0) -> tuple[nn.Module, Placed]:
     """The model of `config` with random weights (`model.weights=random`: a real model's
-    sizes without its checkpoint), each tensor made where `plan` puts it: the non-expert
-    weights on `device`, the routed experts in the host store (`"host"`), on the device
-    (`"device"`) or not at all (`"none"`). Norms 1, biases 0, the rest N(0,
-    initializer_range), seeded."""
+    sizes without its checkpoint), each tensor made where `plan` puts it. Norms 1, biases 0,
+    the rest N(0, initializer_range), seeded."""
+    return load_made(model_class, config, dtype, device, plan, _RandomMaker(config, device, seed))
+
+
+def load_inflated(model_class, config, dtype: torch.dtype, device: torch.device,
+                  plan: PlacementPlan, folder: Path) -> tuple[nn.Module, Placed]:
+    """The real model of `config` inflated from the project-made model that `folder`'s
+    specter_inflated.json names (`model.weights=inflated`, models/inflate.py), each tensor
+    made where `plan` puts it."""
+    return load_made(model_class, config, dtype, device, plan, _InflatedMaker(config, folder))
+
+
+def load_made(model_class, config, dtype: torch.dtype, device: torch.device,
+              plan: PlacementPlan, maker: _Maker) -> tuple[nn.Module, Placed]:
+    """A model without a checkpoint, each tensor made by `maker` where `plan` puts it: the
+    non-expert weights on `device`, the routed experts in the host store (`"host"`), on the
+    device (`"device"`) or not at all (`"none"`)."""
     model = skeleton(model_class, config, dtype)
     mods = experts_modules(model)
     expert_params = {id(p) for _, m in mods for p in (m.gate_up_proj, m.down_proj)}
     fp32 = _fp32_names(model, dtype)
-    std = getattr(config, "initializer_range", None) or 0.02
-    gen = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
     place = Placed()
     for name, p in list(model.named_parameters()):
         if id(p) in expert_params:
             continue
         keep = p.is_floating_point() and any(k in name for k in fp32)
         value = torch.empty(p.shape, dtype=torch.float32 if keep else p.dtype, device=device)
-        _random_fill(name, value, std, gen)
+        maker.fill(name, value)
         _set(model, name, value)
         place.device_bytes += value.numel() * value.element_size()
         place.device_names.append(name)
     model.tie_weights()
+    maker.buffers(model)
     layout = ExpertLayout.of(mods[0][1], dtype)
     store = None
     if plan.experts == "device":
-        _random_fused(mods, layout, device, std, seed)
+        _made_fused(mods, layout, device, maker)
         place.device_bytes += sum(
             t.numel() * t.element_size() for _, m in mods for t in (m.gate_up_proj, m.down_proj))
     if plan.experts == "host":
-        import json
-
-        key = (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype), seed,
-               plan.pin, std)
-        store = _random_store(key, [i for i, _ in mods], layout, plan.pin, std, seed)
+        store = _made_store(maker.key(config, dtype, plan), [i for i, _ in mods], layout,
+                            plan.pin, maker)
         place.host_bytes = sum(t.numel() * t.element_size() for layer in store.flat for t in layer)
     _finish(model, device, store, place)
     return model, place

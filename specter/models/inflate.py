@@ -1,0 +1,325 @@
+"""A real-size model that computes exactly like a trained small one: function-preserving inflation.
+
+`model.weights=inflated` builds the named real model (its published config.json: every width,
+every layer, every expert, every byte and FLOP of it) from a project-made small model of the
+same architecture, so that it decodes the small model's tokens and routes as the small model's
+trained routers do. No download, no training: a GPU host builds DeepSeek-V2-Lite's 27 GiB of
+experts from the shipped `small_deepseek` in memory in about a minute (placement/loader.py
+`load_inflated`). Random weights (`model.weights=random`) have the real sizes too but route
+uniformly (17 tokens touch ~52 of 64 experts per layer where the trained model touches ~32) and
+accept at random, so they do not measure speculative prefetching; this does.
+
+How the widths grow (DeepSeek-V2; each rule keeps the function exactly, up to float rounding):
+- every weight is zero-padded: the small model's values sit in the first rows/columns of each
+  block (per attention head: the no-position part, the rotary part, the value part; the expert
+  and MLP intermediates; the hidden size), everything else is zero, so the padded activations
+  stay exactly zero through every layer;
+- RMSNorm over a padded vector divides by a mean over more entries: each norm's weight is scaled
+  by sqrt(n/N) and the config's `rms_norm_eps` by n/N (hidden size; the KV latent's norm shares
+  the eps and keeps the small model's within a factor of two of 1e-6, which is below fp32's
+  effect on these activations);
+- attention scores are scaled by qk_head_dim^-1/2, which grows: the query weights are scaled by
+  sqrt(qk_big / qk_small);
+- rotary pairs: small pair j (interleaved, DeepSeek's complex form) goes to big pair s*j, where
+  s = (pairs_big - 1) // (pairs_small - 1), and `rope_theta` becomes theta^(pairs_big /
+  (s * pairs_small)) so those pairs turn at the small model's frequencies (the buffer is then
+  set to the small model's values bit for bit); the real model's YaRN scaling is dropped (it
+  only matters past 4k positions);
+- heads beyond the small model's have zero query, key, value and output weights;
+- the vocabulary: the embedding and head rows of token v are the small model's rows of
+  v mod V_small, so every logit of a padded id equals the real id's, and greedy argmax (the
+  first of equal maxima) never picks a padded id; the tokenizer is the small model's.
+
+How the depth grows: the small model's dense layers map one to one onto the real model's
+(DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers. The
+first layer of each block is the small layer itself (live). The others are copies of it whose
+outputs are zero (attention output, shared expert and routed experts' down projections zero)
+but whose routers are the trained router, its expert ids permuted per layer (a fixed seeded
+permutation, so consecutive layers do not pick the same ids and a cross-layer predictor cannot
+copy the previous layer), applied to the residual stream at their depth. They compute, route,
+fetch and hold every expert like any layer; they do not change a token. Their INT4 drafts are
+zero too, so acceptance is the small model's.
+
+Honest limits, stated in every record (`model.weights=inflated`, `model.inflated_from`):
+- the zero-output layers' routing is a trained router's on a stream one block behind it; the
+  distinct experts a window touches per layer are measured against the small model's
+  (experiments/inflate_fidelity.py), not assumed;
+- 93% of each expert's weights are zeros: a dense kernel's bytes and FLOPs are the real ones, a
+  kernel that skipped zeros would not be (none here does);
+- DeepSeek-V2 only: Qwen1.5-MoE's shared-expert gate and Phi-3.5-MoE's sparsemixer would need
+  their own rules.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+
+import torch
+
+from specter.errors import UserError
+
+# The real model a project-made model inflates to, by the real model's config key.
+SOURCES = {"deepseek": "small_deepseek"}
+ARCHS = ("deepseek_v2",)
+_SEED = 20261204  # the zero-output layers' expert permutations
+
+
+def check_source(key: str, source: str | None) -> str:
+    """The project-made model `key` inflates from (model.inflate_from, or the default)."""
+    if key not in SOURCES:
+        raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a project-made "
+                        f"model of the same architecture; model={key} has no inflation rule "
+                        "(use model.weights=random for its sizes without trained routing).")
+    return source or SOURCES[key]
+
+
+def inflated_config(big: dict, small: dict) -> dict:
+    """The real model's config.json (`big`, the published one, maybe cut in depth) as the
+    inflated model carries it: widths and depth unchanged; rotary theta, norm eps and the
+    special token ids follow the small model (`small`, its config.json)."""
+    if big.get("model_type") not in ARCHS or small.get("model_type") != big.get("model_type"):
+        raise UserError(f"inflation needs two {'/'.join(ARCHS)} configs (got "
+                        f"{small.get('model_type')} -> {big.get('model_type')}).")
+    cfg = copy.deepcopy(big)
+    cfg.pop("auto_map", None)
+    cfg.pop("rope_scaling", None)
+    for key in ("q_lora_rank",):
+        if small.get(key) is not None or big.get(key) is not None:
+            raise UserError("inflation handles q_lora_rank null (DeepSeek-V2-Lite) only.")
+    _check_widths(big, small)
+    theta = _small_theta(small)
+    pairs_s, pairs_b = small["qk_rope_head_dim"] // 2, big["qk_rope_head_dim"] // 2
+    stride = rope_stride(pairs_s, pairs_b)
+    cfg["rope_theta"] = theta ** (pairs_b / (stride * pairs_s))
+    cfg["rope_parameters"] = {"rope_theta": cfg["rope_theta"], "rope_type": "default"}
+    cfg["rms_norm_eps"] = small["rms_norm_eps"] * small["hidden_size"] / big["hidden_size"]
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        cfg[key] = small.get(key)
+    cfg["norm_topk_prob"] = small.get("norm_topk_prob", False)
+    cfg["routed_scaling_factor"] = small.get("routed_scaling_factor", 1.0)
+    cfg["topk_method"] = small.get("topk_method", "greedy")
+    cfg["tie_word_embeddings"] = False
+    cfg["torch_dtype"] = "bfloat16"
+    cfg.pop("dtype", None)
+    return cfg
+
+
+def _small_theta(small: dict) -> float:
+    rp = small.get("rope_parameters") or {}
+    return float(rp.get("rope_theta", small.get("rope_theta", 10000.0)))
+
+
+def rope_stride(pairs_s: int, pairs_b: int) -> int:
+    return 1 if pairs_s <= 1 else (pairs_b - 1) // (pairs_s - 1)
+
+
+def _check_widths(big: dict, small: dict) -> None:
+    for key in ("hidden_size", "intermediate_size", "moe_intermediate_size", "kv_lora_rank",
+                "num_attention_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                "vocab_size"):
+        if big[key] < small[key]:
+            raise UserError(f"inflation grows widths only: {key} {small[key]} -> {big[key]}.")
+    for key in ("n_routed_experts", "num_experts_per_tok", "n_shared_experts",
+                "first_k_dense_replace"):
+        if big[key] != small[key]:
+            raise UserError(f"inflation keeps {key} ({small[key]} in the small model, {big[key]} "
+                            "in the real one).")
+    if big["num_attention_heads"] != big["num_key_value_heads"] or \
+            small["num_attention_heads"] != small["num_key_value_heads"]:
+        raise UserError("inflation needs as many key/value heads as query heads (DeepSeek-V2).")
+    moe_s = small["num_hidden_layers"] - small["first_k_dense_replace"]
+    moe_b = big["num_hidden_layers"] - big["first_k_dense_replace"]
+    if moe_b < moe_s or moe_s < 1:
+        raise UserError(f"inflation needs at least the small model's {moe_s} MoE layers "
+                        f"(the real config has {moe_b}).")
+    if rope_stride(small["qk_rope_head_dim"] // 2, big["qk_rope_head_dim"] // 2) < 1:
+        raise UserError("inflation needs at least as many rotary pairs as the small model.")
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """Where layer `layer` of the real model comes from: small layer `source`, `live` (its
+    output counts) or a zero-output copy, and the permutation of its experts' ids (None:
+    identity)."""
+
+    layer: int
+    source: int
+    live: bool
+    perm: tuple[int, ...] | None
+
+
+def layer_plan(big: dict, small: dict) -> list[LayerPlan]:
+    dense = small["first_k_dense_replace"]
+    n_small, n_big = small["num_hidden_layers"], big["num_hidden_layers"]
+    moe_s, moe_b = n_small - dense, n_big - dense
+    plans = [LayerPlan(i, i, True, None) for i in range(dense)]
+    E = big["n_routed_experts"]
+    sizes = [moe_b // moe_s + (1 if b < moe_b % moe_s else 0) for b in range(moe_s)]
+    layer = dense
+    for b, size in enumerate(sizes):
+        for k in range(size):
+            perm = None
+            if k:
+                g = torch.Generator().manual_seed(_SEED + layer)
+                perm = tuple(torch.randperm(E, generator=g).tolist())
+            plans.append(LayerPlan(layer, dense + b, k == 0, perm))
+            layer += 1
+    return plans
+
+
+class Inflation:
+    """The real model's tensors, one at a time, from the small model's state dict (transformers'
+    module names: fused `experts.gate_up_proj [E, 2I, H]` / `experts.down_proj [E, H, I]`).
+    `tensor(name)` gives a non-expert parameter in fp32; `expert(layer, e, gate_up, down)` writes
+    one routed expert into the given views (any dtype)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], small: dict, big: dict):
+        self.s, self.small, self.big = state, small, big
+        self.plans = {p.layer: p for p in layer_plan(big, small)}
+        H, h = big["hidden_size"], small["hidden_size"]
+        self.H, self.h = H, h
+        self.heads_s = small["num_attention_heads"]
+        self.nope = (small["qk_nope_head_dim"], big["qk_nope_head_dim"])
+        self.rope = (small["qk_rope_head_dim"], big["qk_rope_head_dim"])
+        self.v = (small["v_head_dim"], big["v_head_dim"])
+        self.heads_b = big["num_attention_heads"]
+        self.stride = rope_stride(self.rope[0] // 2, self.rope[1] // 2)
+        qk_s, qk_b = self.nope[0] + self.rope[0], self.nope[1] + self.rope[1]
+        self.q_scale = math.sqrt(qk_b / qk_s)
+
+    # -- index maps --------------------------------------------------------------------------
+    def rope_rows(self) -> torch.Tensor:
+        """Big rotary index of each small rotary index (interleaved pairs: j -> stride*j)."""
+        r = torch.arange(self.rope[0])
+        return (r // 2) * 2 * self.stride + r % 2
+
+    def inv_freq(self, small_inv_freq: torch.Tensor, big_inv_freq: torch.Tensor) -> torch.Tensor:
+        out = big_inv_freq.clone()
+        out[torch.arange(self.rope[0] // 2) * self.stride] = small_inv_freq.to(out.dtype)
+        return out
+
+    def _norm(self, w: torch.Tensor, N: int) -> torch.Tensor:
+        out = torch.zeros(N)
+        out[: w.numel()] = w.float() * math.sqrt(w.numel() / N)
+        return out
+
+    def _pad(self, w: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        out = torch.zeros(rows, cols)
+        out[: w.shape[0], : w.shape[1]] = w.float()
+        return out
+
+    def _src(self, name: str) -> tuple[str, LayerPlan | None]:
+        parts = name.split(".")
+        if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers":
+            plan = self.plans[int(parts[2])]
+            parts[2] = str(plan.source)
+            return ".".join(parts), plan
+        return name, None
+
+    # -- non-expert tensors ------------------------------------------------------------------
+    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        src, plan = self._src(name)
+        w = self.s[src].float()
+        leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+        H = self.H
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            V = shape[0]
+            idx = torch.arange(V) % w.shape[0]
+            return self._pad(w, w.shape[0], H)[idx]
+        if w.dim() == 1:  # norms
+            return self._norm(w, shape[0])
+        if leaf == "q_proj":
+            out = torch.zeros(self.heads_b, self.nope[1] + self.rope[1], H)
+            ws = w.view(self.heads_s, self.nope[0] + self.rope[0], self.h) * self.q_scale
+            out[: self.heads_s, : self.nope[0], : self.h] = ws[:, : self.nope[0]]
+            out[: self.heads_s, self.nope[1] + self.rope_rows(), : self.h] = ws[:, self.nope[0]:]
+            return out.reshape(shape)
+        if leaf == "kv_a_proj_with_mqa":
+            lora_s, lora_b = self.small["kv_lora_rank"], self.big["kv_lora_rank"]
+            out = torch.zeros(shape)
+            out[:lora_s, : self.h] = w[:lora_s]
+            out[lora_b + self.rope_rows(), : self.h] = w[lora_s:]
+            return out
+        if leaf == "kv_b_proj":
+            lora_s = self.small["kv_lora_rank"]
+            out = torch.zeros(self.heads_b, self.nope[1] + self.v[1], shape[1])
+            ws = w.view(self.heads_s, self.nope[0] + self.v[0], lora_s)
+            out[: self.heads_s, : self.nope[0], :lora_s] = ws[:, : self.nope[0]]
+            out[: self.heads_s, self.nope[1]: self.nope[1] + self.v[0], :lora_s] = ws[:, self.nope[0]:]
+            return out.reshape(shape)
+        if leaf == "o_proj":
+            out = torch.zeros(H, self.heads_b, self.v[1])
+            if plan.live:
+                out[: self.h, : self.heads_s, : self.v[0]] = w.view(self.h, self.heads_s, self.v[0])
+            return out.reshape(shape)
+        if leaf == "gate" and ".mlp.gate." in name:  # the router [E, H]
+            out = self._pad(w, w.shape[0], H)
+            return out[list(plan.perm)] if plan.perm is not None else out
+        if leaf in ("gate_proj", "up_proj"):  # dense MLP and shared experts [I, H]
+            return self._pad(w, shape[0], shape[1])
+        if leaf == "down_proj":  # [H, I]
+            out = self._pad(w, shape[0], shape[1])
+            return out if plan.live else out.zero_()
+        raise KeyError(f"inflation has no rule for {name}")
+
+    # -- routed experts ----------------------------------------------------------------------
+    def expert(self, layer: int, e: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Expert `e` of (real) layer `layer` into `gate_up` [2I, H] and `down` [H, I]."""
+        plan = self.plans[layer]
+        src_e = plan.perm[e] if plan.perm is not None else e
+        prefix = f"model.layers.{plan.source}.mlp.experts."
+        gu = self.s[prefix + "gate_up_proj"][src_e]
+        i_s, I = gu.shape[0] // 2, gate_up.shape[0] // 2
+        gate_up.zero_()
+        down.zero_()
+        gate_up[:i_s, : self.h] = gu[:i_s]
+        gate_up[I: I + i_s, : self.h] = gu[i_s:]
+        if plan.live:
+            down[: self.h, :i_s] = self.s[prefix + "down_proj"][src_e]
+
+    def moe_layers(self) -> list[int]:
+        dense = self.big["first_k_dense_replace"]
+        return list(range(dense, self.big["num_hidden_layers"]))
+
+
+def inflate_module(small_model: torch.nn.Module, big: dict, dtype=torch.float32) -> torch.nn.Module:
+    """The inflated model as a plain transformers module on the CPU, every tensor real (for
+    tests and fidelity checks at reduced sizes; the runner builds it through the placement
+    plan instead: placement/loader.py `load_inflated`)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = small_model.config.to_dict()
+    cfg = inflated_config(big, small)
+    config = AutoConfig.for_model(**{k: v for k, v in cfg.items() if k != "model_type"},
+                                  model_type=cfg["model_type"])
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    inf = Inflation({k: v.detach() for k, v in small_model.state_dict().items()}, small, cfg)
+    from specter.models.introspect import experts_modules
+
+    expert_ids = {}
+    for i, (_, m) in enumerate(experts_modules(model)):
+        expert_ids[id(m.gate_up_proj)] = expert_ids[id(m.down_proj)] = inf.moe_layers()[i]
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if id(p) in expert_ids:
+                continue
+            p.copy_(inf.tensor(name, tuple(p.shape)).to(p.dtype))
+        for i, (_, m) in enumerate(experts_modules(model)):
+            layer = inf.moe_layers()[i]
+            for e in range(m.gate_up_proj.shape[0]):
+                inf.expert(layer, e, m.gate_up_proj[e], m.down_proj[e])
+        set_rotary(model, small_model, inf)
+    if getattr(small_model, "generation_config", None) is not None:
+        model.generation_config = copy.deepcopy(small_model.generation_config)
+    return model
+
+
+def set_rotary(model: torch.nn.Module, small_model_or_buffers, inf: Inflation) -> None:
+    """The rotary frequencies of the kept pairs set to the small model's, bit for bit."""
+    small = (dict(small_model_or_buffers.named_buffers())
+             if isinstance(small_model_or_buffers, torch.nn.Module) else small_model_or_buffers)
+    for name, buf in model.named_buffers():
+        if name.endswith("inv_freq") and name in small:
+            buf.copy_(inf.inv_freq(small[name], buf))
