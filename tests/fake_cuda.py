@@ -111,6 +111,25 @@ class FakeCuda:
     def synchronize(self, device=None) -> None:
         self.log.device_syncs += 1
 
+    # -- a captured step (specter.quant.kernels.capture_graph's stand-in) ---------------------
+    captures = replays = 0
+
+    def capture_graph(self, fn, warm):
+        """`capture_graph(fn, warm)` on the CPU: `warm()` twice (it must leave the state as it
+        found it, as before a real capture), the device sync `torch.cuda.graph` makes, and a
+        replay that runs `fn()` again. Its outputs are fresh tensors, where a graph's are
+        overwritten by the next replay: that a caller reads them in time only a GPU shows
+        (tests/test_cuda.py)."""
+        for _ in range(2):
+            warm()
+        self.synchronize()
+        self.captures += 1
+
+        def replay():
+            self.replays += 1
+            return fn()
+        return replay
+
 
 class CountedCuda:
     """The real `torch.cuda`, with every host wait logged as `FakeCuda` logs them (a CUDA

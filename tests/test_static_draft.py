@@ -156,11 +156,19 @@ def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
         resolve_compile("on", "gather_int4", 1, True)
     with pytest.raises(UserError, match="spec.compile must be one of"):
         resolve_compile("yes", "gather_int4", 1, False)
-    on, why = resolve_compile("auto", "triton", 1, False, "cuda")  # CUDA: on's until a GPU ran it
-    assert not on and "spec.compile=on runs it" in why
+    on, why = resolve_compile("auto", "triton", 1, False, "cuda")
+    assert not on and "per layer as a CUDA graph" in why
     on, why = resolve_compile("auto", "triton", 1, False)
     assert not on and "per layer as a CUDA graph" in why
     assert resolve_compile("on", "gather_int4", 1, False, "cuda")[0]
+    # CUDA: auto captures the whole step where it compiles (issue 45 item 3)
+    assert resolve_compile("auto", "gather_int4", 1, False, "cuda") == (True, "spec.compile=auto")
+    on, why = resolve_compile("auto", "gather_int4", 2, False, "cuda")
+    assert not on and "batch of 2" in why
+    # resident's system.compile keeps its own rule: auto stays eager on CUDA
+    from specter.decoding.static_draft import settle_compile
+
+    assert not settle_compile("system.compile", "auto", "x", [], "cuda")[0]
 
 
 def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
@@ -180,7 +188,13 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
 
     assert wants() and wants(clock="virtual", compile="on") and wants(device=cuda, compile="on")
     assert not wants(clock="virtual") and not wants(batch=4) and not wants(temperature=0.7)
-    assert not wants(compile="off") and not wants(device=cuda)
+    assert not wants(compile="off")
+    # CUDA, a real clock: auto captures the whole step, so the backend is gather_int4 ...
+    assert wants(device=cuda) and not wants(device=cuda, clock="virtual")
+    # ... unless quant.graphs=on asked for each draft layer's own graph
+    on_graphs = NS(hardware=NS(clock="wall"), spec=NS(compile="auto"), quant=NS(graphs="on"),
+                   workload=NS(batch=1, temperature=0.0))
+    assert not draft_compiles(on_graphs, cuda)
     assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "gather_int4"
     assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == "gather_int4"
     assert resolve_backend("cpu_int4", 4, cpu, {32}, compiles=True)[0] == "cpu_int4"
@@ -292,3 +306,108 @@ def test_a_captured_step_is_charged_its_kernels_time_and_one_launch():
             inside.offload_layer_overhead_s) == (0.0, 0.0, 0.0, 0.0)
     assert inside.matrix_flops == hw.matrix_flops and inside.mem_bandwidth_Bps == hw.mem_bandwidth_Bps
     assert charger.cost.hw is hw and charged == [1e-3, hw.launch_overhead_s]
+
+
+def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
+    """quant.graphs=auto leaves the draft layers uncaptured where the whole step is captured
+    (spec.compile on CUDA); quant.graphs=on beside spec.compile=on is one sentence; on beside
+    auto keeps the per-layer graphs and the step eager, and the record says so."""
+    from types import SimpleNamespace as NS
+
+    from specter.decoding.engines import compile_draft
+    from specter.quant.build import GRAPHS_AND_STEP, resolve_graphs, step_captured
+
+    cuda = torch.device("cuda")
+
+    def cfg(compile="auto", graphs="auto", batch=1):
+        return NS(spec=NS(compile=compile, compile_backend="eager"), quant=NS(graphs=graphs),
+                  workload=NS(batch=batch, temperature=0.0, prompt_tokens=16,
+                              max_new_tokens=8), system=NS(name="specter"))
+
+    assert step_captured(cfg(), "gather_int4", cuda)
+    assert not step_captured(cfg(), "gather_int4", CPU)
+    assert not step_captured(cfg(), "triton", cuda)  # eager: triton's layers graphed instead
+    assert not step_captured(cfg(batch=2), "gather_int4", cuda)
+    assert not step_captured(cfg(compile="off"), "gather_int4", cuda)
+    assert not step_captured(cfg(graphs="on"), "gather_int4", cuda)
+    assert not step_captured(cfg(), "gather_int4", cuda, counted=True)
+    on, why = resolve_graphs("auto", "gather_int4", cuda, whole_step=True)
+    assert not on and "whole draft step" in why
+    assert resolve_graphs("auto", "triton", cuda, whole_step=False)[0]
+    assert resolve_graphs("on", "gather_int4", cuda, whole_step=True)[0]
+
+    timing = NS(cost=None, clock="cuda")
+    ctx = lambda c: NS(cfg=c, device=cuda)  # noqa: E731
+    graphed = NS(draft=NS(backend="gather_int4", graphs=True), use_static=None)
+    with pytest.raises(UserError, match="choose one"):
+        compile_draft(ctx(cfg(compile="on", graphs="on")), graphed, timing, 4)
+    rec = compile_draft(ctx(cfg(graphs="on")), graphed, timing, 4)
+    assert not rec["draft_compiled"] and "quant.graphs=on" in rec["draft_compile"]
+    assert "choose one" in GRAPHS_AND_STEP
+
+    made = {}
+    plain = NS(draft=NS(backend="gather_int4", graphs=False),
+               use_static=lambda *a, **kw: made.update(kw))
+    rec = compile_draft(ctx(cfg()), plain, timing, 4)
+    from specter.quant.kernels import capture_graph
+
+    assert rec["draft_compiled"] and rec["draft_captured"] and made["capture"] is capture_graph
+    assert "one CUDA graph" in rec["draft_compile"]
+
+
+def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():
+    """The CUDA path's logic on the CPU, over a stand-in capture (tests/fake_cuda.py): the
+    whole step (forward, argmax, the lookahead buffer's scatter, the proposal stored and fed
+    back) captured once, in the first window, each step one replay with no other call, the
+    window's proposals read once; the tokens are plain generate's, the lookahead buffer counts
+    what the eager draft's layer-by-layer adds count, and a second request captures nothing
+    and syncs nothing."""
+    from fake_cuda import FakeCuda
+    from specter.pio.elb import ExpertLookaheadBuffer
+
+    lm, sw = _setup("tiny_deepseek")
+    layers, experts = len(sw.draft_layers), lm.model.config.n_routed_experts
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    ref = _hf(lm.model, ids, 20)
+    eager, captured = (ExpertLookaheadBuffer(layers, experts, CPU) for _ in range(2))
+    sw.listen(eager.add)
+    _run(lm, sw, ids, 20, 4)
+    sw.draft_listeners.clear()
+    outside: list = []
+    sw.listen(captured.add, captured.add_all, in_graph=True)
+    sw.listen(lambda l, t: None, lambda routes: outside.append(routes.shape))
+    fake = FakeCuda()
+    static = StaticDraft(sw, compiler="eager", capture=fake.capture_graph)
+    assert _run(lm, sw, ids, 20, 4, static).tokens == ref
+    assert static.captures == 1 and fake.captures == 1 and fake.log.device_syncs == 1
+    assert fake.replays == static.steps_run > 0
+    assert torch.equal(eager.counts, captured.counts) and captured.counts.sum() > 0
+    assert len(outside) == static.steps_run  # not graph-safe: heard after each replay
+    syncs = fake.log.device_syncs
+    captured.reset()
+    for k in (2, 6):  # another depth, another request: the same graph
+        assert _run(lm, sw, ids, 20, k, static).tokens == ref
+    assert static.captures == 1 and fake.log.device_syncs == syncs
+
+
+def test_a_second_instance_captures_its_steps_after_an_eager_first_one():
+    """own_kv (SpecMoEOff's layout) over the stand-in capture: each window's first step eager
+    (the unseen committed tokens and the pending one), its proposal fed into the captured
+    graph's buffers, the other steps replays; the tokens are plain generate's and the
+    proposals the eager separate draft's (the same acceptance)."""
+    from fake_cuda import FakeCuda
+    from specter.decoding.drafting import SeparateDraft
+
+    lm, _ = _setup("tiny_deepseek", noise=0.9)  # rejections: windows catch up on corrections
+    second, sw2 = _setup("tiny_deepseek", noise=0.9)
+    sw2.mode = "draft"
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    ref = _hf(lm.model, ids, 24)
+    eager = _run(lm, None, ids, 24, 4, SeparateDraft(second.model))
+    fake = FakeCuda()
+    static = StaticDraft(sw2, compiler="eager", own_kv=True, capture=fake.capture_graph)
+    got = _run(lm, None, ids, 24, 4, static)
+    assert got.tokens == eager.tokens == ref
+    assert got.stats["accepted_lens"] == eager.stats["accepted_lens"]
+    assert min(eager.stats["accepted_lens"]) < 4
+    assert static.captures == 1 and fake.replays == static.steps_run > 0

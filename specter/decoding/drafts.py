@@ -52,11 +52,21 @@ class DraftPart:
     layout = None  # where and how it drafts (drafting.py, static_draft.py); None: SharedDraft
     device_bytes = 0
 
-    def listen(self, fn, all_layers=None) -> None:
-        self.self_draft.listen(fn, all_layers)
+    def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
+        self.self_draft.listen(fn, all_layers, in_graph)
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         pass
+
+    def warm_graphs(self, rows: int, k_max: int) -> int:
+        """Capture the draft layers' per-layer CUDA graphs (quant.graphs) for the forwards a
+        window of up to `rows` rows and `k_max` steps makes, now, at build time
+        (`SelfDraft.warm_graphs`); the captures made. The target's own instance feeds one
+        token a row per step; a second instance also catches up on unseen tokens."""
+        if self.self_draft is not None:
+            return self.self_draft.warm_graphs(range(1, rows + 1))
+        instance = getattr(self, "instance", None)
+        return instance.warm_graphs(range(1, (k_max + 1) * rows + 1)) if instance else 0
 
     def reset(self) -> None:
         self.kv_copy_bytes = self.kv_copies = 0
@@ -128,13 +138,15 @@ class SelfInt4Draft(DraftPart):
         if charges_virtually(timing):
             self.listen(*draft_experts_charge(timing, draft))
 
-    def use_static(self, compiler: str, mode: str | None, positions: int = 0) -> None:
-        """Draft in a static cache, each step one compiled graph (static_draft.py); each
-        window's copy of newly committed KV is charged as a device copy."""
+    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
+                   capture=None) -> None:
+        """Draft in a static cache, each step one compiled graph (static_draft.py; `capture`:
+        captured as one CUDA graph); each window's copy of newly committed KV is charged as a
+        device copy."""
         from specter.decoding.static_draft import StaticDraft
 
         self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy,
-                                  positions=positions)
+                                  positions=positions, capture=capture)
 
     def as_record(self) -> dict:
         static = self.layout is not None
@@ -176,12 +188,14 @@ class SeparateInt4Draft(DraftPart):
             p.numel() * p.element_size() for p in draft_model.parameters())
         self.kv_copy_bytes = self.kv_copies = 0
 
-    def listen(self, fn, all_layers=None) -> None:
-        self.instance.listen(fn, all_layers)
+    def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
+        self.instance.listen(fn, all_layers, in_graph)
 
-    def use_static(self, compiler: str, mode: str | None, positions: int = 0) -> str | None:
+    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
+                   capture=None) -> str | None:
         """Draft in a static cache of its own, each step one compiled graph (static_draft.py
-        `own_kv`), charged by this instance's own hooks after each step; None, or why not."""
+        `own_kv`; `capture`: captured as one CUDA graph), charged by this instance's own hooks
+        after each step; None, or why not."""
         if isinstance(self.layout, CopiedKVDraft):
             return "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
         from specter.decoding.static_draft import StaticDraft
@@ -189,7 +203,7 @@ class SeparateInt4Draft(DraftPart):
         self.layout = StaticDraft(self.instance, compiler, mode, positions=positions,
                                   after_step=getattr(self.charger, "charge_compiled_step", None),
                                   charging=getattr(self.charger, "captured_step", None),
-                                  own_kv=True)
+                                  own_kv=True, capture=capture)
         return None
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:

@@ -20,12 +20,13 @@ import torch
 
 from specter.decoding.depth import Depth
 from specter.decoding.loop import speculative_batch
-from specter.decoding.static_draft import MODES as COMPILE_MODES, resolve_compile
+from specter.decoding.static_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
 from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
+from specter.quant.build import GRAPHS_AND_STEP
 
 
 class GreedyEngine:
@@ -114,7 +115,8 @@ class SpeculativeEngine:
         self.memory = DeviceMemory(model, device,
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
         self.charger = timing.charger(model, charge_experts=False)
-        draft.listen(self.window.on_draft_experts, self.window.on_draft_routes)
+        draft.listen(self.window.on_draft_experts, self.window.on_draft_routes,
+                     in_graph=self.window.routes_in_graph)
         if getattr(draft.layout, "after_step", False) is None:
             # a compiled draft step of the target's own instance is charged after it runs by
             # the target's hooks (they do not run inside); a second instance brings its own
@@ -217,6 +219,8 @@ def build_speculative(ctx, name: str, make_draft, window=None, reorder: bool = T
     draft = make_draft(timing, runtime)
     depth = ctx.depth
     compiled = compile_draft(ctx, draft, timing, depth.k_max)
+    if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
+        draft.warm_graphs(ctx.cfg.workload.batch, depth.k_max)
     engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
                                window=window(runtime, timing, draft) if window else None,
                                stop_on_eos=ctx.cfg.workload.stop_on_eos,
@@ -227,7 +231,10 @@ def build_speculative(ctx, name: str, make_draft, window=None, reorder: bool = T
 
 def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
     """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
-    (static_draft.py), where its shapes are static; the record says whether and why. The
+    (static_draft.py), where its shapes are static; on CUDA the whole step is captured as one
+    CUDA graph (`kernels.capture_graph`: at its first step, the runner's untimed warm-up
+    request) and each step is one replay. The record says whether and why (`draft_compile`);
+    every fallback of `auto` is said there, and `on` refuses it in one sentence. The
     buffers hold the longest request: its prompt, its new tokens and the deepest window
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     w, spec = ctx.cfg.workload, ctx.cfg.spec
@@ -243,6 +250,7 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
                             "otherwise.")
         return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
                 "draft_captured": False}
+    cuda = ctx.device.type == "cuda"
     on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0,
                               ctx.device.type)
     if on and counted:  # its launch counter counts eager operations
@@ -250,18 +258,25 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
             raise UserError("spec.compile=on: a counted profile counts eager launches; "
                             "use another hardware profile.")
         on, why = False, "eager: a counted profile counts eager launches"
-    if on and getattr(draft.draft, "graphs", False):
-        on, why = False, "eager: quant.graphs replays each draft layer as a CUDA graph"
+    if on and getattr(draft.draft, "graphs", False):  # quant.graphs=on asked per-layer graphs
+        if spec.compile == "on":
+            raise UserError(GRAPHS_AND_STEP)
+        on, why = False, ("eager: quant.graphs=on replays each draft layer as its own CUDA "
+                          "graph (spec.compile=auto leaves the step to it)")
     if on:
-        mode = "reduce-overhead" if ctx.device.type == "cuda" else None
-        why_not = draft.use_static(spec.compile_backend, mode,
-                                   positions=w.prompt_tokens + w.max_new_tokens + k_max + 1)
+        from specter.quant.kernels import capture_graph
+
+        why_not = draft.use_static(spec.compile_backend, None,
+                                   positions=w.prompt_tokens + w.max_new_tokens + k_max + 1,
+                                   capture=capture_graph if cuda else None)
         if why_not is not None:
             if spec.compile == "on":
                 raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
             on, why = False, why_not
-    # captured: replayed as a CUDA graph (reduce-overhead), or charged as one on a virtual clock
-    captured = on and (ctx.device.type == "cuda" or timing.clock == "virtual")
+        elif cuda:
+            why = f"{why}: {CAPTURED}"
+    # captured: replayed as a CUDA graph, or charged as one on a virtual clock
+    captured = on and (cuda or timing.clock == "virtual")
     return {"draft_compiled": on, "draft_compile": why, "draft_captured": captured}
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from specter.models.introspect import experts_modules
 from specter.quant.calibrate import QuantizedExperts
 from specter.quant.formats import draft_expert_bytes
-from specter.quant.kernels import layers_nbytes, make_experts
+from specter.quant.kernels import GraphedExperts, layers_nbytes, make_experts
 
 IMPL_NAME = "specter_self_draft"
 
@@ -99,6 +99,10 @@ class SelfDraft:
         # A listener's form for every layer at once (routes [L, T, k]), used after a compiled
         # step (`replay`): one call per step, not one per MoE layer (`listen`'s `all_layers`).
         self.all_layers: dict = {}
+        # Listeners whose every-layer form is device work on tensors they keep in place (the
+        # lookahead buffer's scatter): a step captured as a CUDA graph runs them inside it
+        # (`in_graph`), and `replay(captured=True)` leaves them out.
+        self.graph_safe: list = []
         # Inside a compiled draft step (static_draft.py) the listeners do not run: each layer's
         # routing is kept in `routes` and `replay` tells them after the step.
         self.capture = False
@@ -113,20 +117,33 @@ class SelfDraft:
         finally:
             self.capture = previous
 
-    def listen(self, fn, all_layers=None) -> None:
+    def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         """`fn(layer, top_k_index)` hears each draft MoE layer; `all_layers(routes)`, when
-        given, hears a compiled step's every layer in one call instead."""
+        given, hears a compiled step's every layer in one call instead; `in_graph`: that call
+        is device work only, on tensors kept in place, so a captured step runs it inside its
+        CUDA graph."""
         self.draft_listeners.append(fn)
         if all_layers is not None:
             self.all_layers[fn] = all_layers
+            if in_graph:
+                self.graph_safe.append(fn)
 
-    def replay(self, routes) -> None:
+    def in_graph(self, routes) -> None:
+        """The graph-safe listeners' every-layer calls (issued while a step is captured)."""
+        for listener in self.graph_safe:
+            if listener in self.draft_listeners:
+                self.all_layers[listener](routes)
+
+    def replay(self, routes, captured: bool = False) -> None:
         """Tell the listeners of a compiled step's routing (`routes[l]`: MoE layer l's
         top_k_index): those with an every-layer form once, the others layer by layer in layer
-        order as the eager forward does."""
+        order as the eager forward does. `captured`: the step was a CUDA graph's replay, which
+        ran the graph-safe listeners already."""
         per_layer = []
         for listener in self.draft_listeners:
             whole = self.all_layers.get(listener)
+            if captured and listener in self.graph_safe:
+                continue
             if whole is not None:
                 whole(routes)
             else:
@@ -135,6 +152,26 @@ class SelfDraft:
             for layer, top_k_index in enumerate(routes.unbind(0)):
                 for listener in per_layer:
                     listener(layer, top_k_index)
+
+    def warm_graphs(self, lengths) -> int:
+        """Capture the per-layer CUDA graphs (quant.graphs: `GraphedExperts`) of draft forwards
+        of each of `lengths` tokens now, at build time, so that no capture (each one
+        synchronizes the device, and the first compiles Triton's kernel) falls in a timed
+        window: one draft forward of each length, over no cache, its listeners muted.
+        Returns the captures made."""
+        graphed = [layer for layer in self.draft_layers if isinstance(layer, GraphedExperts)]
+        if not graphed:
+            return 0
+        before = sum(len(layer.graphs) for layer in graphed)
+        listeners, self.draft_listeners = self.draft_listeners, []
+        try:
+            with torch.no_grad(), self.draft():
+                for t in sorted({t for t in lengths if 0 < t <= graphed[0].max_tokens}):
+                    ids = torch.zeros(1, t, dtype=torch.long, device=self.device)
+                    self.model(input_ids=ids, use_cache=False)
+        finally:
+            self.draft_listeners = listeners
+        return sum(len(layer.graphs) for layer in graphed) - before
 
     @contextmanager
     def draft(self):

@@ -18,6 +18,13 @@ layout, `own_kv`) copies nothing: a window's first step feeds the committed toke
 seen and the pending token in one eager forward into its buffers, as its eager layout feeds
 them; its other steps are compiled the same way.
 
+On CUDA the whole step is captured as one CUDA graph (`capture`, quant/kernels.py
+`capture_graph`): the compiled forward, the argmax, the lookahead buffer's scatter (listeners
+that declare themselves graph-safe) and the proposal stored in a window buffer and fed back
+as the next step's token. It is captured once per set of buffers, before the first window's
+first step (the runner's untimed warm-up request: the capture synchronizes the device once),
+and each step is then one replay; the window's proposals are read once, after its last step.
+
 Hooks in the compiled region (the virtual clock's charges, the draft's routing listeners) do
 not run inside it: the step records each draft layer's routing as an output, and after the
 step the charges and listeners are replayed in the order the eager forward makes them.
@@ -41,19 +48,22 @@ MODES = ("auto", "on", "off")
 
 CUDA_UNTRIED = ("eager: auto does not compile on CUDA until a GPU has run the captured step "
                 "({knob}=on runs it)")
+# what a compiled draft step is on CUDA (the record's `draft_compile`)
+CAPTURED = "the whole draft step captured as one CUDA graph, replayed per step"
 
 
 def settle_compile(knob: str, setting: str, what: str, reasons: list[str],
-                   device_type: str = "cpu") -> tuple[bool, str]:
+                   device_type: str = "cpu", cuda_auto: bool = False) -> tuple[bool, str]:
     """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
     `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
-    sentence naming `what` and the reasons, and `auto` stays eager and says why. `auto`
-    compiles on the CPU only: a CUDA capture of the step is `on`'s until a GPU has run one."""
+    sentence naming `what` and the reasons, and `auto` stays eager and says why. On CUDA
+    `auto` compiles only where `cuda_auto` (the draft step, captured as one graph); resident's
+    step stays `on`'s there until a GPU has run it."""
     if setting not in MODES:
         raise UserError(f"{knob} must be one of {', '.join(MODES)} (got '{setting}').")
     if setting == "off":
         return False, f"{knob}=off"
-    if setting == "auto" and device_type == "cuda":
+    if setting == "auto" and device_type == "cuda" and not cuda_auto:
         return False, CUDA_UNTRIED.format(knob=knob)
     if not reasons:
         return True, f"{knob}={setting}"
@@ -66,7 +76,8 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool,
                     device_type: str = "cpu") -> tuple[bool, str]:
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
-    no data-dependent shape: `gather_int4`) on the CPU, else stays eager and says why."""
+    no data-dependent shape: `gather_int4`), else stays eager and says why. On CUDA a
+    compiled step is captured as one CUDA graph (`StaticDraft(capture=...)`)."""
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
@@ -79,14 +90,20 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool,
                        "(quant.backend=gather_int4 compiles)")
     if sampling:
         reasons.append("speculative sampling picks on the host")
-    return settle_compile("spec.compile", setting, "the draft step", reasons, device_type)
+    return settle_compile("spec.compile", setting, "the draft step", reasons, device_type,
+                          cuda_auto=True)
 
 
 class StaticDraft:
     """The target's own instance (`shared`, a `SelfDraft`) drafting in a static cache, one
     compiled graph per step (see the module's docstring). One row at a time.
     `compiler`: torch.compile's backend ("inductor"; "eager" checks the graph without code
-    generation, as the tests do); `mode`: its mode ("reduce-overhead" captures CUDA graphs).
+    generation, as the tests do); `mode`: its mode (None).
+    `capture(fn, warm)`: on CUDA, `quant.kernels.capture_graph`: the whole step (the
+    compiled forward, the argmax, the graph-safe listeners' updates: the lookahead buffer's,
+    the proposal written into the window's buffer and fed to the next step) captured once as
+    one CUDA graph, at the first step (the runner's untimed warm-up request), and each step
+    then one replay; the window's proposals are read once, after its last step.
     `on_copy(positions, rows, cache)` is told of each window's copy of newly committed KV;
     `after_step()` replays what the compiled region did not run (the clock's charges).
     `positions`: the longest context a request will reach (prompt, new tokens, a window), so
@@ -94,13 +111,14 @@ class StaticDraft:
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
                  on_copy=None, after_step=None, positions: int = 0, own_kv: bool = False,
-                 charging=None):
+                 charging=None, capture=None):
         self.shared, self.model = shared, shared.model
         # own_kv: a second instance's own KV (SpecMoEOff's layout), not a copy of the target's:
         # the committed tokens it has not seen are fed in one eager forward before the steps
         self.own_kv = own_kv
         self.compiler, self.mode = compiler, mode
-        self.graphs = mode == "reduce-overhead"  # CUDA graphs: outputs overwritten per replay
+        self.capture = capture  # capture(fn, warm) -> replay(): the step as one CUDA graph
+        self.replay = None  # the captured step (new buffers drop it: captured again)
         self.on_copy, self.after_step = on_copy, after_step
         # `charging()`: the block a step's replayed charges are made in (a virtual clock's
         # `Charger.captured_step`: priced as a captured graph's replay), or None
@@ -119,7 +137,11 @@ class StaticDraft:
         self.steps_run = 0
         self.compiles = 0  # new buffers: the next step compiles (`compile_s`: their wall time)
         self.compile_s = 0.0
+        self.captures = 0  # CUDA graph captures (each synchronizes the device once)
         self._fresh = False
+        # captured steps: the step's input token [1, 1], the window's proposals [1, capacity]
+        # and where the next one goes [1] (device tensors the graph reads and writes)
+        self._tok = self._proposals = self._at = None
 
     # -- the compiled step --------------------------------------------------------------------
     def _step(self, tok: torch.Tensor):
@@ -130,6 +152,32 @@ class StaticDraft:
         out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
         routes = torch.stack(self.shared.routes)
         return out.logits[:, -1].argmax(dim=-1, keepdim=True), routes
+
+    def _whole_step(self):
+        """The captured step: the compiled forward on `_tok`, the graph-safe listeners, the
+        proposal stored at `_at` and fed back as the next step's token. Returns the routes."""
+        nxt, routes = self.step(self._tok)
+        self.shared.in_graph(routes)
+        self._proposals.index_copy_(1, self._at, nxt)
+        self._at.add_(1)
+        self._tok.copy_(nxt)
+        return routes
+
+    def _capture_step(self) -> None:
+        """Capture `_whole_step` (its warm-up compiles it; the cache's write index is put back
+        after each warm-up run, whose K and V the step itself rewrites)."""
+        began = time.perf_counter()
+        lengths = [layer.cumulative_length for layer in self.cache.layers]
+        saved = [t.clone() for t in lengths]
+
+        def warm():
+            self.step(self._tok)
+            for t, s in zip(lengths, saved):
+                t.copy_(s)
+        self.replay = self.capture(self._whole_step, warm)
+        self.captures += 1
+        self.compile_s += time.perf_counter() - began
+        self.compiles, self._fresh = self.compiles + 1, False
 
     # -- the layout's interface (drafting.py) --------------------------------------------------
     def start(self, rows: int, device) -> None:
@@ -159,6 +207,14 @@ class StaticDraft:
         self._held = cache_bytes(self.cache)
         self._per_position = sum(t.numel() // t.shape[2] * t.element_size()
                                  for layer in self.cache.layers for t in (layer.keys, layer.values))
+        if self.capture is not None:  # the graph reads these buffers: captured again
+            device = self.cache.layers[0].keys.device
+            self.replay = None
+            self._tok = torch.zeros(1, 1, dtype=torch.long, device=device)
+            self._proposals = torch.zeros(1, self.capacity, dtype=torch.long, device=device)
+            self._at = torch.zeros(1, dtype=torch.long, device=device)
+            self._held += sum(t.numel() * t.element_size()
+                              for t in (self._tok, self._proposals, self._at))
 
     def _sync(self, kv: BatchCache, k: int) -> None:
         """Copy the positions the target committed since the last window into the buffers and
@@ -214,6 +270,9 @@ class StaticDraft:
             first = self._catch_up(kv, seqs[0], k, tell)
         else:
             self._sync(kv, k)
+        if self.capture is not None:
+            yield from self._replayed(kv, seqs[0], k, first, tell, stop, out)
+            return
         if first is not None:  # the window's first step ran eagerly
             chosen.append(first)
             tok = first
@@ -227,12 +286,8 @@ class StaticDraft:
             for i in range(len(chosen), k):
                 tell(1, kv.length + i + 1, "draft", rows=1)
                 began = time.perf_counter()
-                if self.graphs:  # a new step of the CUDA graph tree (its outputs are reused)
-                    torch.compiler.cudagraph_mark_step_begin()
                 with compiled_region():  # counted as one graph replay (experiments/hotpath.py)
                     nxt, routes = self.step(tok)
-                if self.graphs:  # the token is kept past the next replay, which overwrites the
-                    nxt = nxt.clone()  # graph's outputs; `routes` is read (queued) before it
                 if self._fresh:  # this call compiled (host wall time, whatever the clock)
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
@@ -245,6 +300,39 @@ class StaticDraft:
                 tok = nxt
                 yield i + 1, k
         row = torch.cat(chosen, dim=1)[0].tolist()  # the window's one read of its proposals
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        out[0].extend(row[:cut])
+
+    def _replayed(self, kv: BatchCache, seq: list[int], k: int, first, tell, stop: set[int],
+                  out: list[list[int]]):
+        """`steps` with each step one replay of the captured graph (`capture`): the window's
+        first input written into the graph's token buffer (the pending token by a fill, no
+        copy from the host; or own_kv's eager first proposal), then one replay per step, no
+        other kernel and no host read until the window's proposals are read, once."""
+        done = 0
+        if first is not None:  # own_kv: the window's first step ran eagerly
+            self._tok.copy_(first)
+            self._proposals[:, :1].copy_(first)
+            self._at.fill_(1)
+            done = 1
+            yield 1, k
+        else:
+            self._tok.fill_(seq[-1])
+            self._at.zero_()
+        with self.shared.draft(), self.shared.capturing():
+            if self.replay is None and done < k:  # the first window with these buffers:
+                self._capture_step()  # captured before its first step (no step's time holds it)
+            for i in range(done, k):
+                tell(1, kv.length + i + 1, "draft", rows=1)
+                with compiled_region():  # one graph replay (experiments/hotpath.py)
+                    routes = self.replay()
+                self.steps_run += 1
+                with self.charging() if self.charging is not None else contextlib.nullcontext():
+                    self.shared.replay(routes, captured=True)  # read before the next replay
+                    if self.after_step is not None:
+                        self.after_step()
+                yield i + 1, k
+        row = self._proposals[0, :k].tolist()  # the window's one read of its proposals
         cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
         out[0].extend(row[:cut])
 

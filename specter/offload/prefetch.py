@@ -41,6 +41,9 @@ class WindowPrefetcher:
         """The draft routed its tokens to `top_k_index` [T, k] at MoE layer `layer`."""
 
     on_draft_routes = None  # or f(routes [L, T, k]): a compiled step's every layer in one call
+    # True where on_draft_routes is device work only, on tensors kept in place (no host read,
+    # no new tensor kept): a draft step captured as one CUDA graph then runs it inside the graph
+    routes_in_graph = False
 
     def on_forward(self, phase: str) -> None:
         """A forward is about to run: "prefill" | "draft" | "verify"."""

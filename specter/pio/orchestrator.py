@@ -137,6 +137,8 @@ class Orchestrator(WindowPrefetcher):
     def on_draft_routes(self, routes) -> None:
         self.elb.add_all(routes)
 
+    routes_in_graph = True  # the lookahead buffer's scatter: inside a captured draft step
+
     def on_forward(self, phase: str) -> None:
         if phase == "draft":
             self._t_step = self.link.mark()

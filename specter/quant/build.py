@@ -78,7 +78,8 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
     if compiles:
         if device.type == "cpu":
             return "gather_int4", f"auto: the draft step compiles whole on it ({COMPILED_WHY})"
-        return "gather_int4", "auto: spec.compile=on compiles the step, only gather_int4's"
+        return "gather_int4", ("auto: the draft step is captured whole as one CUDA graph, "
+                               "only gather_int4's can be")
     int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
         usable = {"reference", "gather_int4", *(["triton"] if triton_available() else []),
@@ -105,26 +106,51 @@ COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step comp
 
 def draft_compiles(cfg, device: torch.device) -> bool:
     """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
-    `auto` on a real clock on the CPU, where the compiled step was measured faster, with one
-    greedy row. On a virtual clock `auto` keeps the eager default (cpu_int4): the modelled
-    step's time does not depend on the backend, and each run would pay a compilation. Where
-    gather_int4 is chosen anyway (quant.backend=gather_int4, as the hot-path counter runs it),
-    `auto` compiles it (static_draft.resolve_compile). On CUDA `auto` keeps triton with its
-    per-layer graphs: no GPU has run a captured whole step yet (spec.compile=on runs one)."""
+    `auto` on a real clock with one greedy row: on the CPU, where the compiled step was
+    measured faster, and on CUDA, where the whole step is captured as one CUDA graph (unless
+    quant.graphs=on asked for each draft layer's own graph). On a virtual clock `auto` keeps
+    the eager default (cpu_int4, triton): the modelled step's time does not depend on the
+    backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
+    (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
+    (static_draft.resolve_compile)."""
     mode, w = cfg.spec.compile, cfg.workload
     if mode == "on":
         return True
-    return (mode == "auto" and cfg.hardware.clock == "wall" and device.type == "cpu"
-            and w.batch == 1 and w.temperature == 0)
+    if mode != "auto" or cfg.hardware.clock != "wall" or w.batch != 1 or w.temperature != 0:
+        return False
+    if device.type == "cuda":
+        return getattr(getattr(cfg, "quant", None), "graphs", "auto") != "on"
+    return device.type == "cpu"
 
 
 GRAPHS = ("auto", "on", "off")
+GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA graph and "
+                   "spec.compile=on captures the whole draft step as one: choose one "
+                   "(quant.graphs=off, or spec.compile=off).")
 
 
-def resolve_graphs(name: str, backend: str, device: torch.device) -> tuple[bool, str]:
+def step_captured(cfg, backend: str, device: torch.device, counted: bool = False) -> bool:
+    """Whether `spec.compile` will capture the whole draft step as one CUDA graph
+    (static_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
+    quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
+    spec.compile=auto leaves the step eager."""
+    from specter.decoding.static_draft import resolve_compile
+
+    if device.type != "cuda" or counted or cfg.quant.graphs == "on":
+        return False
+    w = cfg.workload
+    try:
+        return resolve_compile(cfg.spec.compile, backend, w.batch, w.temperature > 0, "cuda")[0]
+    except UserError:
+        return False
+
+
+def resolve_graphs(name: str, backend: str, device: torch.device,
+                   whole_step: bool = False) -> tuple[bool, str]:
     """(replay draft layers as CUDA graphs, why): `on` where the device is CUDA and the backend
     issues the same kernels whatever the routing (kernels.FIXED_SHAPE); `auto` the same, else
-    off; `off` never. `on` where it cannot work is one sentence."""
+    off, and off where the whole draft step is captured as one graph (`whole_step`:
+    spec.compile); `off` never. `on` where it cannot work is one sentence."""
     if name not in GRAPHS:
         raise UserError(f"unknown quant.graphs '{name}'; choose one of: {', '.join(GRAPHS)}.")
     if name == "off":
@@ -139,12 +165,16 @@ def resolve_graphs(name: str, backend: str, device: torch.device) -> tuple[bool,
             raise UserError(f"quant.graphs=on needs a fixed-shape draft backend "
                             f"({', '.join(FIXED_SHAPE)}); quant.backend resolved to {backend}.")
         return False, f"auto: {backend} issues kernels per routed expert"
+    if whole_step and name == "auto":
+        return False, "auto: the whole draft step is captured as one CUDA graph (spec.compile)"
     return True, "quant.graphs=on" if name == "on" else f"auto: CUDA and {backend}"
 
 
 def draft_for(ctx) -> Draft:
     """The quantized routed experts of `ctx.loaded.model` under `ctx.cfg.quant`."""
     q, model = ctx.cfg.quant, ctx.loaded.model
+    if q.graphs == "on" and ctx.cfg.spec.compile == "on":
+        raise UserError(GRAPHS_AND_STEP)
     spec = spec_of(q)
     cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
     data_dir = Path(ctx.cfg.data_dir) if ctx.cfg.data_dir else None
@@ -179,5 +209,6 @@ def draft_for(ctx) -> Draft:
     counted = hw.clock == "virtual" and (hw.host_op_s > 0 or hw.sync_s > 0)
     backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,
                                    draft_compiles(ctx.cfg, ctx.device) and not counted)
-    graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device)
+    graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device,
+                                        step_captured(ctx.cfg, backend, ctx.device, counted))
     return Draft(experts, path, reused, backend, why, graphs, graphs_why)

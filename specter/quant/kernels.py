@@ -370,11 +370,46 @@ class GatherInt4Experts(ReferenceExperts):
 
 
 # -- CUDA graphs -----------------------------------------------------------------------------
+class CapturedGraph:
+    """A captured CUDA graph and its outputs: calling it replays the graph (one launch) and
+    returns the outputs (static tensors, overwritten by the next replay)."""
+
+    def __init__(self, graph, outputs):
+        self.graph, self.outputs = graph, outputs
+
+    def __call__(self):
+        launched("graph")
+        self.graph.replay()
+        return self.outputs
+
+
+def capture_graph(fn, warm, cuda=None) -> CapturedGraph:
+    """`fn()` (device work only: no host read, no allocation whose size depends on data)
+    captured as one CUDA graph. `warm()` runs twice first, on a side stream (allocations,
+    torch.compile's code generation, Triton's JIT, cuBLAS's workspaces), and must leave the
+    state as it found it. The capture (`torch.cuda.graph`) synchronizes the device once:
+    capture at build time or in an untimed warm-up, never in a timed window. `cuda`:
+    torch.cuda (a stand-in in tests)."""
+    if cuda is None:
+        import torch.cuda as cuda
+    side = cuda.Stream()
+    side.wait_stream(cuda.current_stream())
+    with cuda.stream(side):  # warm-up outside the graph
+        for _ in range(2):
+            warm()
+    cuda.current_stream().wait_stream(side)
+    graph = cuda.CUDAGraph()
+    with cuda.graph(graph):
+        outputs = fn()
+    return CapturedGraph(graph, outputs)
+
+
 class GraphedExperts:
     """A fixed-shape backend (FIXED_SHAPE) captured as a CUDA graph once per call shape and
     replayed: the inputs are copied into the graph's own buffers, one replay runs the layer's
     kernels, the output is copied out. Calls with more than `max_tokens` tokens (a prefill)
-    run eagerly. CUDA only."""
+    run eagerly. CUDA only. Each capture synchronizes the device, so the engine captures the
+    shapes a draft forward takes at build time (`SelfDraft.warm_graphs`), not while decoding."""
 
     def __init__(self, inner, max_tokens: int = 16):
         self.inner, self.max_tokens = inner, max_tokens
@@ -383,26 +418,16 @@ class GraphedExperts:
     def tensors(self):
         """The inner backend's tensors and each captured graph's input and output buffers
         (the graphs' private pools for their intermediates are not tensors: not counted)."""
-        return self.inner.tensors() + [t for _, static, out in self.graphs.values()
-                                       for t in (*static, out)]
+        return self.inner.tensors() + [t for graph, static in self.graphs.values()
+                                       for t in (*static, graph.outputs)]
 
     def nbytes(self) -> int:
         return held_bytes(self.tensors())
 
     def _capture(self, hidden, top_k_index, top_k_weights):
-        import torch.cuda as cuda
-
         static = (hidden.clone(), top_k_index.clone(), top_k_weights.clone())
-        side = cuda.Stream()
-        side.wait_stream(cuda.current_stream())
-        with cuda.stream(side):  # warm-up outside the graph (allocations, Triton's compile)
-            for _ in range(2):
-                self.inner(*static)
-        cuda.current_stream().wait_stream(side)
-        graph = cuda.CUDAGraph()
-        with cuda.graph(graph):
-            out = self.inner(*static)
-        return graph, static, out
+        run = lambda: self.inner(*static)  # noqa: E731 (a warm-up changes no state)
+        return capture_graph(run, run), static
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         if hidden.shape[0] > self.max_tokens or torch.cuda.is_current_stream_capturing():
@@ -410,13 +435,11 @@ class GraphedExperts:
         key = (tuple(hidden.shape), hidden.dtype, tuple(top_k_index.shape), top_k_weights.dtype)
         if key not in self.graphs:
             self.graphs[key] = self._capture(hidden, top_k_index, top_k_weights)
-        graph, (h, i, w), out = self.graphs[key]
+        graph, (h, i, w) = self.graphs[key]
         h.copy_(hidden)
         i.copy_(top_k_index)
         w.copy_(top_k_weights)
-        launched("graph")
-        graph.replay()
-        return out.clone()
+        return graph().clone()
 
 
 def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.float32,
