@@ -210,8 +210,9 @@ class SpecConfig:
     # baseline, a variant beside the one at its paper's depth
     tune_own_k: bool = False
     # The draft step as one compiled graph over a static draft cache (decoding/static_draft.py):
-    # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4, not
-    # CUDA yet; quant.backend=auto takes gather_int4 for it on a real CPU clock: quant/build.py)
+    # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4; on
+    # CUDA captured whole as one CUDA graph; quant.backend=auto takes gather_int4 for it on a
+    # real clock: quant/build.py)
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 

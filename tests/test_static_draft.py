@@ -353,6 +353,15 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
 
     assert rec["draft_compiled"] and rec["draft_captured"] and made["capture"] is capture_graph
     assert "one CUDA graph" in rec["draft_compile"]
+    # a layout that cannot compile (system.shared=false: a per-window KV copy) under auto:
+    # eager, said, and its layers graphed instead (quant.graphs=auto was off for the step)
+    graphed_now = []
+    copied = NS(draft=NS(backend="gather_int4", graphs=False),
+                use_static=lambda *a, **kw: "eager: a per-window copy of the target's KV",
+                graph_layers=graphed_now.append)
+    rec = compile_draft(ctx(cfg()), copied, timing, 4)
+    assert not rec["draft_compiled"] and "per-window copy" in rec["draft_compile"]
+    assert graphed_now and "step stays eager" in graphed_now[0]
 
 
 def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():

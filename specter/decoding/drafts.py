@@ -58,6 +58,17 @@ class DraftPart:
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         pass
 
+    def graph_layers(self, why: str) -> None:
+        """Replay each draft layer as a CUDA graph from now on (`GraphedExperts`, as
+        quant.graphs=on builds them): where quant.graphs=auto was off for a step to be
+        captured whole and the step stays eager after all; `why` goes to the record."""
+        from specter.quant.kernels import GraphedExperts
+
+        instance = self.self_draft or getattr(self, "instance", None)
+        instance.draft_layers = [layer if isinstance(layer, GraphedExperts)
+                                 else GraphedExperts(layer) for layer in instance.draft_layers]
+        self.draft.graphs, self.draft.graphs_choice = True, why
+
     def warm_graphs(self, rows: int, k_max: int) -> int:
         """Capture the draft layers' per-layer CUDA graphs (quant.graphs) for the forwards a
         window of up to `rows` rows and `k_max` steps makes, now, at build time

@@ -27,6 +27,7 @@ from specter.offload.build import Timing, offload_model, timing_for
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
 from specter.quant.build import GRAPHS_AND_STEP
+from specter.quant.kernels import FIXED_SHAPE
 
 
 class GreedyEngine:
@@ -273,6 +274,9 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
             if spec.compile == "on":
                 raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
             on, why = False, why_not
+            if cuda and ctx.cfg.quant.graphs == "auto" and backend in FIXED_SHAPE:
+                # quant.graphs=auto was off for the whole step: its layers are graphed instead
+                draft.graph_layers(f"auto: CUDA and {backend} (the step stays eager)")
         elif cuda:
             why = f"{why}: {CAPTURED}"
     # captured: replayed as a CUDA graph, or charged as one on a virtual clock
