@@ -128,7 +128,7 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["quant"]["path"]
     if d["model"]["weights"] == "checkpoint":  # the case of runs before random weights
         del d["model"]["weights"]
-    for key in ("inflate_from", "layers"):  # the case of runs before inflated weights
+    for key in ("inflate_from", "layers", "narrow"):  # the case of runs before inflated weights
         if d["model"][key] is None:
             del d["model"][key]
     if d["model"]["attn"] == "auto":  # resolved at load: the runner adds it unless sdpa

@@ -14,9 +14,12 @@
 #
 #   MODEL        deepseek        model=...
 #   WEIGHTS      random          model.weights=... (random: the published config, no download;
-#                                checkpoint for a project-made model)
+#                                inflated: the published sizes grown from small_deepseek, routing
+#                                and drafting like it, models/inflate.py; checkpoint for a
+#                                project-made model)
 #   REAL_HW      cuda            the real side (hardware=cuda: real CUDA time, clock "cuda")
-#   VIRTUAL_HW   h200_measured   the virtual side (its virtual clock at the same sizes)
+#   VIRTUAL_HW   h200_measured   the virtual side (its virtual clock at the same sizes; none: no
+#                                virtual side, the real one only)
 #   BUDGET_GB    24              budget=gb budget.gb=...
 #   SYSTEMS      lru,specter     system=...
 #   QUANT        rtn             quant.method=... (GPTQ of random weights would cost minutes)
@@ -26,6 +29,13 @@
 #   KERNEL_BENCH 0               1: first the INT4 draft backends at DeepSeek's expert shape
 #                                (experiments.kernel_bench --quick --tokens 1 --write-choice:
 #                                quant.backend=auto then takes the fastest measured)
+#   SOURCE_CHECK (none)          a project-made model (e.g. small_deepseek) run as specter on the
+#                                same prompts, REAL_HW, budget=high: the acceptance the inflated
+#                                model must match (the verdict prints both)
+#   HOTPATH      (none)          systems whose launches and syncs per committed token are counted
+#                                at the first budget (experiments.hotpath, 1 item x 17 tokens)
+#   H2D_GBPS     (measured)      the link's rate for the link floor (default: measured here, one
+#                                256 MiB pinned copy on CUDA; none on the CPU)
 #   EXTRA        (none)          more run.py overrides for every job, space-separated
 #   OUT          results/real_size
 #   PY           .venv/bin/python
@@ -44,6 +54,9 @@ ITEMS="${ITEMS:-2}"
 TOKENS="${TOKENS:-24}"
 RESIDENT="${RESIDENT:-0}"
 KERNEL_BENCH="${KERNEL_BENCH:-0}"
+SOURCE_CHECK="${SOURCE_CHECK:-}"
+HOTPATH="${HOTPATH:-}"
+H2D_GBPS="${H2D_GBPS:-}"
 EXTRA="${EXTRA:-}"
 OUT="${OUT:-results/real_size}"
 PY="${PY:-.venv/bin/python}"
@@ -61,15 +74,53 @@ if [ "$KERNEL_BENCH" = 1 ]; then
   "$PY" -m experiments.kernel_bench --out "$OUT/kernel" --device cuda --shapes deepseek \
     --tokens 1 --quick --write-choice || rc=1
 fi
-echo "-- $SYSTEMS x hardware=$REAL_HW,$VIRTUAL_HW, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS weights)"
-"$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$REAL_HW,$VIRTUAL_HW" \
+hw="$REAL_HW,$VIRTUAL_HW"
+verdict=(--real-hardware "$REAL_HW" --virtual-hardware "$VIRTUAL_HW")
+if [ "$VIRTUAL_HW" = none ]; then hw="$REAL_HW"; fi
+echo "-- $SYSTEMS x hardware=$hw, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS weights)"
+"$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$hw" \
   budget=gb budget.gb="$BUDGET_GB" quant.method="$QUANT" || rc=1
 if [ "$RESIDENT" = 1 ]; then
   echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
   "$PY" run.py -m "${common[@]}" system=resident budget=full \
-    hardware="$REAL_HW,$VIRTUAL_HW" || rc=1
+    hardware="$hw" || rc=1
 fi
+if [ -n "$SOURCE_CHECK" ]; then
+  echo "-- the source's own acceptance: model=$SOURCE_CHECK, specter, hardware=$REAL_HW"
+  "$PY" run.py model="$SOURCE_CHECK" system=specter budget=high hardware="$REAL_HW" \
+    dataset=gsm8k workload.items="$ITEMS" workload.repeats=1 workload.max_new_tokens="$TOKENS" \
+    quant.method="$QUANT" out_dir="$OUT/source_records" progress=false || rc=1
+  verdict+=(--source-records "$OUT/source_records")
+fi
+if [ -n "$HOTPATH" ]; then
+  first="${BUDGET_GB%%,*}"
+  echo "-- launches and syncs per committed token: $HOTPATH at budget.gb=$first"
+  "$PY" -m experiments.hotpath "$OUT/hotpath" system="$HOTPATH" model="$MODEL" \
+    model.weights="$WEIGHTS" hardware="$REAL_HW" budget=gb budget.gb="$first" \
+    quant.method="$QUANT" dataset=gsm8k workload.items=1 workload.max_new_tokens=17 \
+    ${extra[@]+"${extra[@]}"} || rc=1
+  verdict+=(--hotpath "$OUT/hotpath/hotpath.csv")
+fi
+if [ -z "$H2D_GBPS" ]; then
+  H2D_GBPS=$("$PY" - <<'H2D' 2>/dev/null
+import torch
+if torch.cuda.is_available():
+    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    for _ in range(2):
+        dst.copy_(src, non_blocking=True)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(4):
+        dst.copy_(src, non_blocking=True)
+    b.record()
+    torch.cuda.synchronize()
+    print(f"{4 * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9:.2f}")
+H2D
+)
+fi
+[ -n "$H2D_GBPS" ] && verdict+=(--h2d-gbps "$H2D_GBPS")
 echo "-- verdict"
-"$PY" -m experiments.real_size "$OUT/records" --csv "$OUT/error_table.csv" \
-  --real-hardware "$REAL_HW" --virtual-hardware "$VIRTUAL_HW" || rc=1
+"$PY" -m experiments.real_size "$OUT/records" --csv "$OUT/error_table.csv" "${verdict[@]}" || rc=1
 exit $rc

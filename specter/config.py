@@ -44,6 +44,9 @@ class ModelConfig:
     # (real widths, fewer layers: CPU measurements at real size).
     inflate_from: str | None = None
     layers: int | None = None
+    # Widths of a random or inflated model other than the published ones (config.json keys,
+    # e.g. {hidden_size: 96}): reduced-size checks of the same chain on the CPU
+    narrow: dict | None = None
     # The attention implementation: auto (flash_attention_2 on CUDA where the flash-attn extra
     # is installed and the architecture supports it, else sdpa; sdpa on the CPU), or eager,
     # sdpa, flash_attention_2 (refused in one sentence where it cannot run)
@@ -278,10 +281,10 @@ class RunConfig:
                 raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a "
                                 f"project-made model; model={self.model.name} has no inflation "
                                 "rule (model.weights=random gives its sizes).")
-        if (self.model.layers is not None or self.model.inflate_from) and \
-                self.model.weights == "checkpoint":
-            raise UserError("model.layers and model.inflate_from apply to model.weights=random "
-                            "or inflated only.")
+        if (self.model.layers is not None or self.model.inflate_from or self.model.narrow) \
+                and self.model.weights == "checkpoint":
+            raise UserError("model.layers, model.narrow and model.inflate_from apply to "
+                            "model.weights=random or inflated only.")
         if self.model.layers is not None and self.model.layers < 2:
             raise UserError(f"model.layers must be at least 2 (got {self.model.layers}).")
         for key in ("quant_group", "quant_meta_bytes"):

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import weakref
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -254,3 +255,76 @@ def test_the_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
     p = real_size.peaks(df)
     assert len(p) == 4 and p["fits"].all()
     assert (out / "error_table.csv").is_file()
+
+
+NARROW = ("model.narrow={hidden_size:96,moe_intermediate_size:48,intermediate_size:160,"
+          "kv_lora_rank:48,num_attention_heads:6,num_key_value_heads:6,qk_nope_head_dim:24,"
+          "qk_rope_head_dim:16,v_head_dim:24,vocab_size:4500}")
+
+
+def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
+    """gpu_check's first stage (`inflated`, issue 45) as it calls real_size.sh: specter, lru
+    and specmoeoff at 16 and 24 GiB in real CUDA time on DeepSeek-V2-Lite inflated from
+    small_deepseek, 3 items x 64 tokens, no virtual side; resident at full; small_deepseek's own
+    acceptance; the hot path of specter and lru; the verdict with all of them. Every run.py
+    override passes run.py's checks."""
+    log = tmp_path / "argv.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(log))}\n'
+                    f'echo >> {shlex.quote(str(log))}\n')
+    stub.chmod(0o755)
+    gpu_check = (REPO / "scripts" / "gpu_check.sh").read_text()
+    block = gpu_check[gpu_check.index("if want inflated"):]
+    block = block[:block.index("\nfi\n")]
+    env = {"PY": str(stub), "OUT": str(tmp_path / "out"), "MODEL": "deepseek",
+           "WEIGHTS": "inflated", "SYSTEMS": "specter,lru,specmoeoff", "BUDGET_GB": "16,24",
+           "ITEMS": "3", "TOKENS": "64", "VIRTUAL_HW": "none", "RESIDENT": "1",
+           "SOURCE_CHECK": "small_deepseek", "HOTPATH": "specter,lru", "H2D_GBPS": "50"}
+    for key, value in env.items():  # the stage passes exactly these
+        if key not in ("PY", "OUT", "H2D_GBPS"):  # (H2D_GBPS: measured there)
+            assert f'{key}={value}' in block or f'{key}="${{INFLATED_' in block, key
+    done = _script(env, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = [shlex.split(line) for line in log.read_text().splitlines()]
+    assert [c[0] for c in calls] == ["run.py", "run.py", "run.py", "-m", "-m"]
+    sweep, resident, source, hot, verdict = calls
+    for arg in ("model=deepseek", "model.weights=inflated", "system=specter,lru,specmoeoff",
+                "hardware=cuda", "budget.gb=16,24", "workload.items=3",
+                "workload.max_new_tokens=64"):
+        assert arg in sweep, arg
+    assert "system=resident" in resident and "budget=full" in resident
+    assert "model=small_deepseek" in source and "system=specter" in source
+    assert hot[:3] == ["-m", "experiments.hotpath", str(tmp_path / "out" / "hotpath")]
+    assert "system=specter,lru" in hot and "budget.gb=16" in hot
+    assert verdict[verdict.index("--virtual-hardware") + 1] == "none"
+    assert verdict[verdict.index("--h2d-gbps") + 1] == "50"
+    from experiments.configs import checked_overrides
+
+    for call in (sweep[2:], resident[2:], source[1:], hot[3:]):
+        args = [a for a in call if a != "-m"]
+        assert len(checked_overrides(args)) == len(args)
+
+
+@pytest.mark.slow
+def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
+    """The inflated stage's chain on the CPU at reduced size: DeepSeek-V2-Lite's layout grown
+    from tiny_deepseek to small widths (model.narrow) and 4 layers, a virtual profile standing
+    in for the real side; every part writes, and the verdict prints the stage table with the
+    source's acceptance beside the inflated model's (equal: the same draft)."""
+    out = tmp_path / "inf"
+    done = _script({"MODEL": "deepseek", "WEIGHTS": "inflated", "REAL_HW": "a100_pcie4_hf",
+                    "VIRTUAL_HW": "none", "SYSTEMS": "specter,lru", "BUDGET_GB": "16",
+                    "ITEMS": "1", "TOKENS": "8", "RESIDENT": "1", "SOURCE_CHECK": "tiny_deepseek",
+                    "HOTPATH": "specter", "H2D_GBPS": "25", "OUT": str(out), "PY": sys.executable,
+                    "EXTRA": f"model.inflate_from=tiny_deepseek model.layers=4 {NARROW}"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    df = records.load(out / "records")
+    assert set(df["weights"]) == {"inflated"} and set(df["system"]) == {"specter", "lru",
+                                                                      "resident"}
+    t = real_size.stage_table(df, "a100_pcie4_hf", 25.0,
+                              pd.read_csv(out / "hotpath" / "hotpath.csv"))
+    assert t["link_floor_ms"].notna().all() and t["launches_per_token"].notna().any()
+    src = records.load(out / "source_records")
+    spec = df[df["system"] == "specter"]
+    assert spec["acceptance_rate"].mean() == pytest.approx(src["acceptance_rate"].mean(), abs=0.03)
+    assert "acceptance: inflated" in done.stdout

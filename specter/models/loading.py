@@ -62,12 +62,16 @@ def random_folder(cfg: ModelConfig, cache_dir: Path | None) -> Path:
                         f"which this project does not hold; it holds {', '.join(PUBLISHED)}.")
     digest = hashlib.sha256(json.dumps(PUBLISHED[cfg.name]["config"], sort_keys=True)
                             .encode()).hexdigest()[:10]
-    if cfg.layers is not None:
-        digest += f"-l{cfg.layers}"
+    if cfg.layers is not None or cfg.narrow:
+        digest += "-" + hashlib.sha256(json.dumps([cfg.layers, cfg.narrow], sort_keys=True)
+                                       .encode()).hexdigest()[:8]
     folder = (cache_dir or zoo.default_cache_dir()) / "random" / f"{cfg.name}-{digest}"
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        write_config_folder(cfg.name, tmp, layers=cfg.layers)
+        try:
+            write_config_folder(cfg.name, tmp, layers=cfg.layers, narrow=cfg.narrow)
+        except (KeyError, ValueError) as e:
+            raise UserError(f"model.narrow / model.layers for model={cfg.name}: {e}") from None
         try:
             os.replace(tmp, folder)
         except OSError:  # another process wrote it first
@@ -95,7 +99,11 @@ def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
     src = zoo.ensure_project_model(source, seed=seed, cache_dir=cache_dir, progress=progress,
                                    build=cfg.build)
     small = json.loads((src / "config.json").read_text())
-    config = inflated_config(fixture_config(cfg.name, layers=cfg.layers), small)
+    try:
+        big = fixture_config(cfg.name, layers=cfg.layers, narrow=cfg.narrow)
+    except (KeyError, ValueError) as e:
+        raise UserError(f"model.narrow / model.layers for model={cfg.name}: {e}") from None
+    config = inflated_config(big, small)
     build = json.loads((src / "specter_build.json").read_text()) \
         if (src / "specter_build.json").is_file() else {}
     meta = {"from": source, "source_folder": str(src.resolve()),
