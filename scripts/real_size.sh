@@ -36,6 +36,9 @@
 #                                at the first budget (experiments.hotpath, 1 item x 17 tokens)
 #   H2D_GBPS     (measured)      the link's rate for the link floor (default: measured here, one
 #                                256 MiB pinned copy on CUDA; none on the CPU)
+#   SWEEP_TIMEOUT_S  (none)      a time limit for the sweep, and PART_TIMEOUT_S for each later
+#   PART_TIMEOUT_S   (none)      part (resident, source, hot path), so that the verdict always
+#                                prints from what finished (rows are written per request)
 #   EXTRA        (none)          more run.py overrides for every job, space-separated
 #   OUT          results/real_size
 #   PY           .venv/bin/python
@@ -57,6 +60,10 @@ KERNEL_BENCH="${KERNEL_BENCH:-0}"
 SOURCE_CHECK="${SOURCE_CHECK:-}"
 HOTPATH="${HOTPATH:-}"
 H2D_GBPS="${H2D_GBPS:-}"
+SWEEP_TIMEOUT_S="${SWEEP_TIMEOUT_S:-}"
+PART_TIMEOUT_S="${PART_TIMEOUT_S:-}"
+# limited LIMIT CMD...: CMD under `timeout LIMIT` when LIMIT is set
+limited() { local s="$1"; shift; if [ -n "$s" ]; then timeout -k 5 "$s" "$@"; else "$@"; fi; }
 EXTRA="${EXTRA:-}"
 OUT="${OUT:-results/real_size}"
 PY="${PY:-.venv/bin/python}"
@@ -78,16 +85,16 @@ hw="$REAL_HW,$VIRTUAL_HW"
 verdict=(--real-hardware "$REAL_HW" --virtual-hardware "$VIRTUAL_HW")
 if [ "$VIRTUAL_HW" = none ]; then hw="$REAL_HW"; fi
 echo "-- $SYSTEMS x hardware=$hw, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS weights)"
-"$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$hw" \
+limited "$SWEEP_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$hw" \
   budget=gb budget.gb="$BUDGET_GB" quant.method="$QUANT" || rc=1
 if [ "$RESIDENT" = 1 ]; then
   echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
-  "$PY" run.py -m "${common[@]}" system=resident budget=full \
+  limited "$PART_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system=resident budget=full \
     hardware="$hw" || rc=1
 fi
 if [ -n "$SOURCE_CHECK" ]; then
   echo "-- the source's own acceptance: model=$SOURCE_CHECK, specter, hardware=$REAL_HW"
-  "$PY" run.py model="$SOURCE_CHECK" system=specter budget=high hardware="$REAL_HW" \
+  limited "$PART_TIMEOUT_S" "$PY" run.py model="$SOURCE_CHECK" system=specter budget=high hardware="$REAL_HW" \
     dataset=gsm8k workload.items="$ITEMS" workload.repeats=1 workload.max_new_tokens="$TOKENS" \
     quant.method="$QUANT" out_dir="$OUT/source_records" progress=false || rc=1
   verdict+=(--source-records "$OUT/source_records")
@@ -95,13 +102,13 @@ fi
 if [ -n "$HOTPATH" ]; then
   first="${BUDGET_GB%%,*}"
   echo "-- launches and syncs per committed token: $HOTPATH at budget.gb=$first"
-  "$PY" -m experiments.hotpath "$OUT/hotpath" system="$HOTPATH" model="$MODEL" \
+  limited "$PART_TIMEOUT_S" "$PY" -m experiments.hotpath "$OUT/hotpath" system="$HOTPATH" model="$MODEL" \
     model.weights="$WEIGHTS" hardware="$REAL_HW" budget=gb budget.gb="$first" \
     quant.method="$QUANT" dataset=gsm8k workload.items=1 workload.max_new_tokens=17 \
     ${extra[@]+"${extra[@]}"} || rc=1
   verdict+=(--hotpath "$OUT/hotpath/hotpath.csv")
 fi
-if [ -z "$H2D_GBPS" ]; then
+if [ -z "$H2D_GBPS" ] && [ "$REAL_HW" = cuda ]; then
   H2D_GBPS=$("$PY" - <<'H2D' 2>/dev/null
 import torch
 if torch.cuda.is_available():

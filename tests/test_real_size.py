@@ -213,7 +213,7 @@ def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
     stub.write_text(f'#!/usr/bin/env bash\nprintf "%q " "$@" >> {shlex.quote(str(log))}\n'
                     f'echo >> {shlex.quote(str(log))}\n')
     stub.chmod(0o755)
-    done = _script({"PY": str(stub), "OUT": str(tmp_path / "out")}, timeout=60)
+    done = _script({"PY": str(stub), "OUT": str(tmp_path / "out"), "H2D_GBPS": "50"}, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = [shlex.split(line) for line in log.read_text().splitlines()]
     assert [c[:2] for c in calls] == [["run.py", "-m"], ["-m", "experiments.real_size"]]
@@ -225,7 +225,7 @@ def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
         assert arg in sweep, arg
     assert calls[1][2:] == [str(tmp_path / "out" / "records"), "--csv",
                             str(tmp_path / "out" / "error_table.csv"), "--real-hardware", "cuda",
-                            "--virtual-hardware", "h200_measured"]
+                            "--virtual-hardware", "h200_measured", "--h2d-gbps", "50"]
     from experiments.configs import checked_overrides
 
     assert len(checked_overrides(sweep)) == len(sweep)
