@@ -106,16 +106,17 @@ def launched(kind: str) -> None:
 
 
 @contextlib.contextmanager
-def compiled_region():
+def compiled_region(count: bool = True):
     """Around a call of a compiled graph: counted as one graph replay; the counters and their
-    dispatch modes step aside for the call (a compiled frame does not run under a mode)."""
+    dispatch modes step aside for the call (a compiled frame does not run under a mode).
+    `count=False`: they step aside and count nothing (a capture: the warm-up's work)."""
     if not _ACTIVE:
         yield
         return
     from torch.utils._python_dispatch import _disable_current_modes
 
     for c in list(_ACTIVE):
-        if not c.paused:
+        if count and not c.paused:
             c.count("graph")
     with _every_counter("paused"), _disable_current_modes():
         yield

@@ -387,9 +387,16 @@ def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():
     sw.listen(lambda l, t: None, lambda routes: outside.append(routes.shape))
     fake = FakeCuda()
     static = StaticDraft(sw, compiler="eager", capture=fake.capture_graph)
-    assert _run(lm, sw, ids, 20, 4, static).tokens == ref
+    from collections import Counter
+
+    from specter.counting import OpCounter
+
+    with OpCounter() as counter:  # the capture under a counter (experiments/hotpath.py)
+        assert _run(lm, sw, ids, 20, 4, static).tokens == ref
     assert static.captures == 1 and fake.captures == 1 and fake.log.device_syncs == 1
     assert fake.replays == static.steps_run > 0
+    total = sum(counter.counts.values(), start=Counter())
+    assert total["graph_replays"] == static.steps_run  # each step one replay, the capture none
     assert torch.equal(eager.counts, captured.counts) and captured.counts.sum() > 0
     assert len(outside) == static.steps_run  # not graph-safe: heard after each replay
     syncs = fake.log.device_syncs
