@@ -211,8 +211,9 @@ def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
                                f"out_dir={tmp_path / system}", *extra]), log=lambda *_: None)
         df = records.load(tmp_path / system).sort_values("request_id")
         tokens[system] = df["output_tokens"].map(tuple).tolist()
-        if system == "specter":
-            assert df["draft.graphs"].all()
+        if system == "specter":  # per-layer graphs asked: spec.compile=auto says it stays eager
+            assert df["draft.graphs"].all() and not df["draft_compiled"].any()
+            assert df["draft_compile"].str.contains("quant.graphs=on").all()
     assert tokens["specter"] == tokens["resident"]
 
 
@@ -251,6 +252,32 @@ def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
                 assert df["draft_compile"].str.contains("one CUDA graph").all()
                 assert (df["draft_compiles"] == 0).all()
     assert len(set(map(tuple, tokens.values()))) == 1, tokens
+
+
+@pytest.mark.cuda
+def test_a_draft_step_that_cannot_be_captured_graphs_its_layers_on_cuda(tmp_path):
+    """issue 45 item 3: where spec.compile=auto cannot capture the step (specter without
+    sharing: a per-window copy of the target's KV), the row says so, the draft layers are
+    replayed as CUDA graphs instead (captured at build time), and the tokens are resident's."""
+    from experiments import records, runner
+    from experiments.configs import run_config
+
+    tokens = {}
+    for system, extra in (("resident", []), ("specter", ["system.shared=false"])):
+        out = tmp_path / system
+        runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
+                               "workload.items=2", "workload.max_new_tokens=24",
+                               "workload.stop_on_eos=false", "spec.k=4", "progress=false",
+                               "quant.method=rtn", f"out_dir={out}", *extra]),
+                   log=lambda *_: None)
+        df = records.load(out).sort_values("request_id")
+        tokens[system] = df["output_tokens"].map(tuple).tolist()
+        if system == "specter":
+            assert not df["draft_compiled"].any()
+            assert df["draft_compile"].str.contains("per-window copy").all()
+            assert df["draft.graphs"].all() and (df["draft.backend"] == "gather_int4").all()
+            assert df["draft.graphs_choice"].str.contains("step stays eager").all()
+    assert tokens["specter"] == tokens["resident"]
 
 
 @pytest.mark.cuda
