@@ -209,3 +209,33 @@ def test_batched_run_writes_a_row_per_sequence_and_resumes_a_partial_batch(tmp_p
     assert (summary.written, summary.skipped) == (1, 2)
     again = records.load(tmp_path).sort_values("request_id")
     assert again["output_tokens"].map(tuple).tolist() == df["output_tokens"].map(tuple).tolist()
+
+
+def test_on_a_gpu_every_engine_is_warmed_before_its_timed_rows():
+    """A real clock on CUDA warms every system with one untimed request (the H200's LRU paid
+    216 ms a token in its first timed request, 99 in its second); on the CPU only a compiled
+    step is warmed; a virtual clock never."""
+    import torch
+
+    from experiments.configs import run_config
+    from experiments.runner import warm_up
+
+    class Engine:
+        compiled: dict = {}
+
+        def __init__(self, device):
+            self.device, self.calls = torch.device(device), 0
+
+        def reset(self):
+            pass
+
+        def generate(self, prompt, n):
+            self.calls += 1
+
+    wall = run_config(["model=tiny_deepseek", "hardware=cpu", "system=resident"])
+    virtual = run_config(["model=tiny_deepseek", "hardware=a100_pcie4_hf", "system=resident"])
+    gpu, cpu, charged = Engine("cuda"), Engine("cpu"), Engine("cuda")
+    warm_up(gpu, wall, [1, 2], log=lambda *_: None)
+    warm_up(cpu, wall, [1, 2], log=lambda *_: None)
+    warm_up(charged, virtual, [1, 2], log=lambda *_: None)
+    assert (gpu.calls, cpu.calls, charged.calls) == (1, 0, 0)
