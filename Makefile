@@ -19,7 +19,7 @@ setup: .venv/.installed
 
 # The main job: Specter beside SpecMoEOff, LRU and resident on the default small model, then
 # their table (conf/experiment/quickstart.yaml; ARGS adds run.py overrides, e.g.
-# ARGS="hardware=a100_pcie4_ideal" or ARGS="model=small_qwen").
+# ARGS="hardware=a100_pcie4_ideal" or ARGS="model=small_phi").
 MAIN_OUT ?= results/main_job
 run: .venv/.installed
 	$(PY) run.py -m experiment=quickstart out_dir=$(MAIN_OUT) $(ARGS)

@@ -33,6 +33,15 @@ def test_tiny_checkpoint_is_an_ordinary_hf_folder(name, tiny_models):
     assert meta["loss_last"] < meta["loss_first"] - 1.0  # it was trained
     # routing is not collapsed onto a few experts (a wide margin: trained builds give 0.8-0.99)
     assert 0.3 < meta["routing_load_entropy"] <= 1.0
+    # trained in fp32, stored in bf16 (the recipe says so), loaded at the run's fp32 exactly
+    from specter.placement.bytes import header
+
+    assert meta["weights_dtype"] == zoo.WEIGHTS_DTYPE == "bfloat16"
+    assert {t["dtype"] for f in lm.checkpoint.glob("*.safetensors")
+            for t in header(f).values()} == {"BF16"}
+    for p in lm.model.parameters():
+        if p.device.type != "meta":
+            assert p.dtype == torch.float32 and torch.equal(p, p.to(torch.bfloat16).float())
     spec = lm.spec
     assert (spec.num_experts, spec.top_k, spec.shared_experts) == EXPECTED[name]
     assert spec.num_moe_layers >= 2

@@ -17,6 +17,10 @@ A build is the same for a seed whatever the caller's thread count or core count 
 `hermetic.BUILD_THREADS` threads) on a given CPU kernel family, torch and Python release (the
 stdlib text is part of the training data; its digest is stored with the checkpoint);
 specter_build.json records all of these and the weights' checksum (`weights_sha256`).
+Storage: a build trains in fp32 and rounds its weights to `WEIGHTS_DTYPE` (bf16) before it
+measures and saves them, so the routing statistics describe the weights as stored, the shipped
+builds are half the size (the working tree travels to GPU hosts), and every run loads them at
+its own dtype (fp32 on the CPU: exact). The storage dtype is part of the recipe.
 """
 
 from __future__ import annotations
@@ -55,6 +59,13 @@ def _every_expert_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.einsum("tei,ehi->th", act, self.down_proj)
 
 
+# The dtype a build's weights are stored in (recipe key `weights_dtype`): trained in fp32,
+# rounded once after training. bf16 keeps fp32's range (no overflow to clip) and halves the
+# shipped builds; a run on the CPU loads it into fp32 exactly, one on a GPU into fp16 exactly
+# for values in fp16's normal range (bf16 carries 8 significant bits, fp16 11).
+WEIGHTS_DTYPE = "bfloat16"
+
+
 def default_cache_dir() -> Path:
     return Path(os.environ.get("SPECTER_CACHE", Path.home() / ".cache" / "specter"))
 
@@ -63,7 +74,8 @@ def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
     """The build recipe (hashed into the cache key). `router_balance` overrides the model's
     ROUTER_BALANCE coefficient (the sweep in experiments.routing_report uses it). The seed is
     `seed` plus `$SPECTER_TRAIN_SEED_OFFSET` (hermetic.py): the seed the weights are trained
-    from. Everything else that changes the weights is fixed (`build_threads`) or recorded."""
+    from. Everything else that changes the weights is fixed (`build_threads`, the dtype they
+    are stored in: `weights_dtype`) or recorded."""
     size, arch = parse_name(name)
     balance = ROUTER_BALANCE.get(name) if router_balance is None else router_balance
     shape, training = SIZES[size]
@@ -74,7 +86,7 @@ def _recipe(name: str, seed: int, router_balance: float | None = None) -> dict:
     return {"name": name, "arch": arch, "size": size, "seed": seed + hermetic.train_seed_offset(),
             "shape": asdict(shape), "training": asdict(training),
             "tokenizer_vocab": TOKENIZER_VOCAB, "build_threads": hermetic.BUILD_THREADS,
-            "recipe_version": 4,
+            "recipe_version": 4, "weights_dtype": WEIGHTS_DTYPE,
             **({"router_balance": balance} if balance is not None else {}),
             **({"train_experts_forward": EVERY_EXPERT_IMPL} if arch in DENSE_ARCHS else {})}
 
@@ -200,10 +212,9 @@ def ensure_tokenizer(cache_dir: Path):
 
 
 def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
-    """Steps: 1 tokenizer, 2 config + init, 3 train, 4 routing stats, 5 save."""
-    from specter.models import routing_stats
-
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    """Steps: 1 tokenizer, 2 config + init, 3 train (fp32), 4 round to the stored dtype and
+    measure the routing, 5 save."""
+    from transformers import AutoModelForCausalLM
 
     t0 = time.time()
     shape, training = ModelShape(**recipe["shape"]), Training(**recipe["training"])
@@ -237,31 +248,69 @@ def _build(recipe: dict, out: Path, cache_dir: Path, progress: bool) -> None:
         torch.use_deterministic_algorithms(was_deterministic)
         if dense:  # saved and evaluated with HF's own experts forward
             model.config._experts_implementation = saved_impl
-    # 4. How specialised the routing became (held-out windows).
+    # 4-5. Round to the stored dtype, measure the routing, save.
+    meta = store_build(model, recipe, tok, docs, stream, out)
+    meta.update(loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
+                build_seconds=round(time.time() - t0, 1), **hermetic.environment(),
+                origin="local",  # "reference" once shipped under reference_models/
+                weights_sha256=hermetic.checkpoint_checksum(out))
+    (out / "specter_build.json").write_text(json.dumps(_ordered(meta), indent=2))
+
+
+# specter_build.json's keys after the recipe's, in the order a build writes them.
+_META_ORDER = ("corpus_digest", "corpus_tokens", "parameters", "loss_first", "loss_last",
+               "routing_load_entropy", "routing_benchmark", "build_seconds", "torch", "cpu",
+               "cpu_capability", "threads", "origin", "weights_sha256")
+
+
+def _ordered(meta: dict) -> dict:
+    recipe = [k for k in meta if k not in _META_ORDER]
+    return {k: meta[k] for k in recipe + [k for k in _META_ORDER if k in meta]}
+
+
+def round_weights(model, dtype: str = WEIGHTS_DTYPE) -> None:
+    """Round every tensor the checkpoint stores (parameters and persistent buffers) to
+    `dtype` in place, keeping the model's own dtype: it then computes as the stored weights
+    loaded at that dtype do. Non-persistent buffers (rotary frequencies) are recomputed at
+    load, so they are left alone."""
+    with torch.no_grad():
+        for t in model.state_dict().values():
+            if t.is_floating_point():
+                t.copy_(t.to(getattr(torch, dtype)))
+
+
+def store_build(model, recipe: dict, tok, docs, stream: torch.Tensor, out: Path) -> dict:
+    """Steps 4 and 5 of a build, from a trained fp32 model: round its weights to the
+    recipe's `weights_dtype`, measure its routing on them (held-out windows, the benchmark
+    prompts), save it to `out` as an ordinary HF checkpoint in that dtype with the tokenizer.
+    Returns the measurements for specter_build.json (the caller adds the training's)."""
+    from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
+
+    from specter.models import routing_stats
+
+    training = Training(**recipe["training"])
+    # 4. Rounded once: every statistic below, and every run, sees the weights as stored.
+    round_weights(model, recipe["weights_dtype"])
+    #    How specialised the routing became (held-out windows) ...
     load_entropy = _routing_entropy(model, stream, training, recipe["seed"])
     #    ... and how it routes on the benchmark prompts (the working-set curve and the rest,
     #    for the routing report and for every result row; routing_stats.py).
     t_route = time.time()
     routing = routing_stats.measure(model, routing_stats.benchmark_prompts(tok))
     routing["seconds"] = round(time.time() - t_route, 1)
-    # 5. Save as an ordinary HF checkpoint.
+    # 5. Save as an ordinary HF checkpoint, in the stored dtype (config.json says which).
     model.config.output_router_logits = False
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id, do_sample=False)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()
+    model.to(getattr(torch, recipe["weights_dtype"]))  # exact: the values are already rounded
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save_pretrained(str(out))
-    meta = dict(recipe, corpus_digest=corpus.corpus_digest(docs), corpus_tokens=len(stream),
+    return dict(recipe, corpus_digest=corpus.corpus_digest(docs), corpus_tokens=len(stream),
                 parameters=sum(p.numel() for p in model.parameters()),
-                loss_first=losses[0], loss_last=sum(losses[-10:]) / len(losses[-10:]),
-                routing_load_entropy=load_entropy, routing_benchmark=routing,
-                build_seconds=round(time.time() - t0, 1), **hermetic.environment(),
-                origin="local",  # "reference" once shipped under reference_models/
-                weights_sha256=hermetic.checkpoint_checksum(out))
-    (out / "specter_build.json").write_text(json.dumps(meta, indent=2))
+                routing_load_entropy=load_entropy, routing_benchmark=routing)
 
 
 def _freeze_routers(model) -> None:
