@@ -234,7 +234,7 @@ def test_random_weights_refusals_are_one_sentence():
 
     d = _with("model.weights", "zeros", None)
     d["model"] = {"name": "olmoe", "source": "hf", "weights": "zeros"}
-    with pytest.raises(UserError, match="model.weights must be checkpoint or random"):
+    with pytest.raises(UserError, match="model.weights must be checkpoint, random or inflated"):
         RunConfig.from_dict(d)
     d["model"] = {"name": "tiny_olmoe", "source": "project", "weights": "random"}
     with pytest.raises(UserError, match="is project-made"):
