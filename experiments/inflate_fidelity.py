@@ -59,6 +59,20 @@ def distinct_per_window(topk: torch.Tensor, start: int, window: int) -> list[int
     return out
 
 
+def greedy(model, ids: torch.Tensor, tokens: int) -> torch.Tensor:
+    """`tokens` greedy tokens, none masked (as the runner decodes: past an EOS too; `generate`'s
+    min_new_tokens masks the EOS id, which a tiled vocabulary's copy of it would then win)."""
+    from transformers import DynamicCache
+
+    cache, seq, x = DynamicCache(), ids, ids
+    with torch.no_grad():
+        for _ in range(tokens):
+            out = model(x, past_key_values=cache, use_cache=True)
+            x = out.logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, x], dim=1)
+    return seq
+
+
 def measure(small, big, prompts: list[list[int]], tokens: int, window: int) -> dict:
     from specter.models.inflate import layer_plan
 
@@ -69,9 +83,7 @@ def measure(small, big, prompts: list[list[int]], tokens: int, window: int) -> d
     same = 0
     for ids in prompts:
         x = torch.tensor([ids])
-        with torch.no_grad():
-            a = small.generate(x, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
-            b = big.generate(x, max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens)
+        a, b = greedy(small, x, tokens), greedy(big, x, tokens)
         same += int(a.tolist() == b.tolist())
         rs, rb = routed(small, a), routed(big, a)
         for i, t in enumerate(rs):

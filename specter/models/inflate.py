@@ -28,7 +28,9 @@ How the widths grow (DeepSeek-V2; each rule keeps the function exactly, up to fl
 - heads beyond the small model's have zero query, key, value and output weights;
 - the vocabulary: the embedding and head rows of token v are the small model's rows of
   v mod V_small, so every logit of a padded id equals the real id's, and greedy argmax (the
-  first of equal maxima) never picks a padded id; the tokenizer is the small model's.
+  first of equal maxima) never picks a padded id; the tokenizer is the small model's. (A logits
+  processor that masks a real id, as `generate`'s min_new_tokens masks the EOS, would let its
+  copy win; the runner's greedy decoding masks none.)
 
 How the depth grows: the small model's dense layers map one to one onto the real model's
 (DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers. The
