@@ -146,3 +146,16 @@ def test_the_runner_builds_it_lossless_with_the_small_models_acceptance(tiny, tm
     big, small = big.sort_values("request_id"), small.sort_values("request_id")
     assert [list(t) for t in big["output_tokens"]] == [list(t) for t in small["output_tokens"]]
     assert big["acceptance_rate"].to_numpy() == pytest.approx(small["acceptance_rate"].to_numpy(), abs=0.03)
+
+
+def test_widths_a_published_config_lacks_are_one_sentence(tiny, tmp_path):
+    from specter.config import ModelConfig
+    from specter.models import loading
+
+    bad = ModelConfig(name="deepseek", source="hf", weights="inflated",
+                      inflate_from="tiny_deepseek", narrow={"hidden_width": 96})
+    with pytest.raises(UserError, match="model.narrow / model.layers for model=deepseek"):
+        loading.inflated_folder(bad, None)
+    with pytest.raises(UserError, match="model.narrow / model.layers for model=deepseek"):
+        loading.random_folder(ModelConfig(name="deepseek", source="hf", weights="random",
+                                          narrow={"hidden_width": 96}), tmp_path)

@@ -66,20 +66,34 @@ def random_folder(cfg: ModelConfig, cache_dir: Path | None) -> Path:
         digest += "-" + hashlib.sha256(json.dumps([cfg.layers, cfg.narrow], sort_keys=True)
                                        .encode()).hexdigest()[:8]
     folder = (cache_dir or zoo.default_cache_dir()) / "random" / f"{cfg.name}-{digest}"
+    _write_once(folder, lambda tmp: _sized(cfg, lambda: write_config_folder(
+        cfg.name, tmp, layers=cfg.layers, narrow=cfg.narrow)))
+    return folder
+
+
+def _sized(cfg: ModelConfig, make):
+    """make(), with model.layers / model.narrow refused in one sentence where they do not fit
+    the published config."""
+    try:
+        return make()
+    except (KeyError, ValueError) as e:
+        raise UserError(f"model.narrow / model.layers for model={cfg.name}: {e}") from None
+
+
+def _write_once(folder: Path, write) -> None:
+    """`folder` written by write(tmp) into a temporary sibling and renamed into place, unless
+    it holds a config.json already (another process may win the rename: its folder stays);
+    then checked."""
+    import shutil
+
     if not (folder / "config.json").is_file():
         tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-        try:
-            write_config_folder(cfg.name, tmp, layers=cfg.layers, narrow=cfg.narrow)
-        except (KeyError, ValueError) as e:
-            raise UserError(f"model.narrow / model.layers for model={cfg.name}: {e}") from None
+        write(tmp)
         try:
             os.replace(tmp, folder)
         except OSError:  # another process wrote it first
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     check_checkpoint(folder)
-    return folder
 
 
 def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
@@ -99,10 +113,7 @@ def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
     src = zoo.ensure_project_model(source, seed=seed, cache_dir=cache_dir, progress=progress,
                                    build=cfg.build)
     small = json.loads((src / "config.json").read_text())
-    try:
-        big = fixture_config(cfg.name, layers=cfg.layers, narrow=cfg.narrow)
-    except (KeyError, ValueError) as e:
-        raise UserError(f"model.narrow / model.layers for model={cfg.name}: {e}") from None
+    big = _sized(cfg, lambda: fixture_config(cfg.name, layers=cfg.layers, narrow=cfg.narrow))
     config = inflated_config(big, small)
     build = json.loads((src / "specter_build.json").read_text()) \
         if (src / "specter_build.json").is_file() else {}
@@ -112,20 +123,17 @@ def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
     digest = hashlib.sha256(json.dumps([config, meta["source_weights_sha256"]], sort_keys=True,
                                        default=str).encode()).hexdigest()[:10]
     folder = (cache_dir or zoo.default_cache_dir()) / "inflated" / f"{cfg.name}-{digest}"
-    if not (folder / "config.json").is_file():
-        tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+
+    def write(tmp: Path) -> None:
         tmp.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
+        for f in src.iterdir():  # the tokenizer and generation config, not the weights
             if f.suffix == ".json" and f.name not in ("config.json", "specter_build.json") \
                     or f.name.startswith("tokenizer"):
                 shutil.copy(f, tmp / f.name)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         (tmp / "specter_inflated.json").write_text(json.dumps(meta, indent=2))
-        try:
-            os.replace(tmp, folder)
-        except OSError:  # another process wrote it first
-            shutil.rmtree(tmp, ignore_errors=True)
-    check_checkpoint(folder)
+
+    _write_once(folder, write)
     return folder
 
 
