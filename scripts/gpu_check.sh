@@ -102,7 +102,9 @@ fi
 # launches, syncs and host reads per phase per committed token, resident, lru, specmoeoff and
 # specter on small_deepseek in real CUDA time (experiments/hotpath.py; the CPU's counts are an
 # upper bound), with the draft's layers eager (quant.graphs=off) and then replayed as CUDA
-# graphs (on): the records under each folder hold TPOT and draft/verify ms per window.
+# graphs (on), the draft step itself eager in both (spec.compile=off: by default the whole
+# step is one captured graph, which the inflated stage measures): the records under each
+# folder hold TPOT and draft/verify ms per window.
 if want hotpath; then
 echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
 # which dtypes torch's grouped GEMM takes here (offload.grouped=auto uses it for bfloat16 only,
@@ -122,7 +124,8 @@ PROBE
 for graphs in off on; do
   echo "-- quant.graphs=$graphs" | tee -a "$OUT/hotpath.txt"
   timeout -k 10 $((HOTPATH_TIMEOUT_S / 2)) "$PY" -m experiments.hotpath "$OUT/hotpath_graphs_$graphs" \
-    hardware=cuda quant.graphs=$graphs workload.repeats=2 model="${MODEL:-small_deepseek}" 2>&1 \
+    hardware=cuda quant.graphs=$graphs spec.compile=off workload.repeats=2 \
+    model="${MODEL:-small_deepseek}" 2>&1 \
     | tee -a "$OUT/hotpath.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 done
