@@ -130,7 +130,9 @@ def numeric_settings():
 def _with(key: str, value, system: str | None) -> dict:
     from test_offload import A100
 
-    d = {"model": {"name": "tiny_qwen", "source": "project"}, "budget": {"name": "high"},
+    model = ({"name": "deepseek", "source": "hf", "weights": "random"}
+             if key == "model.layers" else {"name": "tiny_qwen", "source": "project"})
+    d = {"model": model, "budget": {"name": "high"},
          "system": {"name": system or "specter"}, "dataset": {"name": "gsm8k"},
          "hardware": dict(A100), "workload": {}, "progress": False}
     section, _, field = key.rpartition(".")
@@ -162,5 +164,5 @@ def test_every_numeric_setting_refuses_what_no_consumer_accepts(key, system, int
             RunConfig.from_dict(_with(key, value, system))
         assert "\n" not in str(err.value) and key.split(".")[-1] in str(err.value), (key, value)
     good = {"spec.profile_ks": [1], "quant.bits": 4, "hardware.expert_bits": 4,
-            "hardware.attn_bits": 4}.get(key, 1)
+            "hardware.attn_bits": 4, "model.layers": 4}.get(key, 1)
     RunConfig.from_dict(_with(key, good, system))
