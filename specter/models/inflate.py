@@ -48,8 +48,12 @@ Honest limits, stated in every record (`model.weights=inflated`, `model.inflated
   (experiments/inflate_fidelity.py), not assumed;
 - 93% of each expert's weights are zeros: a dense kernel's bytes and FLOPs are the real ones, a
   kernel that skipped zeros would not be (none here does);
-- DeepSeek-V2 only: Qwen1.5-MoE's shared-expert gate and Phi-3.5-MoE's sparsemixer would need
-  their own rules.
+- DeepSeek-V2 only. Phi-3.5-MoE cannot be inflated this way: its LayerNorm subtracts the mean
+  over every entry, so zero-padded entries come out as -mean (times the padded weight) and
+  the centred values change; no scale of the small model's weights undoes that. Qwen1.5-MoE's
+  rules would carry over (RMSNorm, rotate-half rotary pairs, a shared-expert gate whose padded
+  columns are zero), but small_qwen is no longer shipped (trained on first use, about 30
+  minutes on 2 cores), so a GPU host could not build it in the 2 minutes asked.
 """
 
 from __future__ import annotations
