@@ -38,7 +38,8 @@
 #                                256 MiB pinned copy on CUDA; none on the CPU)
 #   SWEEP_TIMEOUT_S  (none)      a time limit for the sweep, and PART_TIMEOUT_S for each later
 #   PART_TIMEOUT_S   (none)      part (resident, source, hot path), so that the verdict always
-#                                prints from what finished (rows are written per request)
+#                                prints from what finished (rows are written per request);
+#   HOTPATH_TIMEOUT_S (PART's)   the hot path's own (its specter compiles and captures again)
 #   EXTRA        (none)          more run.py overrides for every job, space-separated
 #   OUT          results/real_size
 #   PY           .venv/bin/python
@@ -62,6 +63,7 @@ HOTPATH="${HOTPATH:-}"
 H2D_GBPS="${H2D_GBPS:-}"
 SWEEP_TIMEOUT_S="${SWEEP_TIMEOUT_S:-}"
 PART_TIMEOUT_S="${PART_TIMEOUT_S:-}"
+HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-$PART_TIMEOUT_S}"
 # limited LIMIT CMD...: CMD under `timeout LIMIT` when LIMIT is set
 limited() { local s="$1"; shift; if [ -n "$s" ]; then timeout -k 5 "$s" "$@"; else "$@"; fi; }
 EXTRA="${EXTRA:-}"
@@ -94,7 +96,9 @@ if [ "$RESIDENT" = 1 ]; then
 fi
 if [ -n "$SOURCE_CHECK" ]; then
   echo "-- the source's own acceptance: model=$SOURCE_CHECK, specter, hardware=$REAL_HW"
-  limited "$PART_TIMEOUT_S" "$PY" run.py model="$SOURCE_CHECK" system=specter budget=high hardware="$REAL_HW" \
+  # eager draft step (spec.compile=off): the same proposals, without a compile warm-up
+  limited "$PART_TIMEOUT_S" "$PY" run.py model="$SOURCE_CHECK" system=specter budget=high \
+    hardware="$REAL_HW" spec.compile=off \
     dataset=gsm8k workload.items="$ITEMS" workload.repeats=1 workload.max_new_tokens="$TOKENS" \
     quant.method="$QUANT" out_dir="$OUT/source_records" progress=false || rc=1
   verdict+=(--source-records "$OUT/source_records")
@@ -102,7 +106,7 @@ fi
 if [ -n "$HOTPATH" ]; then
   first="${BUDGET_GB%%,*}"
   echo "-- launches and syncs per committed token: $HOTPATH at budget.gb=$first"
-  limited "$PART_TIMEOUT_S" "$PY" -m experiments.hotpath "$OUT/hotpath" system="$HOTPATH" model="$MODEL" \
+  limited "$HOTPATH_TIMEOUT_S" "$PY" -m experiments.hotpath "$OUT/hotpath" system="$HOTPATH" model="$MODEL" \
     model.weights="$WEIGHTS" hardware="$REAL_HW" budget=gb budget.gb="$first" \
     quant.method="$QUANT" dataset=gsm8k workload.items=1 workload.max_new_tokens=17 \
     ${extra[@]+"${extra[@]}"} || rc=1
