@@ -87,8 +87,10 @@ hw="$REAL_HW,$VIRTUAL_HW"
 verdict=(--real-hardware "$REAL_HW" --virtual-hardware "$VIRTUAL_HW")
 if [ "$VIRTUAL_HW" = none ]; then hw="$REAL_HW"; fi
 echo "-- $SYSTEMS x hardware=$hw, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS weights)"
-limited "$SWEEP_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system="$SYSTEMS" hardware="$hw" \
-  budget=gb budget.gb="$BUDGET_GB" quant.method="$QUANT" || rc=1
+# budget outermost (Hydra sweeps the overrides' product in their order): every system at the
+# first budget before any at the next, so a sweep cut by its time limit still compares them
+limited "$SWEEP_TIMEOUT_S" "$PY" run.py -m "${common[@]}" budget=gb budget.gb="$BUDGET_GB" \
+  system="$SYSTEMS" hardware="$hw" quant.method="$QUANT" || rc=1
 if [ "$RESIDENT" = 1 ]; then
   echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
   limited "$PART_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system=resident budget=full \
