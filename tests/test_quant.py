@@ -210,7 +210,10 @@ def test_quantized_experts_are_saved_reused_and_rebuilt_when_the_source_changes(
     lm = _tiny()
     qe, path, reused = calibrate.ensure_quantized(lm.model, lm.tokenizer, SMALL_SPEC, tmp_path,
                                                   torch.device("cpu"))
-    assert not reused and (path / "experts.safetensors").exists()
+    assert not reused and (path / "quant.json").exists()
+    layers = len(experts_modules(lm.model))
+    assert sorted(f.name for f in path.glob("layer*.safetensors")) == \
+        sorted(f"layer{l}.safetensors" for l in range(layers))  # one file a layer
     again, path2, reused2 = calibrate.ensure_quantized(lm.model, lm.tokenizer, SMALL_SPEC,
                                                        tmp_path, torch.device("cpu"))
     assert reused2 and path2 == path
