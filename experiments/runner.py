@@ -163,9 +163,9 @@ WARMUP_TOKENS = 8  # enough for a decode step, and a draft window's steps, to ru
 def warm_up(engine, cfg: RunConfig, prompt: list[int], log) -> float:
     """On a real clock, one untimed request before the timed ones: a compiled step
     (`spec.compile`, `system.compile`) compiles and captures there, and on a GPU every system
-    pays its one-off costs there (first touches of the pinned store, the caching allocator's
-    growth, kernels' first loads: the H200's LRU paid 216 ms a token in its first timed request
-    and 99 in its second, docs/measurements/h200-2026-12-04-inflated), so no row's TPOT holds
+    pays its first request's one-off costs there (the H200's LRU paid 216 ms a token in its
+    first timed request and 99 in its second, docs/measurements/h200-2026-12-04-inflated; not
+    broken down), so no row's TPOT holds
     them and every system is timed warm alike. Its wall seconds: the `compile_warmup_s` column
     (0.0 when nothing ran)."""
     compiled = getattr(engine, "compiled", {})
