@@ -217,6 +217,20 @@ def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
     assert tokens["specter"] == tokens["resident"]
 
 
+def _tiny_rows_on_cuda(out, system: str, extra: list[str]):
+    """tiny_deepseek's rows for `system` in real CUDA time, 2 items x 24 tokens, K = 4, by
+    request."""
+    from experiments import records, runner
+    from experiments.configs import run_config
+
+    runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
+                           "workload.items=2", "workload.max_new_tokens=24",
+                           "workload.stop_on_eos=false", "spec.k=4", "progress=false",
+                           "quant.method=rtn", f"out_dir={out}", *extra]),
+               log=lambda *_: None)
+    return records.load(out).sort_values("request_id")
+
+
 @pytest.mark.cuda
 def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
     """issue 36 item 5, issue 45 item 3: spec.compile=on and system.compile=on on CUDA capture
@@ -224,9 +238,6 @@ def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
     the runner's untimed warm-up; resident: reduce-overhead); the tokens are the eager ones,
     and every row says the step was captured. spec.compile=auto (the default) captures the
     draft step too, with per-layer graphs off; specmoeoff's second instance as well."""
-    from experiments import records, runner
-    from experiments.configs import run_config
-
     tokens = {}
     for i, (system, extra) in enumerate((
             ("resident", ["system.compile=off"]),
@@ -235,13 +246,8 @@ def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
             ("specter", ["spec.compile=on", "quant.backend=gather_int4"]),
             ("specter", ["spec.compile=auto"]),
             ("specmoeoff", ["spec.compile=auto"]))):
-        out = tmp_path / f"run{i}-{system}"  # no '=' in a path (the runner parses overrides)
-        runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
-                               "workload.items=2", "workload.max_new_tokens=24",
-                               "workload.stop_on_eos=false", "spec.k=4", "progress=false",
-                               "quant.method=rtn", f"out_dir={out}", *extra]),
-                   log=lambda *_: None)
-        df = records.load(out).sort_values("request_id")
+        # no '=' in a path (the runner parses overrides)
+        df = _tiny_rows_on_cuda(tmp_path / f"run{i}-{system}", system, extra)
         tokens[(system, extra[0])] = df["output_tokens"].map(tuple).tolist()
         if not extra[0].endswith("=off"):
             kind = "draft" if system != "resident" else "decode"
@@ -259,18 +265,9 @@ def test_a_draft_step_that_cannot_be_captured_graphs_its_layers_on_cuda(tmp_path
     """issue 45 item 3: where spec.compile=auto cannot capture the step (specter without
     sharing: a per-window copy of the target's KV), the row says so, the draft layers are
     replayed as CUDA graphs instead (captured at build time), and the tokens are resident's."""
-    from experiments import records, runner
-    from experiments.configs import run_config
-
     tokens = {}
     for system, extra in (("resident", []), ("specter", ["system.shared=false"])):
-        out = tmp_path / system
-        runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
-                               "workload.items=2", "workload.max_new_tokens=24",
-                               "workload.stop_on_eos=false", "spec.k=4", "progress=false",
-                               "quant.method=rtn", f"out_dir={out}", *extra]),
-                   log=lambda *_: None)
-        df = records.load(out).sort_values("request_id")
+        df = _tiny_rows_on_cuda(tmp_path / system, system, extra)
         tokens[system] = df["output_tokens"].map(tuple).tolist()
         if system == "specter":
             assert not df["draft_compiled"].any()
