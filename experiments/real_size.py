@@ -93,9 +93,7 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
     item 3)."""
     real = (df["hardware"] == real_hardware) if real_hardware else df["clock"].isin(REAL_CLOCKS)
     rows = df[real].assign(budget_key=df.loc[real, "budget_gb"].map(_budget_key))
-    rows = rows.assign(tokens=rows["n_output_tokens"].clip(lower=1),
-                       first=rows.groupby(["system", "budget_key"])["run_id"].transform(
-                           lambda s: s == s.iloc[0]) if "run_id" in rows else False)
+    rows = rows.assign(tokens=rows["n_output_tokens"].clip(lower=1))
 
     def one(g: pd.DataFrame) -> pd.Series:
         later = g.sort_values("request_id")
