@@ -10,12 +10,14 @@ the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward
 to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
 
 Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
-`ops`, `launching`, `syncs`, `host_reads`, `host_side`, `graph_replays`, as
-specter/counting.py defines them (views are ops but not launching; a Triton kernel or a CUDA
-graph's replay is launching; a blocking upload is a sync only where the counter can see it, on
-a GPU). With `spec.compile=on` each compiled draft step is one graph replay: one launching
-operation standing for the whole step (on CUDA, one captured graph's replay), not the
-operations inside it.
+`ops`, `launching`, `copies`, `syncs`, `host_reads`, `host_side`, `graph_replays`, as
+specter/counting.py defines them, and `experts_launching` / `experts_calls`: the launching
+operations (copies apart) inside the offload runtime's MoE layers, and how many layer calls
+(so `experts_launching / experts_calls` is the launches per MoE layer per forward). Views are
+ops but not launching; a Triton kernel or a CUDA graph's replay is launching; a blocking
+upload is a sync only where the counter can see it, on a GPU. With `spec.compile=on` each
+compiled draft step is one graph replay: one launching operation standing for the whole step
+(on CUDA, one captured graph's replay), not the operations inside it.
 
     python -m experiments.hotpath OUT [system=lru,specter ...] [any run.py override]
 
@@ -39,7 +41,8 @@ from specter.offload.counted import engine_models
 
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
-COLUMNS = ("ops", "launching", "syncs", "host_reads", "host_side", "graph_replays")
+COLUMNS = ("ops", "launching", "copies", "syncs", "host_reads", "host_side", "graph_replays",
+           "experts_launching", "experts_calls")
 
 
 class HotPath:
@@ -65,6 +68,19 @@ class HotPath:
         for m in engine_models(engine):
             hooks.append(m.register_forward_hook(
                 lambda *_: setattr(counter, "phase", "bookkeeping")))
+        runtime = getattr(engine, "runtime", None)
+        if runtime is not None:  # the offloaded experts' own share of each phase
+            inner = runtime.experts_forward
+
+            def experts_forward(*a, **k):
+                c = counter.counts[counter.phase]
+                before = c["launching"] - c["copies"]
+                try:
+                    return inner(*a, **k)
+                finally:
+                    c["experts_launching"] += c["launching"] - c["copies"] - before
+                    c["experts_calls"] += 1
+            runtime.experts_forward = experts_forward
         gen_batch = engine.generate_batch
 
         def counted_batch(prompts, max_new_tokens):
@@ -80,6 +96,8 @@ class HotPath:
             for h in hooks:
                 h.remove()
             del engine.generate_batch
+            if runtime is not None:
+                del runtime.experts_forward
             if announce is not None:
                 del engine._before_forward
 

@@ -94,6 +94,9 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
     real = (df["hardware"] == real_hardware) if real_hardware else df["clock"].isin(REAL_CLOCKS)
     rows = df[real].assign(budget_key=df.loc[real, "budget_gb"].map(_budget_key))
     rows = rows.assign(tokens=rows["n_output_tokens"].clip(lower=1))
+    if "k_source" in rows:  # K chosen per window (spec.k=adaptive): a row of its own
+        adaptive = rows["k_source"].astype(str).str.startswith("adaptive")
+        rows.loc[adaptive, "system"] = rows.loc[adaptive, "system"] + " K=adaptive"
 
     def one(g: pd.DataFrame) -> pd.Series:
         later = g.sort_values("request_id")
@@ -105,6 +108,7 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
                "hit_rate": g["hit_rate"].mean() if "hit_rate" in g else math.nan,
                "h2d_hidden": g["h2d_hidden_frac"].mean() if "h2d_hidden_frac" in g else math.nan,
                "acceptance": g["acceptance_rate"].mean() if "acceptance_rate" in g else math.nan,
+               "k_mean": g["k_window_mean"].mean() if "k_window_mean" in g else math.nan,
                "h2d_MB_per_token": h2d / 1e6}
         # the request's bytes include its prefill's: the floor is set against the request's
         # whole time per committed token (e2e), not TPOT (which leaves the prefill out)
@@ -122,6 +126,13 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
         total = hotpath[hotpath["phase"].str.startswith("decoding")].set_index("system")
         table["launches_per_token"] = table["system"].map(total["launching_per_token"])
         table["syncs_per_token"] = table["system"].map(total["syncs_per_token"])
+        if "host_reads_per_token" in total:
+            table["reads_per_token"] = table["system"].map(total["host_reads_per_token"])
+        if "experts_calls" in hotpath:  # launches per MoE layer call, copies apart
+            moe = hotpath[~hotpath["phase"].isin(["prefill"])
+                          & ~hotpath["phase"].str.startswith("decoding")].groupby("system")
+            per = moe["experts_launching"].sum() / moe["experts_calls"].sum().replace(0, math.nan)
+            table["launches_per_moe_layer"] = table["system"].map(per)
     return table.sort_values(["budget_key", "system"], ignore_index=True)
 
 

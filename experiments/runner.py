@@ -273,7 +273,7 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device,
     from specter.placement.bytes import (check_fits, checkpoint_bytes, host_memory_bytes,
                                          run_extras, store_reserved_bytes)
 
-    dtype = pick_dtype(cfg.model, device)
+    dtype = pick_dtype(cfg.model, device, checkpoint)
     element_size = torch.finfo(dtype).bits // 8
     if cfg.model.weights in ("random", "inflated"):  # no headers: the skeleton's bytes
         from specter.models.loading import native_classes
@@ -458,7 +458,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         check_cpu_offload_fits(cfg.model.name, ckpt_bytes,
                                budget_mod.held_slots(budget, footprint(cfg.system)), n_experts,
                                host_bytes=host_with_held_store(),
-                               fp32=pick_dtype(cfg.model, device) == torch.float32)
+                               fp32=pick_dtype(cfg.model, device, checkpoint) == torch.float32)
     torch.manual_seed(cfg.seed)
 
     tokenizer = load_tokenizer(checkpoint)

@@ -14,7 +14,7 @@ TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-300}"
-INFLATED_TIMEOUT_S="${INFLATED_TIMEOUT_S:-480}"  # the sweep gets all but 2 x 50 + 90 s and the verdict's
+INFLATED_TIMEOUT_S="${INFLATED_TIMEOUT_S:-480}"  # the sweep gets all but 3 x 50 + 90 s and the verdict's
 HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-180}"
 CAPTURED_TIMEOUT_S="${CAPTURED_TIMEOUT_S:-360}"
 # Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
@@ -35,7 +35,8 @@ status=0
 # depth (27 layers, 26.8 GiB of experts) inflated in memory from the shipped small_deepseek
 # (model.weights=inflated, specter/models/inflate.py: no download, built on every core in
 # about a minute, once for the whole sweep), in real CUDA time: specter, lru and specmoeoff at
-# budget.gb=16 and 24, then resident at budget=full, 3 gsm8k items x 64 tokens, RTN drafts;
+# budget.gb=16 and 24, then specter at 16 GiB with K per window chosen with the slots and the
+# link in view (spec.k=adaptive), then resident at budget=full, 3 gsm8k items x 64 tokens, RTN drafts;
 # small_deepseek's own specter run on the same prompts (the acceptance the inflated model must
 # match); launches and syncs per committed token of specter and lru at 16 GiB
 # (experiments.hotpath, 1 item x 17 tokens); the link floor at the H2D rate measured there.
@@ -46,9 +47,9 @@ status=0
 if want inflated; then
 echo "== inflated: DeepSeek-V2-Lite real size, trained routing (inflated from small_deepseek), real CUDA" | tee "$OUT/inflated.txt"
 timeout -k 10 "$INFLATED_TIMEOUT_S" env PY="$PY" OUT="$OUT/inflated" MODEL=deepseek WEIGHTS=inflated \
-  SWEEP_TIMEOUT_S=$((INFLATED_TIMEOUT_S - 210)) PART_TIMEOUT_S=50 HOTPATH_TIMEOUT_S=90 \
+  SWEEP_TIMEOUT_S=$((INFLATED_TIMEOUT_S - 260)) PART_TIMEOUT_S=50 HOTPATH_TIMEOUT_S=90 \
   SYSTEMS="${INFLATED_SYSTEMS:-specter,lru,specmoeoff}" BUDGET_GB="${INFLATED_BUDGET_GB:-16,24}" \
-  ITEMS="${INFLATED_ITEMS:-3}" TOKENS="${INFLATED_TOKENS:-64}" VIRTUAL_HW=none RESIDENT=1 \
+  ITEMS="${INFLATED_ITEMS:-3}" TOKENS="${INFLATED_TOKENS:-64}" VIRTUAL_HW=none RESIDENT=1 ADAPTIVE=1 \
   SOURCE_CHECK=small_deepseek HOTPATH="${INFLATED_HOTPATH:-specter,lru}" \
   bash scripts/real_size.sh 2>&1 | tee -a "$OUT/inflated.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
@@ -107,17 +108,32 @@ fi
 # folder hold TPOT and draft/verify ms per window.
 if want hotpath; then
 echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
-# which dtypes torch's grouped GEMM takes here (offload.grouped=auto uses it for bfloat16 only,
-# torch's documented input): runs or not, and its largest difference from one GEMM per group
+# which dtypes torch's grouped GEMM takes here without a host sync (offload/grouped.py
+# `pick_kernel` uses it for bfloat16 on compute capability 9.x/10.x, the padded bmm kernel
+# elsewhere): runs or not, syncs or not (torch's sync debug mode), its largest difference from
+# one GEMM per group, and the padded kernel's
 "$PY" - <<'PROBE' 2>&1 | tee -a "$OUT/hotpath.txt"
 import torch, torch.nn.functional as F
+print("compute capability", torch.cuda.get_device_capability())
 for dt in (torch.float16, torch.bfloat16, torch.float32):
     x, w = torch.randn(96, 2048, device="cuda", dtype=dt), torch.randn(16, 2816, 2048, device="cuda", dtype=dt)
     offs = torch.arange(6, 97, 6, device="cuda", dtype=torch.int32)
+    ref = torch.cat([F.linear(x[6 * g:6 * g + 6], w[g]) for g in range(16)])
+    pad = torch.bmm(x.view(16, 6, 2048), w.transpose(1, 2)).flatten(0, 1)
     try:
-        y = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
-        ref = torch.cat([F.linear(x[6 * g:6 * g + 6], w[g]) for g in range(16)])
-        print(f"grouped_mm {dt}: runs, max |grouped - loop| = {(y - ref).abs().max().item():.3g}")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+            syncs = "no sync"
+        except RuntimeError as e:
+            torch.cuda.set_sync_debug_mode(0)
+            y = F.grouped_mm(x, w.transpose(1, 2), offs=offs)
+            syncs = f"SYNCS ({str(e)[:60]})"
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        print(f"grouped_mm {dt}: runs, {syncs}, max |grouped - loop| = "
+              f"{(y - ref).abs().max().item():.3g}; padded bmm: {(pad - ref).abs().max().item():.3g}")
     except Exception as e:
         print(f"grouped_mm {dt}: refused ({type(e).__name__}: {str(e)[:120]})")
 PROBE

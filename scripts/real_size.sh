@@ -26,6 +26,8 @@
 #   ITEMS        2               workload.items=...
 #   TOKENS       24              workload.max_new_tokens=...
 #   RESIDENT     0               1: resident at budget=full after the sweep (optional, last)
+#   ADAPTIVE     0               1: then specter with K chosen per window, the slots and the
+#                                link in view (spec.k=adaptive), at the first budget
 #   KERNEL_BENCH 0               1: first the INT4 draft backends at DeepSeek's expert shape
 #                                (experiments.kernel_bench --quick --tokens 1 --write-choice:
 #                                quant.backend=auto then takes the fastest measured)
@@ -57,6 +59,7 @@ QUANT="${QUANT:-rtn}"
 ITEMS="${ITEMS:-2}"
 TOKENS="${TOKENS:-24}"
 RESIDENT="${RESIDENT:-0}"
+ADAPTIVE="${ADAPTIVE:-0}"
 KERNEL_BENCH="${KERNEL_BENCH:-0}"
 SOURCE_CHECK="${SOURCE_CHECK:-}"
 HOTPATH="${HOTPATH:-}"
@@ -91,6 +94,11 @@ echo "-- $SYSTEMS x hardware=$hw, budget.gb=$BUDGET_GB, model=$MODEL ($WEIGHTS w
 # first budget before any at the next, so a sweep cut by its time limit still compares them
 limited "$SWEEP_TIMEOUT_S" "$PY" run.py -m "${common[@]}" budget=gb budget.gb="$BUDGET_GB" \
   system="$SYSTEMS" hardware="$hw" quant.method="$QUANT" || rc=1
+if [ "$ADAPTIVE" = 1 ]; then
+  echo "-- specter, K per window with the slots in view (spec.k=adaptive), budget.gb=${BUDGET_GB%%,*}"
+  limited "$PART_TIMEOUT_S" "$PY" run.py "${common[@]}" budget=gb budget.gb="${BUDGET_GB%%,*}" \
+    system=specter spec.k=adaptive hardware="$REAL_HW" quant.method="$QUANT" || rc=1
+fi
 if [ "$RESIDENT" = 1 ]; then
   echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
   limited "$PART_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system=resident budget=full \

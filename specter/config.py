@@ -23,7 +23,7 @@ class ModelConfig:
     source: str  # "project": made by specter.models.zoo; "hf": a real Hugging Face checkpoint
     hub_id: str | None = None
     path: str | None = None  # local checkpoint folder for source=hf
-    dtype: str = "auto"  # auto: float32 on CPU, float16 on CUDA
+    dtype: str = "auto"  # auto: float32 on CPU; on a GPU the checkpoint's bfloat16 where it computes it, else float16
     # Resident expert slots per MoE layer for the named budgets (docs/paper-notes.md); a budget
     # name missing here falls back to the proportional rule in budget.py.
     budget_slots: dict[str, int] = field(default_factory=dict)
@@ -194,7 +194,7 @@ class OffloadConfig:
     """How offloaded experts' device slots are managed (every offloading system)."""
 
     policy: str = "lru"  # eviction: a name in specter/offload/policy.py POLICIES (lru | lfu)
-    grouped: bool | str = "auto"  # resident experts as grouped GEMMs: auto (where offered) | true | false
+    grouped: bool | str = "auto"  # resident experts' kernel: auto | true (grouped_mm) | padded | false (a loop)
 
 
 @dataclass
@@ -348,8 +348,9 @@ class RunConfig:
         if self.offload.policy not in POLICIES:
             raise UserError(f"unknown offload.policy '{self.offload.policy}'; choose one of: "
                             f"{', '.join(sorted(POLICIES))}.")
-        if self.offload.grouped not in ("auto", True, False):
-            raise UserError(f"offload.grouped must be auto, true or false (got {self.offload.grouped!r}).")
+        if self.offload.grouped not in ("auto", True, False, "padded"):
+            raise UserError(f"offload.grouped must be auto, true, false or padded "
+                            f"(got {self.offload.grouped!r}).")
         b = self.budget
         if b.slots is not None and b.slots < 1:
             raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")

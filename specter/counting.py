@@ -34,6 +34,8 @@ What counts as what (per phase, `Counter` keys):
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
   for a device tensor: an upper bound;
+- `copies`: experts' host-to-device copies issued (`expert_copy()`; each is also one of the
+  launching operations: its `copy_`);
 - `graph_replays`: calls of a compiled graph, each also one launching operation (on CUDA a
   captured graph's replay is one launch; on the CPU it stands for the whole compiled step);
 - `host_side`: operations and reads on host-resident tensors (`host_side()`, or on a GPU run
@@ -96,6 +98,27 @@ def upload(blocking: bool = True) -> None:
             c.count("launching")
             if blocking:
                 c.count("sync")
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host-built tensor on `device` without a host wait: from pinned memory, non-blocking
+    on a GPU (torch's pinned-memory allocator keeps the source until the copy is done), counted
+    as the copy it is (`upload(blocking=False)`: a launch, no sync). The tensor itself on a CPU
+    run."""
+    if device.type == "cpu":
+        upload(blocking=False)
+        return host
+    with host_side():
+        pinned = host.pin_memory()
+    return pinned.to(device, non_blocking=True)
+
+
+def expert_copy() -> None:
+    """An expert's host-to-device copy is about to be issued (its `copy_` is counted as the
+    launching operation it is; this marks it as a copy too: the `copies` column)."""
+    for c in list(_ACTIVE):
+        if not c.paused:
+            c.count("copy")
 
 
 def launched(kind: str) -> None:
@@ -167,7 +190,9 @@ class OpCounter(TorchDispatchMode):
             c["ops"] += 1
         if kind in ("launching", "launched", "graph"):
             c["launching"] += 1
-        if kind == "graph":
+        if kind == "copy":  # an expert's host-to-device copy (also a launching operation)
+            c["copies"] += 1
+        elif kind == "graph":
             c["graph_replays"] += 1
         elif kind == "sync":
             c["syncs"] += 1

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import torch
 
-from specter.counting import host_side, upload
+from specter.counting import host_side, to_device
 
 
 @dataclass
@@ -149,16 +149,12 @@ class BatchCache:
             self.mask = torch.cat([self.mask, real], dim=1)
             holes = not bool(self.mask.all())
         kwargs = {}
-        if holes:
-            upload()
-            upload()
-            kwargs = {"attention_mask": self.mask.to(self.device, torch.long),
-                      "position_ids": pos.to(self.device)}
-        if device_ids is None:
-            upload()
-            ids = ids.to(self.device)
-        else:
-            ids = device_ids
+        if holes:  # (uploads from pinned memory: no host wait, counting.to_device)
+            with host_side():
+                mask = self.mask.long()
+            kwargs = {"attention_mask": to_device(mask, self.device),
+                      "position_ids": to_device(pos, self.device)}
+        ids = to_device(ids, self.device) if device_ids is None else device_ids
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                          logits_to_keep=logits_to_keep, **kwargs)
         return out.logits

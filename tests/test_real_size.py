@@ -265,7 +265,8 @@ NARROW = ("model.narrow={hidden_size:96,moe_intermediate_size:48,intermediate_si
 def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
     """gpu_check's first stage (`inflated`, issue 45) as it calls real_size.sh: specter, lru
     and specmoeoff at 16 and 24 GiB in real CUDA time on DeepSeek-V2-Lite inflated from
-    small_deepseek, 3 items x 64 tokens, no virtual side; resident at full; small_deepseek's own
+    small_deepseek, 3 items x 64 tokens, no virtual side; specter at 16 GiB with K per window
+    (spec.k=adaptive); resident at full; small_deepseek's own
     acceptance; the hot path of specter and lru; the verdict with all of them. Every run.py
     override passes run.py's checks."""
     log = tmp_path / "argv.txt"
@@ -278,7 +279,7 @@ def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
     block = block[:block.index("\nfi\n")]
     env = {"PY": str(stub), "OUT": str(tmp_path / "out"), "MODEL": "deepseek",
            "WEIGHTS": "inflated", "SYSTEMS": "specter,lru,specmoeoff", "BUDGET_GB": "16,24",
-           "ITEMS": "3", "TOKENS": "64", "VIRTUAL_HW": "none", "RESIDENT": "1",
+           "ITEMS": "3", "TOKENS": "64", "VIRTUAL_HW": "none", "RESIDENT": "1", "ADAPTIVE": "1",
            "SOURCE_CHECK": "small_deepseek", "HOTPATH": "specter,lru", "H2D_GBPS": "50"}
     for key, value in env.items():  # the stage passes exactly these
         if key not in ("PY", "OUT", "H2D_GBPS"):  # (H2D_GBPS: measured there)
@@ -286,8 +287,10 @@ def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
     done = _script(env, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     calls = [shlex.split(line) for line in log.read_text().splitlines()]
-    assert [c[0] for c in calls] == ["run.py", "run.py", "run.py", "-m", "-m"]
-    sweep, resident, source, hot, verdict = calls
+    assert [c[0] for c in calls] == ["run.py", "run.py", "run.py", "run.py", "-m", "-m"]
+    sweep, adaptive, resident, source, hot, verdict = calls
+    assert "spec.k=adaptive" in adaptive and "system=specter" in adaptive
+    assert "budget.gb=16" in adaptive
     for arg in ("model=deepseek", "model.weights=inflated", "system=specter,lru,specmoeoff",
                 "hardware=cuda", "budget.gb=16,24", "workload.items=3",
                 "workload.max_new_tokens=64"):
@@ -300,7 +303,7 @@ def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
     assert verdict[verdict.index("--h2d-gbps") + 1] == "50"
     from experiments.configs import checked_overrides
 
-    for call in (sweep[2:], resident[2:], source[1:], hot[3:]):
+    for call in (sweep[2:], adaptive[1:], resident[2:], source[1:], hot[3:]):
         args = [a for a in call if a != "-m"]
         assert len(checked_overrides(args)) == len(args)
 
@@ -314,7 +317,8 @@ def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
     out = tmp_path / "inf"
     done = _script({"MODEL": "deepseek", "WEIGHTS": "inflated", "REAL_HW": "a100_pcie4_hf",
                     "VIRTUAL_HW": "none", "SYSTEMS": "specter,lru", "BUDGET_GB": "16",
-                    "ITEMS": "1", "TOKENS": "8", "RESIDENT": "1", "SOURCE_CHECK": "tiny_deepseek",
+                    "ITEMS": "1", "TOKENS": "8", "RESIDENT": "1", "ADAPTIVE": "1",
+                    "SOURCE_CHECK": "tiny_deepseek",
                     "HOTPATH": "specter", "H2D_GBPS": "25", "OUT": str(out), "PY": sys.executable,
                     "EXTRA": f"model.inflate_from=tiny_deepseek model.layers=4 {NARROW}"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -325,6 +329,9 @@ def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
                               pd.read_csv(out / "hotpath" / "hotpath.csv"))
     assert t["link_floor_ms"].notna().all() and t["launches_per_token"].notna().any()
     src = records.load(out / "source_records")
-    spec = df[df["system"] == "specter"]
+    adaptive = df["k_source"].str.startswith("adaptive")
+    spec = df[(df["system"] == "specter") & ~adaptive]
     assert spec["acceptance_rate"].mean() == pytest.approx(src["acceptance_rate"].mean(), abs=0.03)
+    assert adaptive.sum() == 1 and "specter K=adaptive" in set(t["system"])
+    assert df.loc[adaptive, "k_why"].iloc[0].startswith("K=")
     assert "acceptance: inflated" in done.stdout

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from specter.counting import host_side, to_device
 from specter.engine import BatchCache, cache_bytes
 
 
@@ -61,7 +62,9 @@ def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[
     k_max = max(k_effs)
     # Each row's next input: its last proposal, or (a row that no longer drafts: a hole) the
     # last token it fed, as the host path feeds it.
-    feed = torch.tensor([f[-1] for f in feeds], device=kv.device)
+    with host_side():
+        feed = torch.tensor([f[-1] for f in feeds])
+    feed = to_device(feed, kv.device)
     for i in range(k_max):
         blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
             else [[0]] * len(feeds)
@@ -70,8 +73,12 @@ def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[
         logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
         tok = logits[:, -1].argmax(dim=-1)
         chosen.append(tok)
-        feed = tok if all(drafting) else torch.where(torch.tensor(drafting, device=kv.device),
-                                                     tok, feed)
+        if not all(drafting):
+            with host_side():
+                live = torch.tensor(drafting)
+            feed = torch.where(to_device(live, kv.device), tok, feed)
+        else:
+            feed = tok
         for r in range(len(feeds)):
             if drafting[r]:
                 drafted[r] += 1

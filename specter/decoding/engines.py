@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from specter.decoding.depth import Depth
+from specter.decoding.depth import Depth, SlotView
 from specter.decoding.loop import speculative_batch
 from specter.decoding.static_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
@@ -110,7 +110,8 @@ class SpeculativeEngine:
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.depth = depth  # how deep it drafts, settled once (decoding/depth.py)
         self.k, self.k_source = depth.k, depth.source
-        self.adaptive = depth.policy()  # spec.k=adaptive: each window's K, else None
+        # spec.k=adaptive: each window's K, with the slots and the link in view; else None
+        self.adaptive = depth.policy(slot_view(runtime, timing))
         self.window = window or WindowPrefetcher()
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device,
@@ -164,12 +165,25 @@ class SpeculativeEngine:
                                  layout=self.draft.layout, depth=self.adaptive, **sampling)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), **self.compiled, "k_source": self.k_source,
+                  "k_why": self.adaptive.why if self.adaptive is not None else self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
                   **self.window.as_record()}
         for gen in gens:
             gen.stats.update(shared)
         return gens
+
+
+def slot_view(runtime: OffloadRuntime, timing: Timing) -> SlotView:
+    """The adaptive depth's view of the slots and the link: the runtime's slots per MoE layer
+    and routing, and one expert's copy in seconds on the run's clock (the cost model's rate on
+    a modelled clock, scaled to an emulated one; the link profile's on a real one)."""
+    cache, rates, link = runtime.cache, runtime.rates, timing.link
+    if rates is not None:
+        copy_s = rates.transfer_s(rates.expert_transfer_bytes()) * link.time_scale
+    else:
+        copy_s = link.profile.transfer_s(cache.transfer_bytes)
+    return SlotView(runtime, cache.slots + cache.staging, cache.layout.num_experts, copy_s)
 
 
 def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> None:

@@ -260,16 +260,22 @@ class WindowDepth:
             return
         accepted = sum(kept for kept, _ in verdicts)
         rejected = sum(kept < len(props) for (kept, _), props in zip(verdicts, proposals))
-        self.unheard.append((k, accepted, rejected, max(len(p) for p in proposals), *marks))
+        view = self.adaptive.view
+        streamed = 0.0
+        if view is not None:  # the verification's routing, on the host already
+            view.rows = len(verdicts)
+            streamed = view.sample()
+        self.unheard.append((k, accepted, rejected, max(len(p) for p in proposals), streamed,
+                             *marks))
         self._tell()
 
     def _tell(self) -> None:
         """Each window the device has passed, in order (no wait)."""
         while self.unheard:
-            k, accepted, rejected, steps, t0, t1, t2 = self.unheard[0]
+            k, accepted, rejected, steps, streamed, t0, t1, t2 = self.unheard[0]
             verify_s = self.clock.elapsed(t1, t2)
             if verify_s is None:
                 return
             self.adaptive.observe(k, accepted, rejected, self.clock.elapsed(t0, t1), steps,
-                                  verify_s)
+                                  verify_s, streamed)
             self.unheard.pop(0)

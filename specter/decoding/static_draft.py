@@ -39,7 +39,7 @@ import time
 
 import torch
 
-from specter.counting import compiled_region, host_side, upload
+from specter.counting import compiled_region, host_side, to_device
 from specter.engine import BatchCache, cache_bytes
 from specter.errors import UserError
 
@@ -248,10 +248,9 @@ class StaticDraft:
             return None
         with host_side():
             ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
-        upload()
         tell(n + 1 - s, n + 1, "draft", rows=1)
         with self.shared.draft():
-            logits = self.model(input_ids=ids.to(kv.device), cache=self.cache,
+            logits = self.model(input_ids=to_device(ids, kv.device), cache=self.cache,
                                 use_cache=True).logits
         self.synced = n
         return logits[:, -1].argmax(dim=-1, keepdim=True)
@@ -281,8 +280,7 @@ class StaticDraft:
         else:
             with host_side():
                 tok = torch.tensor([[seqs[0][-1]]], dtype=torch.long)
-            upload()
-            tok = tok.to(kv.device)
+            tok = to_device(tok, kv.device)
         with self.shared.draft(), self.shared.capturing():
             for i in range(len(chosen), k):
                 tell(1, kv.length + i + 1, "draft", rows=1)

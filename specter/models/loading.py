@@ -216,10 +216,35 @@ def _hub_snapshot(cfg: ModelConfig) -> Path:
                     f"`hf download {cfg.hub_id} --local-dir DIR` and pass model.path=DIR.")
 
 
-def pick_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if cfg.dtype == "auto":
-        return torch.float32 if device.type == "cpu" else torch.float16
-    return DTYPES[cfg.dtype]
+def pick_dtype(cfg: ModelConfig, device: torch.device, checkpoint: Path | None = None,
+               bf16_ok: bool | None = None) -> torch.dtype:
+    """`model.dtype`, or for `auto`: float32 on the CPU; on a GPU the checkpoint's own dtype
+    where it ships bfloat16 and the device computes it (`bf16_ok`; asked of the device when
+    None), else float16 (the paper's FP16). Every seed model ships bfloat16: on an H100/H200
+    its grouped experts kernel is torch's (offload/grouped.py `pick_kernel`)."""
+    if cfg.dtype != "auto":
+        return DTYPES[cfg.dtype]
+    if device.type == "cpu":
+        return torch.float32
+    if checkpoint is not None and shipped_dtype(checkpoint) == torch.bfloat16:
+        if bf16_ok is None:
+            bf16_ok = (device.type == "cuda"
+                       and torch.cuda.is_bf16_supported(including_emulation=False))
+        if bf16_ok:
+            return torch.bfloat16
+    return torch.float16
+
+
+def shipped_dtype(checkpoint: Path) -> torch.dtype | None:
+    """The dtype config.json says the checkpoint's weights are in (`torch_dtype`, or
+    transformers 5's `dtype`), None when it says none."""
+    try:
+        raw = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    name = raw.get("torch_dtype") or raw.get("dtype")
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float32": torch.float32}.get(name)
 
 
 def native_classes(path: Path):

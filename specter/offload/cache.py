@@ -91,6 +91,11 @@ class ExpertCache:
         lc = self.layers[l]
         return self.resident(l, e) and e not in lc.inflight
 
+    def landed(self, l: int, e: int) -> bool:
+        """Resident, its copy (if any) completed as seen now (asking never waits)."""
+        t = self.layers[l].inflight.get(e)
+        return self.resident(l, e) and (t is None or t.done())
+
     def arrival(self, l: int, e: int) -> float | None:
         """When `e`'s outstanding copy lands (a virtual link's transfers know), else None."""
         t = self.layers[l].inflight.get(e)
@@ -210,6 +215,16 @@ class ExpertCache:
         t = self.layers[l].inflight.pop(e, None)
         if t is not None:
             self.link.wait(t)
+
+    def wait_all(self, l: int, experts) -> None:
+        """The compute stream waits for every outstanding copy of `experts` with one wait: on
+        the latest issued of them (the copy engine completes copies in issue order)."""
+        lc = self.layers[l]
+        pending = [t for t in (lc.inflight.pop(e, None) for e in experts) if t is not None]
+        if pending:
+            self.link.wait(max(pending, key=lambda t: t.seq))
+            for t in pending:
+                t.release()
 
     def touch(self, l: int, e: int) -> None:
         """`e` is used (the eviction order) and its buffer about to be read by compute."""

@@ -1,21 +1,26 @@
-"""A MoE layer's routed experts computed as grouped GEMMs over the device slots, summed per
-token in expert-id order.
+"""A MoE layer's routed experts computed from the device slots in a few fixed launches, summed
+per token in expert-id order.
 
-Owns: the arithmetic of a batch of resident experts in a few fixed launches, however many
+Owns: the arithmetic of a batch of resident experts in a fixed number of launches, however many
 experts and tokens it covers: their (token, k-slot) pairs put in slot order (one upload of
-host-built indices; the routing is already on the host, `specter/grouping.py`), one grouped
-GEMM per projection over the layer's whole slot buffer (`torch.nn.functional.grouped_mm`,
-empty groups cost nothing), the routing weights, and each product placed at its token's rank
-(`LayerSum`); the layer's sum is then k additions in expert-id order, the order Hugging Face's
-eager loop adds in (its `index_add_` per expert), so the products and their sums are those of
-the per-expert loop (tests/test_grouped.py holds them bitwise on the CPU).
+host-built indices; the routing is already on the host, `specter/grouping.py`), the slots' GEMMs
+as one kernel per projection (`Kernel`), the routing weights, and each product placed at its
+token's rank (`LayerSum`); the layer's sum is then k additions in expert-id order, the order
+Hugging Face's eager loop adds in (its `index_add_` per expert), so the products and their sums
+are those of the per-expert loop (tests/test_grouped.py holds them bitwise on the CPU for
+`grouped_mm`, and the tokens for `padded`).
 Does not own: which experts are resident or when a batch is computed (offload/runtime.py).
 
-Where grouped GEMMs are offered: the CPU (torch >= 2.9), and CUDA devices of compute
-capability 8.0 or more in bfloat16 (torch's documented inputs); elsewhere the runtime keeps
-its loop of one GEMM per expert and projection (`grouped_available`). A CUDA run's default
-dtype is float16 (`model.dtype=auto`), so there it is the loop unless `model.dtype=bfloat16`;
-`scripts/gpu_check.sh`'s hotpath stage probes which dtypes the device's grouped GEMM takes.
+The two kernels (`pick_kernel`):
+- `grouped_mm`: `torch.nn.functional.grouped_mm` over the layer's whole slot buffer with the
+  slots' row offsets (an empty slot costs nothing). Used where torch runs it without reading
+  the offsets on the host: the CPU, and CUDA in bfloat16 on compute capability 9.x / 10.x
+  (torch's CUTLASS kernel). Elsewhere on CUDA (float16, or an A100) torch falls back to a loop
+  over the groups that copies the offsets to the host: a sync per call, so it is not used there.
+- `padded`: one `bmm` per projection over the span of slots the batch occupies, each slot's
+  tokens padded to the batch's largest count (the padding rows are computed and dropped). Any
+  device and dtype; it reads every slot in the span, used or not (for DeepSeek-V2-Lite at 13
+  slots, at most 13 experts' weights per batch: 0.2 GB at 4.8 TB/s is 46 us).
 """
 
 from __future__ import annotations
@@ -23,50 +28,64 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specter.counting import host_side, upload
+from specter.counting import host_side
+from specter.counting import to_device as upload_to
 from specter.grouping import ExpertGroups
 
 
-def grouped_available(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `grouped_mm` runs for weights of `dtype` on `device` in this torch."""
+KERNELS = ("grouped_mm", "padded")
+
+
+def pick_kernel(device: torch.device, dtype: torch.dtype,
+                capability: tuple[int, int] | None = None) -> str:
+    """The fixed-launch kernel for resident experts of `dtype` on `device` (`capability`: a CUDA
+    device's compute capability; read from the device when None)."""
     if not hasattr(nn.functional, "grouped_mm"):
-        return False
+        return "padded"
     if device.type == "cpu":
-        return True
+        return "grouped_mm"
     if device.type == "cuda":
-        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
-    return False
+        if capability is None:
+            capability = torch.cuda.get_device_capability(device)
+        if dtype == torch.bfloat16 and capability[0] in (9, 10):
+            return "grouped_mm"
+    return "padded"
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """Host-built int32 indices on `device`: from pinned memory without blocking on a GPU (the
-    stream does not wait for the host), counted as the copy it is (a launch, no sync)."""
+    """Host-built int32 indices on `device`, uploaded without a host wait (counting.to_device)."""
     with host_side():
         t = torch.tensor(values, dtype=torch.int32)
-        if device.type != "cpu":
-            t = t.pin_memory()
-    if device.type == "cpu":
-        upload(blocking=False)
-        return t
-    return t.to(device, non_blocking=True)
+    return upload_to(t, device)
 
 
 class LayerSum:
     """One layer's weighted expert products, each at (its rank among its token's experts,
     its token), then summed rank by rank: the per-token order of an `index_add_` per expert in
-    expert-id order."""
+    expert-id order. Made once per layer from its routing `groups`: every pair's input row,
+    routing weight and place, gathered once, so a round (`grouped_products`) gathers the rows
+    of its pairs and places their products with one index each."""
 
-    def __init__(self, hidden: torch.Tensor, top_k_index: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, groups: ExpertGroups,
+                 top_k_weights: torch.Tensor):
         T, k = top_k_index.shape
         self.T, self.k = T, k
         # rank[t, j]: how many of token t's chosen experts have a smaller id than its j-th
         self.rank = (top_k_index.unsqueeze(1) < top_k_index.unsqueeze(2)).sum(-1)
         self.parts = torch.zeros(k * T, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        # per pair, in `groups`' order: its input row, its routing weight, where it goes
+        self.x = hidden[groups.token]
+        self.w = top_k_weights[groups.token, groups.pos].unsqueeze(-1)
+        self.at = self.rank[groups.token, groups.pos] * T + groups.token
 
     def place(self, pos: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> None:
-        """Products `out` [n, H] of the pairs (k-slot `pos`, `token`)."""
+        """Products `out` [n, H] of the pairs (k-slot `pos`, `token`), weighted already."""
         at = self.rank[token, pos] * self.T + token
         self.parts.index_copy_(0, at, out.to(self.parts.dtype))
+
+    def place_pairs(self, pairs: torch.Tensor, y: torch.Tensor) -> None:
+        """Unweighted products `y` [n, H] of the pairs at `pairs` (indices into `groups`)."""
+        self.parts.index_copy_(0, self.at[pairs], (y * self.w[pairs]).to(self.parts.dtype))
 
     def result(self) -> torch.Tensor:
         T, parts = self.T, self.parts
@@ -76,11 +95,20 @@ class LayerSum:
         return final
 
 
-def grouped_products(hidden: torch.Tensor, groups: ExpertGroups, top_k_weights: torch.Tensor,
-                     slot_of: dict[int, int], buffers: tuple[torch.Tensor, torch.Tensor], act,
-                     into: LayerSum) -> None:
+def grouped_products(kernel: str, groups: ExpertGroups, slot_of: dict[int, int],
+                     buffers: tuple[torch.Tensor, torch.Tensor], act, into: LayerSum) -> None:
     """The experts of `slot_of` (expert -> its slot in `buffers`, the layer's gate_up
-    [S, 2I, H] and down [S, H, I] views) over their pairs, weighted, placed `into` the sum."""
+    [S, 2I, H] and down [S, H, I] views) over their pairs, weighted, placed `into` the sum, by
+    `kernel` (one of KERNELS): one upload, a gather, two GEMM kernels, the gate, the place."""
+    if kernel == "grouped_mm":
+        _grouped_mm(groups, slot_of, buffers, act, into)
+    elif kernel == "padded":
+        _padded(groups, slot_of, buffers, act, into)
+    else:
+        raise ValueError(f"unknown grouped kernel {kernel!r}; one of {', '.join(KERNELS)}")
+
+
+def _grouped_mm(groups, slot_of, buffers, act, into: LayerSum) -> None:
     gate_up, down = buffers
     S = gate_up.shape[0]
     per_slot = [0] * S
@@ -93,11 +121,38 @@ def grouped_products(hidden: torch.Tensor, groups: ExpertGroups, top_k_weights: 
     for n in per_slot:
         total += n
         ends.append(total)
-    both = to_device(index + ends, hidden.device)  # one upload: pair indices, then offsets
+    both = to_device(index + ends, into.x.device)  # one upload: pair indices, then offsets
     pairs, offs = both[:len(index)], both[len(index):]
-    pos, token = groups.pos[pairs], groups.token[pairs]
-    x = hidden[token]
-    y = nn.functional.grouped_mm(act(nn.functional.grouped_mm(x, gate_up.transpose(1, 2),
-                                                              offs=offs)),
+    y = nn.functional.grouped_mm(act(nn.functional.grouped_mm(into.x[pairs],
+                                                              gate_up.transpose(1, 2), offs=offs)),
                                  down.transpose(1, 2), offs=offs)
-    into.place(pos, token, y * top_k_weights[token, pos, None])
+    into.place_pairs(pairs, y)
+
+
+def _padded(groups, slot_of, buffers, act, into: LayerSum) -> None:
+    """Slots lo..hi as one batch of `bmm`s: slot s's pairs in rows [s - lo, :n_s], padded with
+    the batch's first pair (computed, then dropped) up to the largest n_s."""
+    gate_up, down = buffers
+    expert_in = {s: e for e, s in slot_of.items()}
+    lo, hi = min(expert_in), max(expert_in)
+    width = max(groups.counts[e] for e in slot_of)
+    first = groups.starts[expert_in[lo]]
+    padded: list[int] = []  # per row of the batch, the pair it computes
+    rows: list[int] = []  # the rows kept, in slot order ...
+    kept: list[int] = []  # ... and their pairs
+    for s in range(lo, hi + 1):
+        e = expert_in.get(s)
+        n = groups.counts[e] if e is not None else 0
+        start = groups.starts[e] if e is not None else first
+        padded.extend(range(start, start + n))
+        padded.extend([first] * (width - n))
+        rows.extend(range((s - lo) * width, (s - lo) * width + n))
+        kept.extend(range(start, start + n))
+    both = to_device(padded + rows + kept, into.x.device)  # one upload
+    n_pad, n_kept = len(padded), len(kept)
+    pad_pairs, keep_rows = both[:n_pad], both[n_pad:n_pad + n_kept]
+    B = hi - lo + 1
+    x = into.x[pad_pairs].view(B, width, -1)
+    h = act(torch.bmm(x, gate_up[lo:hi + 1].transpose(1, 2)).flatten(0, 1))  # gate: [rows, 2I]
+    y = torch.bmm(h.view(B, width, -1), down[lo:hi + 1].transpose(1, 2)).flatten(0, 1)
+    into.place_pairs(both[n_pad + n_kept:], y[keep_rows])

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.counting import expert_copy
 from specter.errors import UserError
 from specter.offload.intervals import Interval, intersection_length, union_length
 
@@ -85,10 +86,14 @@ class Transfer(ABC):
         self.nbytes = nbytes
         self.start: float | None = None
         self.end: float | None = None
+        self.seq = 0  # issue order on its link (`Link.copy`): copies complete in this order
 
     @abstractmethod
     def done(self) -> bool:
         """Whether the copy has completed as seen from the compute stream / host now."""
+
+    def release(self) -> None:
+        """Waited for: drop what kept its tensors alive (real links)."""
 
 
 class HostJob(Transfer):
@@ -190,6 +195,7 @@ class Link(ABC):
         self._transfers: list[Transfer] = []
         self._waits: list[Interval] = []
         self._pending: deque[Transfer] = deque()  # real links: copies maybe not finished
+        self._seq = 0  # copies issued (Transfer.seq)
         self._host: _HostThread | None = None
         # the host's busy seconds (modelled on the virtual clock, added by the host thread on
         # real ones) and their total at the last reset
@@ -201,7 +207,10 @@ class Link(ABC):
              after=None) -> Transfer:
         """Issue an asynchronous copy of `src` into `dst`; the data really moves. `after`: the
         fence of the last compute that reads `dst` (None: nothing queued reads it)."""
+        expert_copy()
         transfer = self._issue(dst, src, _charged_bytes(dst, src, nbytes), after)
+        self._seq += 1
+        transfer.seq = self._seq
         self._transfers.append(transfer)
         if self.kind != "virtual":
             self._prune_pending()

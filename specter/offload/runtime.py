@@ -2,12 +2,12 @@
 
 Owns: registering the `specter` experts implementation (transformers calls it once per MoE
 layer with the router's choice; routers, attention, norms and shared experts stay Hugging
-Face's and untouched), executing a layer's routed experts from device slots (resident ones
-first while misses stream in, as grouped GEMMs where offered: offload/grouped.py; results
-summed in expert order exactly as HF's eager path does, so outputs are bitwise those of its
-eager loop), the per-request demand
-statistics, and `Charger`: forward hooks that charge each compute step to the clock with the
-cost model (a no-op charge on real clocks).
+Face's and untouched), executing a layer's routed experts from device slots (one host read
+of the routing, the misses' copies issued together, then rounds of one fixed-launch kernel
+each: the resident experts while the misses stream in, `_rounds`, offload/grouped.py; results
+summed in expert order exactly as HF's eager path does), the per-request demand statistics,
+and `Charger`: forward hooks that charge each compute step to the clock with the cost model (a
+no-op charge on real clocks).
 Does not own: what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what to
 evict (policy.py), how bytes move and time passes (link.py), the decode loops (decoding/).
 
@@ -28,7 +28,7 @@ from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import CostModel
-from specter.offload.grouped import LayerSum, grouped_available, grouped_products
+from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
 from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
@@ -191,6 +191,7 @@ class OffloadRuntime:
         self.record_demand = True  # False during prefill (hit rate excludes it)
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
+        self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
         self.serial = False  # True: one GEMV per (token, expert), no grouping (an ablation)
         # False: serial demand loading (an ablation): each miss is copied only when its turn
         # comes and waited for before anything else computes; no copy overlaps compute.
@@ -207,8 +208,8 @@ class OffloadRuntime:
         self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
         # Resident experts as grouped GEMMs (offload/grouped.py): None = where offered,
         # True = required, False = one GEMM per expert and projection (offload.grouped)
-        self.grouped: bool | None = None
-        self._grouped_ok: bool | None = None
+        self.grouped: bool | str | None = None  # None: auto; True; False; "padded"
+        self._kernel: str | None = None
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
@@ -223,7 +224,7 @@ class OffloadRuntime:
         self.stats = DemandStats()
         if self.host_weights is not None:
             self.host_weights.reset_stats()
-        self.last_needed, self.last_counts = {}, {}
+        self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
         self.link.reset_stats()
 
     @torch.no_grad()
@@ -240,6 +241,7 @@ class OffloadRuntime:
         needed = groups.needed
         self.last_needed[l] = needed
         self.last_counts[l] = groups.counts
+        self.last_shape[l] = tuple(top_k_index.shape)
         # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
@@ -263,7 +265,6 @@ class OffloadRuntime:
             if self.record_demand:
                 self.stats.host_experts += len(host)
                 self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
-        outs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         jobs = [self._host_expert(module, l, e, hidden, groups, top_k_weights) for e in host]
         cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
@@ -273,52 +274,18 @@ class OffloadRuntime:
         # 2. Speculative loads for later layers go behind the demand copies.
         if self.prefetcher is not None:
             self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
-        # 3. Resident experts compute first while misses stream in; a computed expert is
-        # released, so a forward needing more experts than slots streams them through.
-        # Grouped (`self.grouped`): the ready experts in one grouped GEMM per projection
-        # before the first wait for a copy, the rest in one more after the last; while misses
-        # are still waiting for a slot, each expert computes (and frees its slot) at once.
-        total = LayerSum(hidden, top_k_index) if self.grouping() else None
-        pending: dict[int, int] = {}  # charged, not yet computed: expert -> its slot
-        waited = False
-
-        def flush():
-            if pending:
-                grouped_products(hidden, groups, top_k_weights, pending, cache.slot_buffers(l),
-                                 module._apply_gate, total)
-            for e in pending:
-                cache.unprotect(l, e)
-            pending.clear()
-
-        for e in hits + misses:
-            if not cache.resident(l, e):
-                flush()
-                waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
-                if not cache.resident(l, e):
-                    raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
-            if not waited and not cache.ready(l, e):
-                flush()  # what is resident computes while this copy lands
-                waited = True
-            cache.wait(l, e)
-            n = groups.counts[e]
-            for _ in range(n if self.serial else 1):
-                self.charge("expert_s", 1 if self.serial else n)
-            cache.touch(l, e)
-            slot = cache.slot(l, e)
-            if total is not None and slot is not None and not waiting:
-                pending[e] = slot
-            else:
-                token_idx, out = self._expert(module, l, e, hidden, groups, top_k_weights)
-                if total is None:
-                    outs[e] = (token_idx, out)
-                else:
-                    total.place(*groups.of(e), out)
-                cache.unprotect(l, e)
-            if waiting:
-                waiting = self._issue(l, waiting)
-        flush()
+        # 3. Resident experts compute while misses stream in: in rounds of one fixed-launch
+        # kernel each (`kernel()`), or one expert at a time (`_per_expert`, the ablations).
+        kernel = self.kernel()
+        if kernel is not None:
+            total = LayerSum(hidden, top_k_index, groups, top_k_weights)
+            self._rounds(kernel, l, module, hidden, groups, top_k_weights, hits, misses,
+                         waiting, total)
+        else:
+            outs = self._per_expert(l, module, hidden, groups, top_k_weights, hits + misses,
+                                    waiting)
         back = [self.link.wait_host(job).to(hidden.device) for _, job in jobs]  # before the sum
-        if total is None:
+        if kernel is None:
             outs.update({e: (token_idx, out) for e, (token_idx, _), out in zip(host, jobs, back)})
         elif host:  # every host-computed expert's products placed at once
             pairs = [groups.of(e) for e in host]
@@ -327,24 +294,92 @@ class OffloadRuntime:
         for e in host:
             cache.unprotect(l, e)
         # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
-        final = sum_in_expert_order(hidden, outs, needed) if total is None else total.result()
+        final = sum_in_expert_order(hidden, outs, needed) if kernel is None else total.result()
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
         return final
 
+    def kernel(self) -> str | None:
+        """The fixed-launch kernel (offload/grouped.py KERNELS) this runtime computes a layer's
+        resident experts with, in rounds (`_rounds`); None: one GEMM per expert and projection
+        (`_per_expert`: offload.grouped=false, and the ablations `serial` and overlap off).
+        `grouped`: None = `pick_kernel`'s choice for the device and dtype, True = grouped_mm
+        required, "padded" = the padded kernel."""
+        if self.serial or self.grouped is False or not self.overlap:
+            return None
+        if self._kernel is None:
+            auto = pick_kernel(self.device, self.cache.layout.dtype)
+            if self.grouped is True and auto != "grouped_mm":
+                raise RuntimeError(f"offload.grouped=true, but torch's grouped GEMM does not run "
+                                   f"{self.cache.layout.dtype} on {self.device} without a host "
+                                   "sync (specter/offload/grouped.py): use offload.grouped=auto.")
+            self._kernel = "padded" if self.grouped == "padded" else auto
+        return self._kernel
+
     def grouping(self) -> bool:
-        """Whether this forward's resident experts compute as grouped GEMMs: `grouped`
-        (None: where the backend offers them, `grouped_available`), never in the
-        token-by-token ablation (`serial`)."""
-        if self.serial or self.grouped is False:
-            return False
-        if self._grouped_ok is None:
-            self._grouped_ok = grouped_available(self.device, self.cache.layout.dtype)
-        if self.grouped and not self._grouped_ok:
-            raise RuntimeError(f"offload.grouped=true, but grouped GEMMs are not offered for "
-                               f"{self.cache.layout.dtype} on {self.device} "
-                               "(specter/offload/grouped.py): use offload.grouped=auto.")
-        return self._grouped_ok
+        """Whether a layer's resident experts compute in fixed-launch rounds (`kernel`)."""
+        return self.kernel() is not None
+
+    def _rounds(self, kernel: str, l: int, module, hidden, groups, top_k_weights,
+                hits: list[int], misses: list[int], waiting: list[int], total: LayerSum) -> None:
+        """The layer's experts (`hits`, then `misses`, whose copies are issued; `waiting`: the
+        misses that found no slot yet) in rounds, each one `grouped_products` call over the
+        slots: first the hits whose copy has landed (no wait), then the hits still in flight
+        (prefetches), then every miss resident by then, each round after one wait (on the
+        latest copy among its experts: the copy engine is FIFO). A round's experts are
+        released as soon as it is queued, so the misses still waiting are copied into their
+        slots (after the round's reads) while later rounds wait. Host work per round, not per
+        expert: one upload, no host read."""
+        cache = self.cache
+        first_miss = set(misses)
+        todo = hits + misses
+        while todo:
+            resident = [e for e in todo if cache.resident(l, e)]
+            if not resident:
+                raise RuntimeError(f"layer {l}: no slot can be freed for expert {todo[0]}")
+            hits_now = [e for e in resident if e not in first_miss]
+            batch = [e for e in hits_now if cache.landed(l, e)] or hits_now or resident
+            cache.wait_all(l, batch)  # (landed ones: no stall, the bookkeeping only)
+            slot_of = {}
+            for e in batch:
+                self.charge("expert_s", groups.counts[e])
+                cache.touch(l, e)
+                s = cache.slot(l, e)
+                if s is None:  # a staging buffer (beyond the slots): on its own
+                    _, out = self._expert(module, l, e, hidden, groups, top_k_weights)
+                    total.place(*groups.of(e), out)
+                else:
+                    slot_of[e] = s
+            if slot_of:
+                grouped_products(kernel, groups, slot_of, cache.slot_buffers(l),
+                                 module._apply_gate, total)
+            done = set(batch)
+            for e in batch:
+                cache.unprotect(l, e)
+            todo = [e for e in todo if e not in done]
+            if waiting:
+                waiting = self._issue(l, waiting)
+
+    def _per_expert(self, l: int, module, hidden, groups, top_k_weights, todo: list[int],
+                    waiting: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """The layer's experts one at a time, each after its own copy (overlap off: each
+        miss is issued only when its turn comes): (token_idx, weighted out) per expert."""
+        cache, outs = self.cache, {}
+        for e in todo:
+            if not cache.resident(l, e):
+                waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
+                if not cache.resident(l, e):
+                    raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
+            cache.wait(l, e)
+            n = groups.counts[e]
+            for _ in range(n if self.serial else 1):
+                self.charge("expert_s", 1 if self.serial else n)
+            cache.touch(l, e)
+            outs[e] = self._expert(module, l, e, hidden, groups, top_k_weights)
+            cache.unprotect(l, e)
+            if waiting:
+                waiting = self._issue(l, waiting)
+        return outs
 
     def _host_side(self, misses: list[int], tokens_of: dict[int, int],
                    late: dict[int, float | None] | None = None) -> list[int]:
@@ -388,6 +423,7 @@ class OffloadRuntime:
         cpu, weights = torch.device("cpu"), self.host_weights_for()
         groups = group_by_expert(top_k_index.to(cpu), self.cache.store.layout.num_experts)
         self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
+        self.last_shape[l] = tuple(top_k_index.shape)
         if self.record_demand:
             self.stats.distinct[l].update(groups.needed)
             self.stats.forward_distinct.append(len(groups.needed))
@@ -429,6 +465,7 @@ class OffloadRuntime:
         rec["host_ready_hits"] = w.ready_hits if w is not None and not w.same else 0
         rec["host_prepares"] = w.prepares if w is not None and not w.same else 0
         rec["grouped_experts"] = self.grouping()
+        rec["experts_kernel"] = self.kernel() or "loop"
         return rec
 
     def host_weights_for(self) -> HostWeights:

@@ -77,7 +77,7 @@ def load_model(cfg: ModelConfig, device: torch.device, cache_dir: Path | None = 
 
     hf_logging.disable_progress_bar()  # per-tensor loading bars; the runner prints its own
     path = resolve_checkpoint(cfg, cache_dir, seed, progress)
-    dtype = pick_dtype(cfg, device)
+    dtype = pick_dtype(cfg, device, path)
     config, model_class = native_classes(path)
     attn, attn_why = pick_attention(cfg, model_class, device)
     config._attn_implementation = attn
