@@ -37,7 +37,7 @@ def test_grouped_experts_are_bitwise_the_per_expert_loop(name):
         assert a == b
 
 
-def test_grouped_experts_launch_fewer_kernels_and_charge_the_same_time():
+def test_grouped_experts_launch_fewer_kernels_and_are_charged_as_one_call():
     _, loaded = make_engine("tiny_deepseek", "resident", None)
     e = loaded.spec.num_experts
     ids = torch.tensor([loaded.tokenizer(PROMPTS[1])["input_ids"][:16]])
@@ -52,7 +52,9 @@ def test_grouped_experts_launch_fewer_kernels_and_charge_the_same_time():
         seconds[grouped] = engine.timing.link.now()
         assert counter.counts["bookkeeping"]["syncs"] == 0
     assert launches[True] < launches[False] / 2, launches
-    assert seconds[True] == seconds[False]  # the virtual clock charges the modelled engine
+    # the clock follows the engine: a layer's experts in one kernel call cost less than one
+    # eager call each (costmodel.grouped_experts_s against expert_s per expert)
+    assert seconds[True] < seconds[False]
 
 
 def test_grouped_with_staging_buffers_is_lossless():

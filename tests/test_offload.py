@@ -75,10 +75,13 @@ def test_offloaded_logits_equal_resident_logits():
 
 def test_virtual_clock_is_deterministic_and_offloading_costs_time():
     slow = dict(A100, h2d_bandwidth_Bps=0.2e9)  # a slow link: the tiny experts' misses show
-    lru_a, loaded = make_engine("tiny_deepseek", "lru", 6, hardware=slow)
-    lru_b, _ = make_engine("tiny_deepseek", "lru", 6, hardware=slow)
+    # one GEMM per expert (offload.grouped=false): the compute charged is the same whatever
+    # the link (the rounds of the grouped kernel follow what has landed)
+    loop = {"grouped": False}
+    lru_a, loaded = make_engine("tiny_deepseek", "lru", 6, hardware=slow, offload=loop)
+    lru_b, _ = make_engine("tiny_deepseek", "lru", 6, hardware=slow, offload=loop)
     res, _ = make_engine("tiny_deepseek", "resident", None, hardware=slow)
-    fast, _ = make_engine("tiny_deepseek", "lru", 6)
+    fast, _ = make_engine("tiny_deepseek", "lru", 6, offload=loop)
     ga, gb = decode_all(lru_a, loaded.tokenizer), decode_all(lru_b, loaded.tokenizer)
     gr, gf = decode_all(res, loaded.tokenizer), decode_all(fast, loaded.tokenizer)
     assert [g.commit_times_s for g in ga] == [g.commit_times_s for g in gb]
@@ -235,11 +238,14 @@ def test_transformers_offload_charges_the_real_models_offloaded_bytes():
 def test_offloaded_and_resident_runs_charge_the_same_compute():
     """With a link that costs nothing, offloading must cost nothing: every compute step is
     charged the same whether the experts are HF's or the runtime's (a dense-MLP charge on
-    MoE layers once slipped in when the offloaded experts were not recognised)."""
+    MoE layers once slipped in when the offloaded experts were not recognised). The runtime's
+    per-expert loop (offload.grouped=false) is HF's eager loop; its grouped kernel is charged
+    as one call per round (costmodel.grouped_experts_s), less."""
     free = dict(A100, h2d_bandwidth_Bps=1e18, h2d_latency_s=0.0, charge="real")
     for name in ("tiny_deepseek", "tiny_qwen"):
         res, loaded = make_engine(name, "resident", None, hardware=free)
-        lru, _ = make_engine(name, "lru", loaded.spec.top_k, hardware=free)
+        lru, _ = make_engine(name, "lru", loaded.spec.top_k, hardware=free,
+                             offload={"grouped": False})
         for r, l in zip(decode_all(res, loaded.tokenizer), decode_all(lru, loaded.tokenizer)):
             assert l.tokens == r.tokens and l.stats["demand_misses"] > 0
             assert l.commit_times_s[-1] - l.start_time_s == pytest.approx(
@@ -295,7 +301,8 @@ def test_offload_host_cost_is_charged_once_per_moe_layer_per_forward():
     cost = 1e-3
     res, loaded = make_engine("tiny_deepseek", "resident", None, hardware=dict(free, offload_layer_overhead_s=cost))
     res0, _ = make_engine("tiny_deepseek", "resident", None, hardware=free)
-    lru, _ = make_engine("tiny_deepseek", "lru", loaded.spec.top_k, hardware=dict(free, offload_layer_overhead_s=cost))
+    lru, _ = make_engine("tiny_deepseek", "lru", loaded.spec.top_k,
+                         hardware=dict(free, offload_layer_overhead_s=cost), offload={"grouped": False})
     moe_layers = len(lru.runtime.modules)
     span = lambda g: g.commit_times_s[-1] - g.start_time_s  # noqa: E731
     for r, r0, l in zip(decode_all(res, loaded.tokenizer, 8), decode_all(res0, loaded.tokenizer, 8),

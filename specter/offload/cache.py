@@ -96,6 +96,11 @@ class ExpertCache:
         t = self.layers[l].inflight.get(e)
         return self.resident(l, e) and (t is None or t.done())
 
+    def issued(self, l: int, e: int) -> int:
+        """When `e`'s outstanding copy was issued (its link's issue order; 0: none)."""
+        t = self.layers[l].inflight.get(e)
+        return t.seq if t is not None else 0
+
     def arrival(self, l: int, e: int) -> float | None:
         """When `e`'s outstanding copy lands (a virtual link's transfers know), else None."""
         t = self.layers[l].inflight.get(e)

@@ -240,6 +240,21 @@ class CostModel:
         s = self.sizes
         return self.mlp_call_s(tokens, s.expert_params, s.expert_bytes) * s.moe_multiplier
 
+    # launching operations of one round of the offload runtime's fixed-launch kernel
+    # (offload/grouped.py: upload, gathers, two GEMMs, the gate, the weights, the place)
+    GROUPED_LAUNCHES = 10
+
+    def grouped_experts_s(self, tokens_per_expert: list[int]) -> float:
+        """One round of a layer's resident experts in the runtime's fixed-launch kernel: every
+        expert's FLOPs and weights in one pass (max of the two), its launches, and one
+        framework call (not one per expert: offload/runtime.py `_rounds`)."""
+        s = self.sizes
+        flops = sum(2.0 * n * s.expert_params for n in tokens_per_expert)
+        traffic = len(tokens_per_expert) * s.expert_bytes
+        seconds = max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
+            + self.GROUPED_LAUNCHES * self.hw.launch_overhead_s + self.hw.expert_overhead_s
+        return seconds * s.moe_multiplier
+
     def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128) -> float:
         """One MoE layer's routed experts from their quantized copy in one fused kernel (SEE:
         the Triton kernel is one launch per projection, plus the activation): every routed

@@ -182,6 +182,12 @@ class OffloadRuntime:
     """Routed experts in host memory, `slots` per layer on the device, every forward through
     `experts_forward`."""
 
+    # A layer's copies in flight (prefetches and misses) compute in this many rounds
+    # (`_rounds`): each round's experts compute while the next round's copies land (one round:
+    # every expert waits for the last copy; one per expert: the most overlap, and about 10
+    # launches per expert).
+    MISS_ROUNDS = 2
+
     def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
                  prefetcher: LayerPrefetcher | None = None):
         self.model, self.cache, self.link, self.cost = model, cache, link, cost
@@ -324,33 +330,40 @@ class OffloadRuntime:
                 hits: list[int], misses: list[int], waiting: list[int], total: LayerSum) -> None:
         """The layer's experts (`hits`, then `misses`, whose copies are issued; `waiting`: the
         misses that found no slot yet) in rounds, each one `grouped_products` call over the
-        slots: first the hits whose copy has landed (no wait), then the hits still in flight
-        (prefetches), then every miss resident by then, each round after one wait (on the
-        latest copy among its experts: the copy engine is FIFO). A round's experts are
+        slots: whatever has landed (no wait), else the next chunk of copies in issue order
+        (prefetches still in flight, then the misses; MISS_ROUNDS chunks of them), after one
+        wait on the chunk's latest copy (the copy engine is FIFO), so a chunk computes while
+        the next one's copies land. A round's experts are
         released as soon as it is queued, so the misses still waiting are copied into their
         slots (after the round's reads) while later rounds wait. Host work per round, not per
         expert: one upload, no host read."""
         cache = self.cache
-        first_miss = set(misses)
         todo = hits + misses
+        chunk = max(1, -(-len(todo) // self.MISS_ROUNDS))
         while todo:
             resident = [e for e in todo if cache.resident(l, e)]
             if not resident:
                 raise RuntimeError(f"layer {l}: no slot can be freed for expert {todo[0]}")
-            hits_now = [e for e in resident if e not in first_miss]
-            batch = [e for e in hits_now if cache.landed(l, e)] or hits_now or resident
+            # what has landed (a chunk of it while misses wait for the slots it frees); else
+            # the next chunk of copies in issue order (prefetches first)
+            landed = [e for e in resident if cache.landed(l, e)]
+            batch = (landed[:chunk] if waiting else landed) or \
+                sorted(resident, key=lambda e: cache.issued(l, e))[:chunk]
             cache.wait_all(l, batch)  # (landed ones: no stall, the bookkeeping only)
             slot_of = {}
             for e in batch:
-                self.charge("expert_s", groups.counts[e])
                 cache.touch(l, e)
                 s = cache.slot(l, e)
                 if s is None:  # a staging buffer (beyond the slots): on its own
+                    self.charge("expert_s", groups.counts[e])
                     _, out = self._expert(module, l, e, hidden, groups, top_k_weights)
                     total.place(*groups.of(e), out)
                 else:
                     slot_of[e] = s
-            if slot_of:
+            if slot_of:  # one kernel call, charged as one (the clock follows the engine)
+                if self.cost is not None:
+                    self.link.compute(self.cost.grouped_experts_s(
+                        [groups.counts[e] for e in slot_of]))
                 grouped_products(kernel, groups, slot_of, cache.slot_buffers(l),
                                  module._apply_gate, total)
             done = set(batch)
