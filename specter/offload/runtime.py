@@ -212,9 +212,9 @@ class OffloadRuntime:
         self.host_all = False
         self.rates = cost
         self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
-        # Resident experts as grouped GEMMs (offload/grouped.py): None = where offered,
-        # True = required, False = one GEMM per expert and projection (offload.grouped)
-        self.grouped: bool | str | None = None  # None: auto; True; False; "padded"
+        # The resident experts' kernel (offload.grouped; `kernel()`): None = pick_kernel's,
+        # True = grouped_mm required, "padded", False = one GEMM per expert and projection
+        self.grouped: bool | str | None = None
         self._kernel: str | None = None
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
@@ -333,10 +333,10 @@ class OffloadRuntime:
         slots: whatever has landed (no wait), else the next chunk of copies in issue order
         (prefetches still in flight, then the misses; MISS_ROUNDS chunks of them), after one
         wait on the chunk's latest copy (the copy engine is FIFO), so a chunk computes while
-        the next one's copies land. A round's experts are
-        released as soon as it is queued, so the misses still waiting are copied into their
-        slots (after the round's reads) while later rounds wait. Host work per round, not per
-        expert: one upload, no host read."""
+        the next one's copies land. A round's experts are released as soon as it is queued,
+        so the misses still waiting are copied into their slots (after the round's reads)
+        while later rounds wait. Host work per round, not per expert: one upload, no host
+        read."""
         cache = self.cache
         todo = hits + misses
         chunk = max(1, -(-len(todo) // self.MISS_ROUNDS))
