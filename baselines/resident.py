@@ -3,9 +3,10 @@
 The no-offload limit every other system is compared to, and the reference for losslessness:
 its tokens must equal Hugging Face `generate` of the same model token for token. The experts
 stay Hugging Face's own; under the virtual clock each step is charged by the cost model.
-`system.compile` (batch 1; `auto` on a real clock on the CPU, where it was measured faster; `on`
-CUDA too): each decode step one compiled graph over a static cache
-(specter/decoding/static_decode.py), the fair baseline of a compiled draft step.
+`system.compile` (batch 1; `auto` on a real clock, the CPU's or a GPU's): each decode step one
+compiled graph over a static cache (specter/decoding/static_decode.py), the fair baseline of a
+compiled draft step; on CUDA the whole step is captured as one CUDA graph and replayed, as the
+draft's step is (the same `capture_graph`), in the runner's untimed warm-up request.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from specter.config import SystemConfig
 from specter.decoding.engines import GreedyEngine, build_greedy
 
 ENGINE = GreedyEngine
+CAPTURED_DECODE = "the whole decode step captured as one CUDA graph, replayed per step"
 OFFLOADS = False  # every expert on the device: any clock, CPU included
 
 
@@ -39,15 +41,19 @@ def build(ctx) -> GreedyEngine:
 
     engine = build_greedy(ctx, "resident", offload=False)
     sc, w = ctx.cfg.system, ctx.cfg.workload
-    on, why = resolve_system_compile(sc.compile, w.batch, engine.timing.clock,
-                                     ctx.device.type)
+    on, why = resolve_system_compile(sc.compile, w.batch, engine.timing.clock)
+    cuda = ctx.device.type == "cuda"
     if on:
-        mode = "reduce-overhead" if ctx.device.type == "cuda" else None
-        engine.static = StaticDecode(ctx.loaded.model, sc.compile_backend, mode,
-                                     positions=w.prompt_tokens + w.max_new_tokens + 1)
+        from specter.quant.kernels import capture_graph
+
+        engine.static = StaticDecode(ctx.loaded.model, sc.compile_backend,
+                                     positions=w.prompt_tokens + w.max_new_tokens + 1,
+                                     capture=capture_graph if cuda else None)
         if hasattr(engine.charger, "captured_step"):  # a virtual clock: charged as captured
             engine.static.charger = engine.charger
-    engine.compiled = {"decode_compiled": on, "decode_compile": why,  # captured: CUDA graphs
-                       "decode_captured": on and (ctx.device.type == "cuda"  # or charged so
+    if on and cuda:
+        why = f"{why}: {CAPTURED_DECODE}"
+    engine.compiled = {"decode_compiled": on, "decode_compile": why,  # captured: a CUDA graph
+                       "decode_captured": on and (cuda  # or charged as one
                                                   or engine.timing.clock == "virtual")}
     return engine

@@ -87,6 +87,24 @@ def error_table(df: pd.DataFrame, virtual_hardware: str = "h200_measured",
     return table.sort_values(key, ignore_index=True)
 
 
+def engine_of(rows: pd.DataFrame) -> dict[str, str]:
+    """What a system's rows ran on (issue 45 item 6: one engine, so a ratio measures the
+    policy): `experts` the kernel its verification or decode computed experts with
+    (offload/grouped.py: grouped_mm, padded, loop; `resident`: HF's own modules), `step` its
+    draft's or decode's step (captured: one CUDA graph replay; compiled; eager)."""
+    def first(col: str):
+        vals = rows[col].dropna() if col in rows else []
+        return vals.iloc[0] if len(vals) else None
+
+    experts = first("experts_kernel") or "resident"
+    for kind in ("draft", "decode"):
+        if first(f"{kind}_compile") is not None:
+            how = ("captured" if first(f"{kind}_captured") else
+                   "compiled" if first(f"{kind}_compiled") else "eager")
+            return {"experts": experts, "step": f"{kind} {how}"}
+    return {"experts": experts, "step": "eager"}
+
+
 def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
                 h2d_gbps: float | None = None, hotpath: pd.DataFrame | None = None) -> pd.DataFrame:
     """One line per (system, budget) of the real side: what the GPU stage prints (module doc,
@@ -116,6 +134,7 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
         out["link_floor_ms"] = h2d / (h2d_gbps * 1e9) * 1e3 if h2d_gbps else math.nan
         out["e2e_over_floor"] = out["e2e_ms_per_token"] / out["link_floor_ms"] \
             if out["link_floor_ms"] else math.nan
+        out.update(engine_of(g))
         return pd.Series(out)
 
     table = rows.groupby(["system", "budget_key"]).apply(one, include_groups=False).reset_index()

@@ -77,8 +77,8 @@ timeout -k 10 "$REAL_SIZE_TIMEOUT_S" env PY="$PY" OUT="$OUT/real_size" \
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 fi
 
-# issue 36 item 5: the compiled steps captured as CUDA graphs (torch.compile's
-# reduce-overhead over the static caches), eager against captured, counted per committed token
+# issue 36 item 5: the compiled steps captured as CUDA graphs (the compiled step over the
+# static caches, captured whole by quant.kernels.capture_graph), eager against captured, counted per committed token
 # (launches, syncs, graph replays; TPOT in the records) for resident (system.compile) and
 # specter (spec.compile, gather_int4) at DeepSeek-V2-Lite's real sizes, random weights, 1 item
 # x 24 tokens, real CUDA time. Each run compiles in the runner's untimed warm-up request

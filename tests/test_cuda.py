@@ -235,13 +235,15 @@ def _tiny_rows_on_cuda(out, system: str, extra: list[str]):
 def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
     """issue 36 item 5, issue 45 item 3: spec.compile=on and system.compile=on on CUDA capture
     the step (the draft: the whole step as one CUDA graph over its static cache, captured in
-    the runner's untimed warm-up; resident: reduce-overhead); the tokens are the eager ones,
-    and every row says the step was captured. spec.compile=auto (the default) captures the
-    draft step too, with per-layer graphs off; specmoeoff's second instance as well."""
+    the runner's untimed warm-up; resident: its decode step the same way, issue 45 item 6); the
+    tokens are the eager ones, and every row says the step was captured. The defaults
+    (spec.compile=auto, system.compile=auto) capture too, the draft with per-layer graphs off;
+    specmoeoff's second instance as well."""
     tokens = {}
     for i, (system, extra) in enumerate((
             ("resident", ["system.compile=off"]),
             ("resident", ["system.compile=on"]),
+            ("resident", ["system.compile=auto"]),
             ("specter", ["spec.compile=off"]),
             ("specter", ["spec.compile=on", "quant.backend=gather_int4"]),
             ("specter", ["spec.compile=auto"]),
@@ -257,6 +259,9 @@ def test_captured_steps_equal_eager_ones_on_cuda(tmp_path):
                 assert not df["draft.graphs"].any()
                 assert df["draft_compile"].str.contains("one CUDA graph").all()
                 assert (df["draft_compiles"] == 0).all()
+            else:  # resident: the same capture (issue 45 item 6)
+                assert df["decode_compile"].str.contains("one CUDA graph").all()
+                assert (df["decode_compiles"] == 0).all()
     assert len(set(map(tuple, tokens.values()))) == 1, tokens
 
 

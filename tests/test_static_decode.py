@@ -39,22 +39,47 @@ def test_a_compiled_resident_step_is_the_target_token_for_token(name):
     assert static.compiles == 1 and static.steps_run > 0  # one compilation for the run
 
 
+def test_a_captured_resident_step_replays_one_graph_per_step():
+    """The CUDA path (issue 45 item 6: resident gets the captured decode the draft has) on the
+    CPU, over the stand-in capture (tests/fake_cuda.py): the whole step captured once, at the
+    first step, with one device sync; each later step one replay and nothing else; the tokens
+    are plain generate's, and a second request captures nothing."""
+    from collections import Counter
+
+    from fake_cuda import FakeCuda
+    from specter.counting import OpCounter
+
+    lm = load_model(ModelConfig(name="tiny_deepseek", source="project", dtype="float32"), CPU,
+                    progress=False)
+    fake = FakeCuda()
+    static = StaticDecode(lm.model, compiler="eager", positions=40, capture=fake.capture_graph)
+    link = Timing.wall(CPU).link
+    for i, p in enumerate(PROMPTS):
+        ids = lm.tokenizer(p)["input_ids"][:16]
+        want = _hf(lm.model, ids, 12)
+        with torch.no_grad(), OpCounter() as counter:
+            got = static.generate(ids, 12, CPU, link, set(), DeviceMemory(lm.model, CPU))
+        assert got.tokens == want
+        total = sum(counter.counts.values(), start=Counter())
+        assert total["graph_replays"] == 11  # 12 tokens: the prefill's and 11 replays
+        assert static.captures == fake.captures == 1 and fake.log.device_syncs == 1
+    assert fake.replays == static.steps_run == 22
+
+
 def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
     assert resolve_system_compile("off", 1, "wall") == (False, "system.compile=off")
     assert resolve_system_compile("auto", 1, "wall")[0]
     on, why = resolve_system_compile("auto", 1, "virtual")
     assert not on and "virtual clock" in why
     assert resolve_system_compile("on", 1, "virtual")[0]  # charged as a captured graph
-    assert resolve_system_compile("on", 1, "cuda", "cuda")[0]  # a GPU's own clock
+    assert resolve_system_compile("on", 1, "cuda")[0]  # a GPU's own clock
     with pytest.raises(UserError, match="emulated clock"):
         resolve_system_compile("on", 1, "emulated")
     with pytest.raises(UserError, match="system.compile=on cannot compile"):
         resolve_system_compile("on", 4, "wall")
     with pytest.raises(UserError, match="system.compile must be one of"):
         resolve_system_compile("yes", 1, "wall")
-    on, why = resolve_system_compile("auto", 1, "wall", "cuda")  # no GPU has run it yet
-    assert not on and "system.compile=on runs it" in why
-    assert resolve_system_compile("on", 1, "wall", "cuda")[0]
+    assert resolve_system_compile("auto", 1, "cuda")[0]  # captured as one CUDA graph
 
 
 def test_the_default_stays_eager_on_a_virtual_clock_and_says_why(tmp_path):

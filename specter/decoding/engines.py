@@ -266,8 +266,7 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
         return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
                 "draft_captured": False}
     cuda = ctx.device.type == "cuda"
-    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0,
-                              ctx.device.type)
+    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
     if on and counted:  # its launch counter counts eager operations
         if spec.compile == "on":
             raise UserError("spec.compile=on: a counted profile counts eager launches; "

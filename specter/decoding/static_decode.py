@@ -61,12 +61,12 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _fixed_shape_experts)
 
 
-def resolve_system_compile(setting: str, rows: int, clock: str,
-                           device_type: str = "cpu") -> tuple[bool, str]:
+def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, str]:
     """(compiled, why) for resident's `system.compile`: one row; not the emulated clock (it
-    sleeps in hooks a graph does not run). `auto` compiles on a real clock on the CPU only:
-    on a virtual clock `on` charges the step as a captured graph (as a compiled draft step
-    is), and the paper's resident is eager."""
+    sleeps in hooks a graph does not run). `auto` compiles on a real clock (the CPU's, or a
+    GPU's, where the step is captured as one CUDA graph); on a virtual clock it stays eager,
+    as the paper's resident, and `on` charges the step as a captured graph (as a compiled
+    draft step is)."""
     if setting == "auto" and clock == "virtual":
         return False, ("eager: on a virtual clock auto stays eager, as the paper's resident "
                        "(system.compile=on charges the step as a captured graph)")
@@ -76,22 +76,28 @@ def resolve_system_compile(setting: str, rows: int, clock: str,
     if clock not in ("wall", "cuda", "virtual"):
         reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")
-    return settle_compile("system.compile", setting, "resident's decode step", reasons,
-                          device_type)
+    return settle_compile("system.compile", setting, "resident's decode step", reasons)
 
 
 class StaticDecode:
     """Batch-1 greedy decoding with each decode step one compiled graph (module docstring).
     `compiler`: torch.compile's backend ("eager": the graph checked, no code generated);
-    `mode`: its mode ("reduce-overhead" captures CUDA graphs); `positions`: the longest
-    context a request reaches (prompt and new tokens), so one set of buffers serves the run."""
+    `positions`: the longest context a request reaches (prompt and new tokens), so one set of
+    buffers serves the run; `capture`: below."""
 
-    def __init__(self, model: nn.Module, compiler: str = "inductor", mode: str | None = None,
-                 positions: int = 0):
+    def __init__(self, model: nn.Module, compiler: str = "inductor", positions: int = 0,
+                 capture=None):
         _register()
-        self.model, self.compiler, self.mode = model, compiler, mode
-        self.graphs = mode == "reduce-overhead"
+        self.model, self.compiler = model, compiler
         self.positions = positions
+        # capture(fn, warm) -> replay(): on CUDA `quant.kernels.capture_graph`, the draft's
+        # (static_draft.py): the whole step (the compiled forward, the argmax, the token fed
+        # back) one CUDA graph, captured at the first step with these buffers (the runner's
+        # untimed warm-up request) and replayed per step; None: the compiled step called
+        self.capture = capture
+        self.replay = None
+        self.captures = 0
+        self._tok: torch.Tensor | None = None  # the captured step's token buffer [1, 1]
         self.active = False
         mods = [m for _, m in experts_modules(model)]
         from specter.decoding.self_draft import _target_function
@@ -107,8 +113,7 @@ class StaticDecode:
         # runs, as a captured graph's replay; None on real clocks
         self.charger = None
         torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
-        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler,
-                                  mode=mode)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler)
         self.steps_run = self.compiles = 0
         self.compile_s = 0.0
         self._fresh = False
@@ -120,6 +125,51 @@ class StaticDecode:
         out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
         return out.logits[:, -1].argmax(dim=-1, keepdim=True), torch.stack(self.routes)
 
+    def _whole_step(self) -> torch.Tensor:
+        """The captured step: the compiled forward on `_tok`, its greedy token written back into
+        `_tok` (the next step's input). Returns the routes."""
+        nxt, routes = self.step(self._tok)
+        self._tok.copy_(nxt)
+        return routes
+
+    def _capture_step(self) -> None:
+        """Capture `_whole_step`; its warm-up runs compile the step, and the cache's write index
+        is put back after each (the step itself rewrites their K and V)."""
+        began = time.perf_counter()
+        lengths = [layer.cumulative_length for layer in self.cache.layers]
+        saved = [t.clone() for t in lengths]
+
+        def warm():
+            self.step(self._tok)
+            for t, s in zip(lengths, saved):
+                t.copy_(s)
+        self.active = True
+        try:
+            with compiled_region(count=False):  # no counter's dispatch mode under the compiler
+                self.replay = self.capture(self._whole_step, warm)
+        finally:
+            self.active = False
+        self.captures += 1
+        self.compile_s += time.perf_counter() - began
+        self.compiles, self._fresh = self.compiles + 1, False
+
+    def _run_step(self, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One decode step from `tok` [1, 1] on the device: a replay of the captured graph
+        (`_tok` is its input and output), or a call of the compiled step."""
+        if self.capture is not None:
+            if tok is not self._tok:  # the request's first step: the prefill's token
+                self._tok.copy_(tok)
+            if self.replay is None:
+                self._capture_step()
+        self.active = True  # (a replay runs no Python on a GPU; a stand-in's runs the step)
+        try:
+            with compiled_region():  # one graph replay, or one compiled call (hotpath.py)
+                if self.capture is None:
+                    return self.step(tok)
+                return self._tok, self.replay()
+        finally:
+            self.active = False
+
     def _load(self, dynamic, n: int) -> None:
         """The buffers (made once, or larger for a longer request) with the prompt's KV."""
         from transformers import StaticCache
@@ -130,6 +180,10 @@ class StaticDecode:
             for src, dst in zip(dynamic.layers, self.cache.layers):
                 dst.lazy_initialization(src.keys, src.values)
             self._fresh = True
+            if self.capture is not None:  # the graph reads these buffers: captured again
+                self.replay = None
+                self._tok = torch.zeros(1, 1, dtype=torch.long,
+                                        device=self.cache.layers[0].keys.device)
         for src, dst in zip(dynamic.layers, self.cache.layers):  # later positions: masked
             dst.keys[:, :, :src.keys.shape[2]].copy_(src.keys)
             dst.values[:, :, :src.values.shape[2]].copy_(src.values)
@@ -160,16 +214,7 @@ class StaticDecode:
                 break
             tell(1, n + 1, "decode", rows=1)
             began = time.perf_counter()
-            if self.graphs:
-                torch.compiler.cudagraph_mark_step_begin()
-            self.active = True
-            try:
-                with compiled_region():
-                    tok, routes = self.step(tok)
-            finally:
-                self.active = False
-            if self.graphs:
-                tok = tok.clone()
+            tok, routes = self._run_step(tok)
             if self.charger is not None:
                 with self.charger.captured_step():
                     self.charger.charge_compiled_step(routes)

@@ -46,25 +46,20 @@ from specter.errors import UserError
 MODES = ("auto", "on", "off")
 
 
-CUDA_UNTRIED = ("eager: auto does not compile on CUDA until a GPU has run the captured step "
-                "({knob}=on runs it)")
 # what a compiled draft step is on CUDA (the record's `draft_compile`)
 CAPTURED = "the whole draft step captured as one CUDA graph, replayed per step"
 
 
-def settle_compile(knob: str, setting: str, what: str, reasons: list[str],
-                   device_type: str = "cpu", cuda_auto: bool = False) -> tuple[bool, str]:
+def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tuple[bool, str]:
     """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
     `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
-    sentence naming `what` and the reasons, and `auto` stays eager and says why. On CUDA
-    `auto` compiles only where `cuda_auto` (the draft step, captured as one graph); resident's
-    step stays `on`'s there until a GPU has run it."""
+    sentence naming `what` and the reasons, and `auto` stays eager and says why. On CUDA a
+    compiled step is captured as one CUDA graph (`quant.kernels.capture_graph`), the draft's
+    and resident's alike."""
     if setting not in MODES:
         raise UserError(f"{knob} must be one of {', '.join(MODES)} (got '{setting}').")
     if setting == "off":
         return False, f"{knob}=off"
-    if setting == "auto" and device_type == "cuda" and not cuda_auto:
-        return False, CUDA_UNTRIED.format(knob=knob)
     if not reasons:
         return True, f"{knob}={setting}"
     if setting == "on":
@@ -72,8 +67,7 @@ def settle_compile(knob: str, setting: str, what: str, reasons: list[str],
     return False, "eager: " + "; ".join(reasons)
 
 
-def resolve_compile(setting: str, backend: str, rows: int, sampling: bool,
-                    device_type: str = "cpu") -> tuple[bool, str]:
+def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
     no data-dependent shape: `gather_int4`), else stays eager and says why. On CUDA a
@@ -90,8 +84,7 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool,
                        "(quant.backend=gather_int4 compiles)")
     if sampling:
         reasons.append("speculative sampling picks on the host")
-    return settle_compile("spec.compile", setting, "the draft step", reasons, device_type,
-                          cuda_auto=True)
+    return settle_compile("spec.compile", setting, "the draft step", reasons)
 
 
 class StaticDraft:

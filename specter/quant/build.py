@@ -140,7 +140,7 @@ def step_captured(cfg, backend: str, device: torch.device, counted: bool = False
         return False
     w = cfg.workload
     try:
-        return resolve_compile(cfg.spec.compile, backend, w.batch, w.temperature > 0, "cuda")[0]
+        return resolve_compile(cfg.spec.compile, backend, w.batch, w.temperature > 0)[0]
     except UserError:
         return False
 
