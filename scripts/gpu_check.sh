@@ -14,7 +14,7 @@ TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-300}"
-INFLATED_TIMEOUT_S="${INFLATED_TIMEOUT_S:-480}"  # the sweep gets all but 3 x 50 + 90 s and the verdict's
+INFLATED_TIMEOUT_S="${INFLATED_TIMEOUT_S:-480}"  # the sweep gets all but 2 x 50 + 100 + 90 s and the verdict's
 HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-180}"
 CAPTURED_TIMEOUT_S="${CAPTURED_TIMEOUT_S:-360}"
 # Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
@@ -47,7 +47,8 @@ status=0
 if want inflated; then
 echo "== inflated: DeepSeek-V2-Lite real size, trained routing (inflated from small_deepseek), real CUDA" | tee "$OUT/inflated.txt"
 timeout -k 10 "$INFLATED_TIMEOUT_S" env PY="$PY" OUT="$OUT/inflated" MODEL=deepseek WEIGHTS=inflated \
-  SWEEP_TIMEOUT_S=$((INFLATED_TIMEOUT_S - 260)) PART_TIMEOUT_S=50 HOTPATH_TIMEOUT_S=90 \
+  SWEEP_TIMEOUT_S=$((INFLATED_TIMEOUT_S - 310)) PART_TIMEOUT_S=50 HOTPATH_TIMEOUT_S=90 \
+  RESIDENT_TIMEOUT_S=100 \
   SYSTEMS="${INFLATED_SYSTEMS:-specter,lru,specmoeoff}" BUDGET_GB="${INFLATED_BUDGET_GB:-16,24}" \
   ITEMS="${INFLATED_ITEMS:-3}" TOKENS="${INFLATED_TOKENS:-64}" VIRTUAL_HW=none RESIDENT=1 ADAPTIVE=1 \
   SOURCE_CHECK=small_deepseek HOTPATH="${INFLATED_HOTPATH:-specter,lru}" \

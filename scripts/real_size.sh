@@ -42,6 +42,8 @@
 #   PART_TIMEOUT_S   (none)      part (resident, source, hot path), so that the verdict always
 #                                prints from what finished (rows are written per request);
 #   HOTPATH_TIMEOUT_S (PART's)   the hot path's own (its specter compiles and captures again)
+#   RESIDENT_TIMEOUT_S (PART's)  resident's own (on CUDA its decode step compiles and is
+#                                captured in the untimed warm-up, as the draft's is)
 #   EXTRA        (none)          more run.py overrides for every job, space-separated
 #   OUT          results/real_size
 #   PY           .venv/bin/python
@@ -67,6 +69,7 @@ H2D_GBPS="${H2D_GBPS:-}"
 SWEEP_TIMEOUT_S="${SWEEP_TIMEOUT_S:-}"
 PART_TIMEOUT_S="${PART_TIMEOUT_S:-}"
 HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-$PART_TIMEOUT_S}"
+RESIDENT_TIMEOUT_S="${RESIDENT_TIMEOUT_S:-$PART_TIMEOUT_S}"
 # limited LIMIT CMD...: CMD under `timeout LIMIT` when LIMIT is set
 limited() { local s="$1"; shift; if [ -n "$s" ]; then timeout -k 5 "$s" "$@"; else "$@"; fi; }
 EXTRA="${EXTRA:-}"
@@ -101,7 +104,7 @@ if [ "$ADAPTIVE" = 1 ]; then
 fi
 if [ "$RESIDENT" = 1 ]; then
   echo "-- resident at budget=full, hardware=$REAL_HW,$VIRTUAL_HW"
-  limited "$PART_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system=resident budget=full \
+  limited "$RESIDENT_TIMEOUT_S" "$PY" run.py -m "${common[@]}" system=resident budget=full \
     hardware="$hw" || rc=1
 fi
 if [ -n "$SOURCE_CHECK" ]; then
