@@ -1,8 +1,9 @@
 """The real-size check's verdict, computed on any machine from the records the stage wrote
 (scripts/real_size.sh, run by scripts/gpu_check.sh stage `real_size`): DeepSeek-V2-Lite at full
 depth with random weights (`model.weights=random`), run on a GPU in real CUDA time
-(`hardware=cuda`: its rows have clock "cuda") and on the virtual clock of the measured H200
-profile (`hardware=h200_measured`, clock "virtual"), at a device budget in GiB.
+(`hardware=cuda`: its rows have clock "cuda") and on the virtual clock of the H200 profile fit
+at real size (`hardware=h200_realsize`, clock "virtual"; experiments/clock_check.py), at a
+device budget in GiB.
 
 Reads the records and prints:
 1. the load-time device peak of every offloading row (`load_peak_device_bytes`: the CUDA
@@ -63,7 +64,7 @@ def _budget_key(g: float) -> str:
     return "full" if math.isnan(g) else f"{g:g} GiB"
 
 
-def error_table(df: pd.DataFrame, virtual_hardware: str = "h200_measured",
+def error_table(df: pd.DataFrame, virtual_hardware: str = "h200_realsize",
                 real_hardware: str | None = None) -> pd.DataFrame:
     """Mean TPOT per (system, budget): the real side (rows on a real clock, REAL_CLOCKS; with
     `real_hardware`, that hardware's rows whatever their clock) beside the virtual clock of
@@ -144,6 +145,9 @@ def stage_table(df: pd.DataFrame, real_hardware: str | None = None,
     if hotpath is not None and len(hotpath):
         total = hotpath[hotpath["phase"].str.startswith("decoding")].set_index("system")
         table["launches_per_token"] = table["system"].map(total["launching_per_token"])
+        # the host's time per launch where the host bounds decoding (issue 46: the per-operation
+        # rate at real size, measured on each GPU run; docs/measurements/clock-vs-h200-2026-12-05.md)
+        table["us_per_launch"] = table["tpot_ms_after_first"] * 1e3 / table["launches_per_token"]
         table["syncs_per_token"] = table["system"].map(total["syncs_per_token"])
         if "host_reads_per_token" in total:
             table["reads_per_token"] = table["system"].map(total["host_reads_per_token"])
@@ -161,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("records")
     ap.add_argument("--csv", help="write the error table here too")
-    ap.add_argument("--virtual-hardware", default="h200_measured",
-                    help="the virtual side's hardware profile (default: h200_measured)")
+    ap.add_argument("--virtual-hardware", default="h200_realsize",
+                    help="the virtual side's hardware profile (default: h200_realsize)")
     ap.add_argument("--real-hardware", default=None,
                     help="the real side's hardware name, whatever its clock (default: every "
                          "row on a real clock, cuda or wall)")

@@ -62,7 +62,7 @@ fi
 # download; the 27 GiB of experts drawn on every core straight into pinned host memory, once
 # for the whole sweep, and named by their seed rather than hashed), at a device budget of
 # 24 GiB: lru and specter (RTN draft: GPTQ of random weights would only cost minutes) in real
-# CUDA time (hardware=cuda) and on the h200_measured virtual clock, 2 items x 24 tokens, one
+# CUDA time (hardware=cuda) and on the h200_realsize virtual clock, 2 items x 24 tokens, one
 # process (scripts/real_size.sh, the chain tests/test_real_size.py runs on the CPU; the runner
 # frees each job's device memory before the next loads, so each load-time peak is its own).
 # Sized for 5 minutes: about a minute to draw and pin the experts, the draft's quantization

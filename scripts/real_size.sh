@@ -18,7 +18,7 @@
 #                                and drafting like it, models/inflate.py; checkpoint for a
 #                                project-made model)
 #   REAL_HW      cuda            the real side (hardware=cuda: real CUDA time, clock "cuda")
-#   VIRTUAL_HW   h200_measured   the virtual side (its virtual clock at the same sizes; none: no
+#   VIRTUAL_HW   h200_realsize   the virtual side (its virtual clock at the same sizes; none: no
 #                                virtual side, the real one only)
 #   BUDGET_GB    24              budget=gb budget.gb=...
 #   SYSTEMS      lru,specter     system=...
@@ -54,7 +54,7 @@ cd "$(dirname "$0")/.."
 MODEL="${MODEL:-deepseek}"
 WEIGHTS="${WEIGHTS:-random}"
 REAL_HW="${REAL_HW:-cuda}"
-VIRTUAL_HW="${VIRTUAL_HW:-h200_measured}"
+VIRTUAL_HW="${VIRTUAL_HW:-h200_realsize}"
 BUDGET_GB="${BUDGET_GB:-24}"
 SYSTEMS="${SYSTEMS:-lru,specter}"
 QUANT="${QUANT:-rtn}"

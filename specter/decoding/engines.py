@@ -254,7 +254,6 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     w, spec = ctx.cfg.workload, ctx.cfg.spec
     backend = getattr(getattr(draft, "draft", None), "backend", None)
-    counted = timing.cost is not None and timing.clock == "virtual" and timing.cost.hw.counted
     if spec.compile not in COMPILE_MODES:
         raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
                         f"(got '{spec.compile}').")
@@ -267,11 +266,6 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
                 "draft_captured": False}
     cuda = ctx.device.type == "cuda"
     on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
-    if on and counted:  # its launch counter counts eager operations
-        if spec.compile == "on":
-            raise UserError("spec.compile=on: a counted profile counts eager launches; "
-                            "use another hardware profile.")
-        on, why = False, "eager: a counted profile counts eager launches"
     if on and getattr(draft.draft, "graphs", False):  # quant.graphs=on asked per-layer graphs
         if spec.compile == "on":
             raise UserError(GRAPHS_AND_STEP)

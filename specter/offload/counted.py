@@ -48,7 +48,7 @@ class ChargingCounter(OpCounter):
 
     def count(self, kind: str) -> None:
         super().count(kind)
-        if kind in ("launching", "launched"):
+        if kind in ("launching", "launched", "graph"):  # a graph replay: one launch
             seconds = self.hw.host_op_s * self.scale
         elif kind in ("sync", "host_read"):
             seconds = self.hw.sync_s * self.scale

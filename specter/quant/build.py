@@ -108,15 +108,21 @@ def draft_compiles(cfg, device: torch.device) -> bool:
     """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
     `auto` on a real clock with one greedy row: on the CPU, where the compiled step was
     measured faster, and on CUDA, where the whole step is captured as one CUDA graph (unless
-    quant.graphs=on asked for each draft layer's own graph). On a virtual clock `auto` keeps
-    the eager default (cpu_int4, triton): the modelled step's time does not depend on the
-    backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
+    quant.graphs=on asked for each draft layer's own graph). On a counted profile's virtual
+    clock too: it charges what the engine issues on the GPU it models, where the step is
+    captured (issue 46 item 4). On other virtual clocks `auto` keeps the eager default
+    (cpu_int4, triton), as the paper's systems run: the modelled step's time does not depend
+    on the backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
     (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
     (static_draft.resolve_compile)."""
-    mode, w = cfg.spec.compile, cfg.workload
+    mode, w, hw = cfg.spec.compile, cfg.workload, cfg.hardware
     if mode == "on":
         return True
-    if mode != "auto" or cfg.hardware.clock != "wall" or w.batch != 1 or w.temperature != 0:
+    if mode != "auto" or w.batch != 1 or w.temperature != 0:
+        return False
+    if hw.clock == "virtual" and (getattr(hw, "host_op_s", 0) > 0 or getattr(hw, "sync_s", 0) > 0):
+        return True  # a counted profile: the GPU's engine, whose step is captured
+    if hw.clock != "wall":
         return False
     if device.type == "cuda":
         return getattr(getattr(cfg, "quant", None), "graphs", "auto") != "on"
@@ -129,14 +135,14 @@ GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA gra
                    "(quant.graphs=off, or spec.compile=off).")
 
 
-def step_captured(cfg, backend: str, device: torch.device, counted: bool = False) -> bool:
+def step_captured(cfg, backend: str, device: torch.device) -> bool:
     """Whether `spec.compile` will capture the whole draft step as one CUDA graph
     (static_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
     quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
     spec.compile=auto leaves the step eager."""
     from specter.decoding.static_draft import resolve_compile
 
-    if device.type != "cuda" or counted or cfg.quant.graphs == "on":
+    if device.type != "cuda" or cfg.quant.graphs == "on":
         return False
     w = cfg.workload
     try:
@@ -208,7 +214,7 @@ def draft_for(ctx) -> Draft:
     hw = ctx.cfg.hardware
     counted = hw.clock == "virtual" and (hw.host_op_s > 0 or hw.sync_s > 0)
     backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,
-                                   draft_compiles(ctx.cfg, ctx.device) and not counted)
+                                   draft_compiles(ctx.cfg, ctx.device))
     graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device,
-                                        step_captured(ctx.cfg, backend, ctx.device, counted))
+                                        step_captured(ctx.cfg, backend, ctx.device))
     return Draft(experts, path, reused, backend, why, graphs, graphs_why)
