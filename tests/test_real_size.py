@@ -89,7 +89,8 @@ def test_the_verdict_pairs_a_cuda_runs_rows_with_the_virtual_clocks(tmp_path, mo
     assert len(p) == 4 and p["fits"].all()
     assert set(zip(p["hardware"], p["clock"])) == {("cuda", "cuda"), ("h200_measured", "virtual")}
     assert (p["source"] == "device_tensors").all() and (p["load_peak_gib"] > 0).all()
-    assert real_size.main([str(tmp_path), "--csv", str(tmp_path / "t.csv")]) == 0
+    assert real_size.main([str(tmp_path), "--csv", str(tmp_path / "t.csv"),
+                           "--virtual-hardware", "h200_measured"]) == 0
     assert (tmp_path / "t.csv").is_file()
     # a load-time peak above its budget fails the check
     over = df.assign(load_peak_device_bytes=df["load_peak_device_bytes"].where(
@@ -204,7 +205,7 @@ def _script(env: dict, timeout: int = 600) -> subprocess.CompletedProcess:
 
 def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
     """The stage's GPU defaults, as the script issues them (python replaced by a stub that logs
-    its arguments): one sweep of lru and specter, real CUDA time and h200_measured, at
+    its arguments): one sweep of lru and specter, real CUDA time and h200_realsize, at
     budget.gb=24 with an RTN draft, 2 items x 24 tokens, no resident job; then the verdict with
     both sides named. Every override passes run.py's checks of group choices, system knobs and
     typed keys (what fails a GPU run in its first second)."""
@@ -219,13 +220,13 @@ def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
     assert [c[:2] for c in calls] == [["run.py", "-m"], ["-m", "experiments.real_size"]]
     sweep = calls[0][2:]
     for arg in ("model=deepseek", "model.weights=random", "system=lru,specter",
-                "hardware=cuda,h200_measured", "budget=gb", "budget.gb=24", "quant.method=rtn",
+                "hardware=cuda,h200_realsize", "budget=gb", "budget.gb=24", "quant.method=rtn",
                 "workload.items=2", "workload.max_new_tokens=24", "workload.repeats=1",
                 "progress=false", f"out_dir={tmp_path / 'out' / 'records'}"):
         assert arg in sweep, arg
     assert calls[1][2:] == [str(tmp_path / "out" / "records"), "--csv",
                             str(tmp_path / "out" / "error_table.csv"), "--real-hardware", "cuda",
-                            "--virtual-hardware", "h200_measured", "--h2d-gbps", "50"]
+                            "--virtual-hardware", "h200_realsize", "--h2d-gbps", "50"]
     from experiments.configs import checked_overrides
 
     assert len(checked_overrides(sweep)) == len(sweep)
