@@ -27,7 +27,7 @@ from torch import nn
 
 from specter.counting import compiled_region
 from specter.engine import BatchCache, Generation, cache_bytes
-from specter.decoding.static_draft import MODES, settle_compile
+from specter.decoding.static_draft import MODES, index_kept, settle_compile
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_mlp
 
@@ -136,13 +136,7 @@ class StaticDecode:
         """Capture `_whole_step`; its warm-up runs compile the step, and the cache's write index
         is put back after each (the step itself rewrites their K and V)."""
         began = time.perf_counter()
-        lengths = [layer.cumulative_length for layer in self.cache.layers]
-        saved = [t.clone() for t in lengths]
-
-        def warm():
-            self.step(self._tok)
-            for t, s in zip(lengths, saved):
-                t.copy_(s)
+        warm = index_kept(self.cache, lambda: self.step(self._tok))
         self.active = True
         try:
             with compiled_region(count=False):  # no counter's dispatch mode under the compiler

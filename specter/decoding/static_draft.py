@@ -50,6 +50,19 @@ MODES = ("auto", "on", "off")
 CAPTURED = "the whole draft step captured as one CUDA graph, replayed per step"
 
 
+def index_kept(cache, run):
+    """A warm-up for `capture_graph`: `run()` (a step over the static `cache`), then the
+    cache's write index put back where it was (the captured step rewrites that K and V)."""
+    lengths = [layer.cumulative_length for layer in cache.layers]
+    saved = [t.clone() for t in lengths]
+
+    def warm():
+        run()
+        for t, s in zip(lengths, saved):
+            t.copy_(s)
+    return warm
+
+
 def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tuple[bool, str]:
     """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
     `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
@@ -160,13 +173,7 @@ class StaticDraft:
         """Capture `_whole_step` (its warm-up compiles it; the cache's write index is put back
         after each warm-up run, whose K and V the step itself rewrites)."""
         began = time.perf_counter()
-        lengths = [layer.cumulative_length for layer in self.cache.layers]
-        saved = [t.clone() for t in lengths]
-
-        def warm():
-            self.step(self._tok)
-            for t, s in zip(lengths, saved):
-                t.copy_(s)
+        warm = index_kept(self.cache, lambda: self.step(self._tok))
         with compiled_region(count=False):  # no counter's dispatch mode under the compiler
             self.replay = self.capture(self._whole_step, warm)
         self.captures += 1
