@@ -104,6 +104,13 @@ COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step comp
                 "9.0 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
 
 
+def counted_clock(hw) -> bool:
+    """Whether the hardware settings are a counted profile's virtual clock
+    (specter/offload/counted.py: host costs charged from what the code issues)."""
+    return hw.clock == "virtual" and (getattr(hw, "host_op_s", 0) > 0
+                                      or getattr(hw, "sync_s", 0) > 0)
+
+
 def draft_compiles(cfg, device: torch.device) -> bool:
     """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
     `auto` on a real clock with one greedy row: on the CPU, where the compiled step was
@@ -120,7 +127,7 @@ def draft_compiles(cfg, device: torch.device) -> bool:
         return True
     if mode != "auto" or w.batch != 1 or w.temperature != 0:
         return False
-    if hw.clock == "virtual" and (getattr(hw, "host_op_s", 0) > 0 or getattr(hw, "sync_s", 0) > 0):
+    if counted_clock(hw):
         return True  # a counted profile: the GPU's engine, whose step is captured
     if hw.clock != "wall":
         return False
@@ -212,7 +219,7 @@ def draft_for(ctx) -> Draft:
             model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
     groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
     hw = ctx.cfg.hardware
-    counted = hw.clock == "virtual" and (hw.host_op_s > 0 or hw.sync_s > 0)
+    counted = counted_clock(hw)
     backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,
                                    draft_compiles(ctx.cfg, ctx.device))
     graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device,
