@@ -110,16 +110,21 @@ def pairs(df: pd.DataFrame) -> pd.DataFrame:
     return out.drop(columns=["output_tokens", "twin_tokens"]).sort_values(KEY, ignore_index=True)
 
 
+def _decode_per_step(p: pd.DataFrame) -> pd.Series:
+    """The share of a request-wide change that falls on one decode step: the twin's decode
+    share of its time over the request's decode steps."""
+    decode_share = (p["twin_e2e_ms"] - p["twin_ttft_ms"]) / p["twin_e2e_ms"]
+    return decode_share / (p["n_output_tokens"] - 1).clip(lower=1)
+
+
 def replay(p: pd.DataFrame, rates: Rates, twin: Rates) -> pd.DataFrame:
     """The clock's prediction of each real row at `rates` (module doc): predicted e2e, TPOT,
     copy time; and their errors against the real row (predicted / real - 1)."""
     delta_ms = ((rates.host_op_s - twin.host_op_s) * p["launching"]
                 + (rates.sync_s - twin.sync_s) * p["syncs"]) * 1e3
-    decode_share = (p["twin_e2e_ms"] - p["twin_ttft_ms"]) / p["twin_e2e_ms"]
-    steps = (p["n_output_tokens"] - 1).clip(lower=1)
     out = p.copy()
     out["pred_e2e_ms"] = p["twin_e2e_ms"] + delta_ms
-    out["pred_tpot_ms"] = p["twin_tpot_ms"] + delta_ms * decode_share / steps
+    out["pred_tpot_ms"] = p["twin_tpot_ms"] + delta_ms * _decode_per_step(p)
     # the copies at `rates`' link: the twin's copy time is bytes / rate + latency per copy
     twin_lat = twin.h2d_latency_s * p["n_transfers"] * 1e3
     bytes_ms = (p["twin_h2d_ms"] - twin_lat) * twin.h2d_Bps / rates.h2d_Bps
@@ -134,10 +139,8 @@ def fit_host_op(p: pd.DataFrame, twin: Rates, sync_s: float | None = None) -> fl
     twin's unless given): closed form, the prediction being linear in it."""
     sync_s = twin.sync_s if sync_s is None else sync_s
     base = replay(p, Rates(twin.host_op_s, sync_s, twin.h2d_Bps, twin.h2d_latency_s), twin)
-    decode_share = (p["twin_e2e_ms"] - p["twin_ttft_ms"]) / p["twin_e2e_ms"]
-    steps = (p["n_output_tokens"] - 1).clip(lower=1)
-    x = p["launching"] * 1e3 * decode_share / steps / p["tpot_ms"]  # d(rel. error)/d(host_op_s)
-    r = base["tpot_ms"] / base["tpot_ms"] - base["pred_tpot_ms"] / base["tpot_ms"]
+    x = p["launching"] * 1e3 * _decode_per_step(p) / p["tpot_ms"]  # d(rel. error)/d(host_op_s)
+    r = 1 - base["pred_tpot_ms"] / base["tpot_ms"]
     return twin.host_op_s + float((x * r).sum() / (x * x).sum())
 
 
