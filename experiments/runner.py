@@ -248,6 +248,76 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
             and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
         raise UserError(f"system={cfg.system.name}: {WALL_CLOCK_OFFLOAD}")
+    check_host_holds(cfg, checkpoint, device, n_experts)
+
+
+MEMINFO = Path("/proc/meminfo")  # its MemAvailable: what `check_host_holds` counts against
+
+
+def check_host_holds(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts: int,
+                     meminfo: Path | None = None) -> list[tuple[str, int]]:
+    """What the system will hold in host memory, counted from the checkpoint's headers (the
+    published config's skeleton for random and inflated weights) before anything loads,
+    against what the host has available: MemAvailable (`meminfo`, /proc/meminfo), within the
+    memory cgroup's limit, plus a random store this process holds for the next job. Counted:
+    the routed experts of a system that offloads them (the host store, as its pinned chunks
+    take it on CUDA); on the CPU, where the device is the host, also the weights the device
+    holds (the non-expert weights, a second instance's, a resident system's experts); and
+    what the INT4 draft keeps there (placement/bytes.py `run_extras`: one MoE layer of it at
+    a time, the backend's copy on the CPU, GPTQ's Hessians of one layer on the CPU). Not
+    counted: the CPU's expert slots, which the budget resolves later
+    (`check_cpu_offload_fits`). Returns the items; one sentence when they do not fit."""
+    from specter.models.loading import native_classes
+    from specter.placement.bytes import (cgroup_available_bytes, checkpoint_bytes, run_extras,
+                                         store_reserved_bytes)
+    from specter.placement.loader import held_random_store_bytes, skeleton_bytes
+
+    dtype = pick_dtype(cfg.model, device, checkpoint)
+    element_size = torch.finfo(dtype).bits // 8
+    if cfg.model.weights in ("random", "inflated"):
+        config, model_class = native_classes(checkpoint)
+        b = skeleton_bytes(model_class, config, dtype)
+    else:
+        b = checkpoint_bytes(checkpoint, element_size)
+    plan, fp = placement_of(cfg, device), footprint(cfg.system)
+    cpu = device.type == "cpu"
+    items: list[tuple[str, int]] = []
+    if plan.experts == "host":
+        items.append(("the routed experts in the host store",
+                      store_reserved_bytes(b, n_experts, pinned=plan.pin)))
+    elif getattr(recipe(cfg.system.name), "OFFLOADS", True) or cpu:
+        items.append(("the routed experts", b.expert_bytes))
+    if cpu:
+        items.append(("the non-expert weights", b.non_expert_bytes))
+        if fp.second_instance:
+            items.append(("the draft instance's non-expert weights", b.non_expert_bytes))
+    hidden = json.loads((checkpoint / "config.json").read_text()).get("hidden_size") or 0
+    q = cfg.quant
+    items += run_extras(b, n_experts, hidden, element_size, device.type, draft=fp.int4_draft,
+                        bits=q.bits, group=q.group, gptq=q.method == "gptq" and not q.path)[0]
+    try:
+        text = (meminfo or MEMINFO).read_text()
+        available = next(int(line.split()[1]) * 1024 for line in text.splitlines()
+                         if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return items  # no MemAvailable to count against (not Linux): the later checks stand
+    why = "MemAvailable"
+    cgroup = cgroup_available_bytes()
+    if cgroup is not None and cgroup < available:
+        available, why = cgroup, "what its memory cgroup's limit leaves"
+    held = held_random_store_bytes()
+    if held:
+        available, why = available + held, why + ", and the random store it holds for this job"
+    need = sum(v for _, v in items)
+    if need > available:
+        listing = ", ".join(f"{what} {size_text(v)}" for what, v in items)
+        fp32 = cpu and dtype == torch.float32 and cfg.model.dtype != "float32"
+        raise UserError(
+            f"system={cfg.system.name} with model={cfg.model.name} needs {size_text(need)} "
+            f"of host memory ({listing}) and this host has {size_text(available)} available "
+            f"({why}): free memory or use a host with more"
+            + (", or load in bfloat16 (model.dtype=bfloat16)." if fp32 else "."))
+    return items
 
 
 def host_with_held_store() -> int | None:

@@ -267,14 +267,15 @@ def test_run_extras_count_the_draft_and_one_layers_hessians_where_they_live():
 
     layout, layers = _real("deepseek", torch.float16)
     b = CheckpointBytes(layers * 64 * layout.nbytes, 0, 0, 0, expert_modules=layers)
-    copy = layers * 64 * draft_expert_bytes(2048, 1408, 4, 128, 2)
+    one_layer = 64 * draft_expert_bytes(2048, 1408, 4, 128, 2)  # the host's, at a time
+    copy = layers * one_layer  # the backend's, on the device (the CPU's: the host)
     hess = 64 * (Hessian(2048, "meta").h.numel() + Hessian(1408, "meta").h.numel()) * 8
     assert hess == 64 * (2048**2 + 1408**2) * 8  # about 3 GiB
     host, device = run_extras(b, 64, 2048, 2, "cuda", draft=True, gptq=True)
-    assert host == (("the INT4 draft's host copy", copy),)
+    assert host == (("one MoE layer of the INT4 draft", one_layer),)
     assert device == (("one MoE layer's GPTQ Hessians", hess),)
     host, device = run_extras(b, 64, 2048, 2, "cpu", draft=True, gptq=True)
-    assert [v for _, v in host] == [copy, copy, hess] and device == ()
+    assert [v for _, v in host] == [one_layer, copy, hess] and device == ()
     assert run_extras(b, 64, 2048, 2, "cuda", draft=False, gptq=True) == ((), ())
     assert run_extras(b, 64, 2048, 2, "cuda", draft=True, gptq=False)[1] == ()
     unknown = CheckpointBytes(b.expert_bytes, 0, 0, 0)  # MoE layers not counted: nothing
@@ -284,19 +285,20 @@ def test_run_extras_count_the_draft_and_one_layers_hessians_where_they_live():
 
 def test_a_64_gib_workstation_refuses_deepseek_in_one_sentence_with_its_numbers():
     """The old check passed 26.8 GiB of experts against 64 GiB total, then pinned 52 GiB. Now:
-    the store's reserved chunks and the draft's host copy, against what is available."""
+    the store's reserved chunks and one layer of the draft (what the host holds of it at a
+    time, calibrate.py), against what is available."""
     layout, layers = _real("deepseek", torch.float16)
     b = CheckpointBytes(layers * 64 * layout.nbytes, int(3.5 * GiB), 0, 0, expert_modules=layers)
     store = store_reserved_bytes(b, 64)
     host, _ = run_extras(b, 64, 2048, 2, "cuda", draft=True, gptq=True)
     b = CheckpointBytes(b.expert_bytes, b.non_expert_bytes, 0, 0, layers, host)
-    check_fits("deepseek", b, True, 80 * GiB, host_bytes=40 * GiB, store_bytes=store)  # fits
+    check_fits("deepseek", b, True, 80 * GiB, host_bytes=28 * GiB, store_bytes=store)  # fits
     with pytest.raises(UserError) as err:
-        check_fits("deepseek", b, True, 80 * GiB, host_bytes=30 * GiB, store_bytes=store)
+        check_fits("deepseek", b, True, 80 * GiB, host_bytes=27 * GiB, store_bytes=store)
     msg = str(err.value)
-    assert msg == ("model=deepseek needs 33.8 GiB of host memory for its routed experts "
-                   "(26.8 GiB, pinned as 26.9 GiB) and the INT4 draft's host copy (6.9 GiB); "
-                   "this process can have 30.0 GiB.")
+    assert msg == ("model=deepseek needs 27.1 GiB of host memory for its routed experts "
+                   "(26.8 GiB, pinned as 26.9 GiB) and one MoE layer of the INT4 draft "
+                   "(0.3 GiB); this process can have 27.0 GiB.")
     with pytest.raises(UserError, match=r"needs 6.4 GiB of device memory for its non-expert "
                                         r"weights and one MoE layer's GPTQ Hessians \(2.9 GiB\); "
                                         r"the device has 6.0 GiB\.$"):

@@ -219,22 +219,22 @@ def run_extras(b: CheckpointBytes, num_experts: int, hidden: int, element_size: 
                device_type: str, draft: bool, bits: int = 4, group: int = 128,
                gptq: bool = False) -> tuple[tuple[Extra, ...], tuple[Extra, ...]]:
     """(host, device): what else a run holds besides its weights, from the header counts.
-    `draft` (the system drafts with INT4 experts): the quantized experts stay in host memory
-    after they are made or loaded (calibrate.py keeps each on the CPU; build.py's Draft keeps
-    them, `packed_bytes`), and the backend makes its own copy on the device
-    (self_draft.py; budget.py counts it there); on the CPU the device is the host, so the
-    host holds both. `gptq` (the draft is quantized in this run with GPTQ; a reused saved
-    draft needs none): one MoE layer's Hessians at a time, E x (H^2 + I^2) float64, made on
-    the run's device (calibrate.py `layer_hessians`)."""
+    `draft` (the system drafts with INT4 experts): the host holds one MoE layer of the
+    quantized experts at a time, while it is made (calibrate.py saves each layer and drops
+    it) or read back from its file (calibrate.py `SavedLayers`), and the backend makes its own
+    copy on the device layer by layer (self_draft.py; budget.py counts it there); on the CPU
+    the device is the host, so the host holds that copy too. `gptq` (the draft is quantized
+    in this run with GPTQ; a reused saved draft needs none): one MoE layer's Hessians at a
+    time, E x (H^2 + I^2) float64, made on the run's device (calibrate.py `layer_hessians`)."""
     layout = _layout(b, num_experts, element_size, hidden)
     if layout is None or not draft:
         return (), ()
     n, _, inter = layout
-    copy = n * draft_expert_bytes(hidden, inter, bits, group, element_size)
-    host: list[Extra] = [("the INT4 draft's host copy", copy)]
+    per_expert = draft_expert_bytes(hidden, inter, bits, group, element_size)
+    host: list[Extra] = [("one MoE layer of the INT4 draft", num_experts * per_expert)]
     device: list[Extra] = []
     if device_type == "cpu":
-        host.append(("the INT4 draft backend's copy", copy))
+        host.append(("the INT4 draft backend's copy", n * per_expert))
     if gptq:
         hessians = ("one MoE layer's GPTQ Hessians", num_experts * (hidden**2 + inter**2) * 8)
         (host if device_type == "cpu" else device).append(hessians)

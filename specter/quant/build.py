@@ -32,8 +32,7 @@ class Draft:
         m = self.experts.meta
         fallback = m.get("rtn_fallback") or []
         n = sum(len(layer) for layer in fallback)
-        groups = sorted({q.group for layer in self.experts.gate_up + self.experts.down
-                         for q in layer})
+        groups = sorted(self.experts.groups())  # from the layout: no layer is read
         return {"draft.method": self.experts.spec.method, "draft.bits": self.experts.spec.bits,
                 "draft.group": self.experts.spec.group, "draft.effective_groups": str(groups),
                 "draft.backend": self.backend, "draft.backend_choice": self.backend_choice,
@@ -214,10 +213,12 @@ def draft_for(ctx) -> Draft:
         reused = (out / "quantize_config.json").exists()
         path = quantize_with_gptqmodel(ctx.loaded.checkpoint, windows, 4, group, out)
         experts = import_gptq(path, model)
-    else:
+    else:  # made or reused: its layers stay in their files until the backend reads them,
+        # one at a time, into its own copy on the device (self_draft.py): the host never
+        # holds the whole draft
         experts, path, reused = calibrate.ensure_quantized(
             model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
-    groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
+    groups = experts.groups()
     hw = ctx.cfg.hardware
     counted = counted_clock(hw)
     backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,

@@ -36,7 +36,7 @@ from torch import nn
 from specter.counting import launched
 from specter.errors import UserError
 from specter.grouping import group_by_expert
-from specter.quant.formats import QuantizedMatrix
+from specter.quant.formats import QuantizedMatrix, unpack_codes
 
 BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton", "gather_int4")
 # Backends whose call issues the same kernels whatever the routing: CUDA graphs can replay them.
@@ -117,10 +117,24 @@ def _scales_and_zeros(qm: QuantizedMatrix, dtype: torch.dtype) -> torch.Tensor:
     return torch.stack([scales, torch.zeros_like(scales)], dim=-1).contiguous()
 
 
-def _int4pack_cpu(qm: QuantizedMatrix, dtype: torch.dtype):
-    """(packed weight, scales_and_zeros) for `_weight_int4pack_mm_for_cpu` (symmetric)."""
-    q = qm.unpacked().to(torch.int32)  # [N, K] in 0..15
-    return torch._convert_weight_to_int4pack_for_cpu(q, 1), _scales_and_zeros(qm, dtype)
+PACK_ROWS = 128  # rows packed at once: a multiple of torch's CPU INT4 packing's 64-row blocks
+
+
+def _int4pack_cpu(qm: QuantizedMatrix, dtype: torch.dtype, rows: int = PACK_ROWS):
+    """(packed weight, scales_and_zeros) for `_weight_int4pack_mm_for_cpu` (symmetric). torch's
+    CPU packing [N, K/2] rearranges codes within blocks of 64 rows only, so it runs `rows`
+    rows at a time (a multiple of 64): the same bytes as the whole matrix at once (tested,
+    tests/test_host_memory.py), with a block's int32 temporaries instead of the matrix's."""
+    n, k = qm.shape
+    packed = None
+    for r in range(0, n, rows):
+        block = unpack_codes(qm.codes[r:r + rows], qm.bits, (min(rows, n - r), k))
+        p = torch._convert_weight_to_int4pack_for_cpu(block.to(torch.int32), 1)  # 0..15
+        if packed is None:
+            packed = torch.empty((n, *p.shape[1:]), dtype=p.dtype, device=p.device)
+        packed[r:r + rows] = p
+        del block, p
+    return packed, _scales_and_zeros(qm, dtype)
 
 
 class CpuInt4Experts(ReferenceExperts):
@@ -131,8 +145,11 @@ class CpuInt4Experts(ReferenceExperts):
         _check_int4(gate_up + down, "cpu_int4")
         self.dtype = dtype
         self.groups = [(g.group, d.group) for g, d in zip(gate_up, down)]
-        self.packed = [(_int4pack_cpu(g, dtype), _int4pack_cpu(d, dtype))
-                       for g, d in zip(gate_up, down)]
+        # Into one tensor per part for the whole layer ([E, ...], `_per_layer`), not one
+        # allocation per expert: each expert's packing makes temporaries several times its
+        # size, and kept pieces between them would pin the freed ones in the heap.
+        self.packed = _per_layer(len(gate_up), ((_int4pack_cpu(g, dtype), _int4pack_cpu(d, dtype))
+                                                for g, d in zip(gate_up, down)))
         self.gate_up = self.down = None  # the packed copy is the one kept
 
     def tensors(self):
@@ -143,6 +160,25 @@ class CpuInt4Experts(ReferenceExperts):
         xd = x.to(self.dtype)
         h = self.act(torch._weight_int4pack_mm_for_cpu(xd, wg, gg, szg))
         return torch._weight_int4pack_mm_for_cpu(h, wd, gd, szd).to(x.dtype)
+
+
+def _per_layer(n: int, experts) -> list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
+    """`n` experts' tensors, ((a, b), (c, d)) each, made one at a time by the iterable
+    `experts`, copied into one tensor [n, ...] per position (allocated at the first expert)
+    and returned as the same nested pairs of views into those."""
+    bufs: list[torch.Tensor] | None = None
+    views = []
+    for e, ((a, b), (c, d)) in enumerate(experts):
+        leaves = (a, b, c, d)
+        if bufs is None:
+            bufs = [torch.empty((n, *t.shape), dtype=t.dtype, device=t.device) for t in leaves]
+        if any(t.shape != buf.shape[1:] or t.dtype != buf.dtype for t, buf in zip(leaves, bufs)):
+            raise ValueError(f"expert {e}'s packed tensors differ in shape from expert 0's")
+        for buf, t in zip(bufs, leaves):
+            buf[e].copy_(t)
+        del a, b, c, d, leaves  # this expert's temporaries, before the next expert's
+        views.append(((bufs[0][e], bufs[1][e]), (bufs[2][e], bufs[3][e])))
+    return views
 
 
 def _int4pack_cuda(qm: QuantizedMatrix):
