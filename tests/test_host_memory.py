@@ -208,6 +208,8 @@ def test_the_preflight_counts_what_each_system_holds_on_the_host(tiny_models, tm
 
     lm = tiny_models("tiny_deepseek")
     n_experts, cpu = lm.spec.num_experts, torch.device("cpu")
+    # a random store an earlier test of this process left held would count as available
+    monkeypatch.setattr("specter.placement.loader.held_random_store_bytes", lambda: 0)
     monkeypatch.setattr(runner, "MEMINFO", _meminfo(tmp_path / "plenty", 64 * 2**20))
     held = {name: dict(runner.check_host_holds(_cfg(name), lm.checkpoint, cpu, n_experts))
             for name in ("lru", "specter", "resident")}
