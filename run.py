@@ -4,14 +4,14 @@ A thin edge: checks config-group names and every `key=value` against the typed c
 clear sentence for a typo or an unknown key), converts Hydra's config once into a typed
 `RunConfig`, calls `experiments.runner.run`, and turns a `UserError`
 into one line on stderr and exit status 2. Multirun (`-m`) sweeps call the same function.
-The checks and the conversion are experiments/configs.py's; nothing imports this file.
+The checks and the conversion are specter/settings.py's; nothing imports this file.
 """
 
 from __future__ import annotations
 
 import sys
 
-from experiments.configs import CONF, checked_overrides, to_run_config
+from specter.settings import CONF, checked_overrides, to_run_config
 
 
 def main() -> None:

@@ -60,16 +60,24 @@ def _accelerate():
 class _ClockStreamer:
     """`generate`'s streamer: the first `put` is the prompt, each later one a committed token;
     stamps each token with a mark of the clock (read as seconds after the request: no device
-    wait per token)."""
+    wait per token). `on_commit` (one request only: `generate`'s) hears each token as it is
+    put (a tensor `generate` already read to the host), up to and including its first `stop`
+    token, so its calls add up to the request's `Generation.tokens`."""
 
-    def __init__(self, clock):
+    def __init__(self, clock, on_commit=None, stop=()):
         self.clock, self.times, self.prompt_seen = clock, [], False
+        self.on_commit, self.stop = on_commit, stop
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:
             self.prompt_seen = True
             return
         self.times.append(self.clock.mark())
+        if self.on_commit is not None:
+            token = int(value.reshape(-1)[0])
+            self.on_commit([token])
+            if token in self.stop:  # (a batch of one ends here; nothing after it is a token)
+                self.on_commit = None
 
     def end(self) -> None:
         pass
@@ -184,14 +192,25 @@ class TransformersOffloadEngine:
         self.moves = 0
         self.cuda_copies = []
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_commit=None) -> Generation:
+        """One request; `on_commit(tokens)` hears each token as `generate` commits it (the
+        `Engine` protocol), one `[token]` per decoding step, from the streamer `generate`
+        already feeds (`_ClockStreamer`)."""
+        if on_commit is None:  # through generate_batch, as ever (a measurement may wrap it)
+            return self.generate_batch([prompt_ids], max_new_tokens)[0]
+        return self._decode([prompt_ids], max_new_tokens, on_commit)[0]
 
-    @torch.no_grad()
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """`generate` over the batch, left-padded with an attention mask as a user of
         transformers would batch; as `generate` does, a finished row keeps being computed
         (fed padding) until every row is done. Each row's output ends at its stop token."""
+        return self._decode(prompts, max_new_tokens)
+
+    @torch.no_grad()
+    def _decode(self, prompts: list[list[int]], max_new_tokens: int,
+                on_commit=None) -> list[Generation]:
+        """`generate_batch`; `on_commit` (a batch of one: `generate`'s) hears each token."""
         gc = copy.deepcopy(self.model.generation_config)
         gc.do_sample, gc.max_new_tokens, gc.min_new_tokens = False, max_new_tokens, None
         gc.temperature = gc.top_p = gc.top_k = None
@@ -200,7 +219,7 @@ class TransformersOffloadEngine:
         gc.pad_token_id = pad_id(self.model)
         gc.return_dict_in_generate = True
         self.memory.start()
-        streamer = _ClockStreamer(self.link)
+        streamer = _ClockStreamer(self.link, on_commit, set(stop))
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[gc.pad_token_id] * (width - len(p)) + list(p) for p in prompts],
                            device=self.device)

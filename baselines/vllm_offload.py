@@ -130,8 +130,9 @@ class VllmOffloadEngine(GreedyEngine):
         super().reset()
         self.reads.read_bytes = 0
 
-    def generate_batch(self, prompts, max_new_tokens):
-        gens = super().generate_batch(prompts, max_new_tokens)
+    def _decode(self, prompts, max_new_tokens, on_commit=None):
+        """GreedyEngine's decode (`generate`'s `on_commit` streamed by it), plus the reads."""
+        gens = super()._decode(prompts, max_new_tokens, on_commit)
         for g in gens:
             g.stats.update(self.reads.as_record())
         return gens

@@ -2,7 +2,7 @@
 share.
 
 Owns: a case (`Case`, its overrides), running a list of cases in this process (`run_cases`:
-each composed as run.py composes a command line, experiments/configs.py; one sentence per
+each composed as run.py composes a command line, specter/settings.py; one sentence per
 failed case), the command-line options every table of cases takes (`table_cli`,
 `workload_overrides`), and reading an override's value back as Hydra types it
 (`override_value`, to match a case against its records' configuration columns).
@@ -27,7 +27,7 @@ def run_cases(out: Path, todo: list[Case], common: list[str], log=print,
     """Each case through the runner in this process (Hydra's compose API, the configs of
     run.py); returns how many failed (their one-sentence errors printed)."""
     from experiments import runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
     from specter.errors import UserError
 
     failed = 0

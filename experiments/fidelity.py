@@ -70,9 +70,13 @@ class FidelityEngine:
     def reset(self) -> None:
         self.timing.link.reset_stats()
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_commit=None) -> Generation:
+        """The target's greedy output, then the routing fidelity over it. `on_commit(tokens)`
+        (the `Engine` protocol) hears each token as the greedy decode commits it (before the
+        fidelity forwards, which commit nothing)."""
         gen = greedy_decode(self.model, prompt_ids, max_new_tokens, self.device,
-                            self.timing.link, self.stop, self.memory)
+                            self.timing.link, self.stop, self.memory, on_commit=on_commit)
         seq = prompt_ids + gen.tokens[:-1]  # the prefix of every output token
         ids = torch.tensor([seq], device=self.device)
         gen.stats.update(routing_fidelity(self.shared, ids, start=len(prompt_ids) - 1))

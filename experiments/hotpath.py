@@ -124,7 +124,7 @@ class HotPath:
 def measure(systems, overrides: list[str], out: Path, log=print) -> list[dict]:
     """Each system run through the runner with the counter around its decode calls."""
     from experiments import runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     rows = []
     base = ["model=small_deepseek", "budget=high", "dataset=gsm8k", "hardware=a100_pcie4_hf",

@@ -62,7 +62,7 @@ from experiments.kernel_layer import (GROUP, REAL_SHAPES, TINY, ExpertShape,  # 
                                       target_serial, tolerance)
 from experiments.kernel_timing import Settings, _percentile, device_name, measure, once
 from experiments.records import CaseStore
-from experiments.runner import resolve_device
+from specter.compose import resolve_device
 from specter.errors import UserError
 
 EXPERIMENT = "kernel"

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from omegaconf import OmegaConf
 
-    from experiments.runner import HARDWARE_DIR
+    from specter.compose import HARDWARE_DIR
     from specter.config import ModelConfig
     from specter.errors import UserError
     from specter.models import zoo

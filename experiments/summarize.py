@@ -17,7 +17,7 @@ from dataclasses import fields
 import pandas as pd
 
 from experiments import records
-from experiments.registry import config_class
+from specter.systems import config_class
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",

@@ -82,21 +82,12 @@ class SystemConfig:
         """Range checks of the knobs (none here)."""
 
 
-# name -> the system's config class; set by the system registry (experiments/registry.py
-# `config_class`), which knows the recipes. Unset or unknown: the bare SystemConfig.
-_system_config_of = None
-_check_setting = None
-
-
-def register_system_configs(resolver, check_setting=None) -> None:
-    """`resolver(name) -> type[SystemConfig]`: the config class of each system;
-    `check_setting(name, knob)`: raises the one-sentence error for a knob `name` lacks."""
-    global _system_config_of, _check_setting
-    _system_config_of, _check_setting = resolver, check_setting
-
-
 def system_config_class(name: str) -> type:
-    return _system_config_of(name) if _system_config_of is not None else SystemConfig
+    """System `name`'s typed settings, from the registry of systems (specter/systems.py,
+    imported here on use: it imports this module)."""
+    from specter.systems import config_class
+
+    return config_class(name)
 
 
 @dataclass
@@ -374,9 +365,11 @@ def _build(cls, d: Any, prefix: str):
         raise UserError(f"config '{prefix.rstrip('.')}' must be a mapping, got {d!r}.")
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
-    if unknown and issubclass(cls, SystemConfig) and _check_setting is not None:
+    if unknown and issubclass(cls, SystemConfig):
+        from specter.systems import check_setting
+
         for key in unknown:
-            _check_setting(str(d.get("name")), key)
+            check_setting(str(d.get("name")), key)
     if unknown:
         raise UserError(f"unknown config key(s) {', '.join(prefix + u for u in unknown)}; "
                         f"valid keys here: {', '.join(prefix + k for k in known)}.")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -32,6 +32,15 @@ class Generation:
 
 
 class Engine(Protocol):
+    """What every system answers. `generate(prompt_ids, max_new_tokens, on_commit=None)`:
+    `on_commit(tokens: list[int])`, when given, is called on the decoding thread each time the
+    request commits new tokens, with exactly those new tokens in order: the prefill's first
+    token, then each speculative window's accepted proposals plus the target's token (or one
+    token per greedy step). The concatenation of its calls equals the request's
+    `Generation.tokens` exactly (a final stop token included, `max_new_tokens` respected).
+    None (the default): decoding, its timing and its operation counts are unchanged (one `if`
+    per commit). `generate_batch` takes no listener."""
+
     name: str
     samples: bool  # decodes by speculative sampling when workload.temperature > 0
 
@@ -41,8 +50,9 @@ class Engine(Protocol):
     def seed_request(self, seed: int) -> None:
         """The random state of the next request (sampling engines; others ignore it)."""
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        ...
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_commit: Callable[[list[int]], None] | None = None) -> Generation:
+        """One request; `on_commit` hears its tokens as they are committed (above)."""
 
 
 def new_cache(model):
@@ -204,22 +214,27 @@ class BatchCache:
 @torch.no_grad()
 def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
                   clock: Clock, stop: set[int], memory: "DeviceMemory",
-                  before_forward=None) -> Generation:
-    """One request: `greedy_decode_batch` of one row."""
+                  before_forward=None, on_commit=None) -> Generation:
+    """One request: `greedy_decode_batch` of one row; `on_commit(tokens)` hears each token as
+    it is committed (`Engine.generate`)."""
     return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, clock, stop, memory,
-                               before_forward)[0]
+                               before_forward,
+                               on_commit=None if on_commit is None else [on_commit])[0]
 
 
 @torch.no_grad()
 def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
                         device: torch.device, clock: Clock, stop: set[int],
-                        memory: "DeviceMemory", before_forward=None) -> list[Generation]:
+                        memory: "DeviceMemory", before_forward=None,
+                        on_commit: list | None = None) -> list[Generation]:
     """Prefill the batch, then one token per unfinished row per step; each token's commit
     time read from `clock`; a row that commits a stop token or its last token leaves the
     batch while the others go on. `before_forward(tokens, context, phase, rows)` is told
     about each forward before it runs: `rows` sequences of `tokens` positions each (padding
     included), attending over `context` positions (phase: "prefill" | "decode"; the
-    speculative loop's are "prefill" | "draft" | "verify")."""
+    speculative loop's are "prefill" | "draft" | "verify"). `on_commit`: per request a
+    listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
+    None: no listener at all."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
     memory.start()
@@ -241,6 +256,8 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
         for r, b in enumerate(live):
             tokens[b].append(picked[r])
             times[b].append(now)
+            if on_commit is not None and on_commit[b] is not None:
+                on_commit[b]([picked[r]])
             if len(tokens[b]) < max_new_tokens and picked[r] not in stop:
                 going.append(r)
         memory.observe_cache(kv.cache)

@@ -17,10 +17,6 @@ PROMPTS = ["def fibonacci(n):\n    if n < 2:", "import os\nimport sys\n\nclass R
            "Janet has 3 apples and buys 5 more. How many"]
 
 
-# The systems' config classes (their knobs) are registered by the registry, as run.py's import
-# of it does; without this a test file run alone would see only `system.name` as a valid key.
-import experiments.registry  # noqa: E402,F401
-
 # One intra-op thread: the tiny models' tensors are too small to gain from more, and on a
 # shared 2-core machine OpenMP's spinning threads slow every test several-fold.
 torch.set_num_threads(1)

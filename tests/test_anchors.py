@@ -13,7 +13,7 @@ from experiments import anchors
 
 
 def test_every_anchor_case_composes_on_existing_profiles():
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     cases = anchors.runs()
     assert len(cases) == len(set(cases))

@@ -16,7 +16,7 @@ import torch
 
 from conftest import PROMPTS, TINY
 from steering import steered_draft
-from experiments.registry import SYSTEMS, BuildContext, build_engine
+from specter.systems import SYSTEMS, BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
 from specter.engine import BatchCache, pad_id

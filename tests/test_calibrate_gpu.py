@@ -136,7 +136,7 @@ def test_cpu_quick_writes_a_complete_profile(tmp_path):
     fit = stages["roles"]["fit"]
     assert fit["model"] == "deepseek" and fit["layer_overhead_s"] >= 0
     # the measured profile, passed as overrides, composes into the same hardware config
-    from experiments.configs import compose_run_config
+    from specter.settings import compose_run_config
 
     run_cfg = compose_run_config(cal.measured_overrides(values, "h200_measured")
                                  + ["hardware.charge=own"])

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 
 from experiments import clock_check as cc
-from experiments.runner import load_hardware
+from specter.compose import load_hardware
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import experiments.registry  # noqa: F401  (registers each system's typed config with specter.config)
 from specter.config import RunConfig
 from specter.errors import UserError
 
@@ -33,7 +32,7 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
     import yaml
 
     from conftest import REPO
-    from experiments.registry import config_class
+    from specter.systems import config_class
     from specter.config import RunConfig
     from test_offload import A100
 
@@ -108,7 +107,7 @@ def numeric_settings():
     the systems' own knobs included."""
     import dataclasses
 
-    from experiments.registry import SYSTEMS
+    from specter.systems import SYSTEMS
     from specter.config import RunConfig, section_classes, system_config_class
 
     out, seen = [], set()

@@ -17,7 +17,7 @@ BASE = ["model=tiny_deepseek", "workload.items=1", "workload.max_new_tokens=12",
 
 def _tpot(tmp_path, name, *extra):
     from experiments import runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     return runner.run(run_config([*BASE, *extra, f"out_dir={tmp_path / name}"]),
                log=lambda *_: None).tpot_ms_mean

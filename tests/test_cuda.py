@@ -200,7 +200,7 @@ def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
 def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
     """The whole system with quant.graphs=on: token-identical to resident on CUDA."""
     from experiments import records, runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     tokens = {}
     for system, extra in (("resident", []), ("specter", ["quant.backend=gather_int4",
@@ -221,7 +221,7 @@ def _tiny_rows_on_cuda(out, system: str, extra: list[str]):
     """tiny_deepseek's rows for `system` in real CUDA time, 2 items x 24 tokens, K = 4, by
     request."""
     from experiments import records, runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
                            "workload.items=2", "workload.max_new_tokens=24",
@@ -313,7 +313,7 @@ def test_grouped_experts_on_cuda_match_the_loop(dtype, tmp_path):
     the per-expert loop decodes (kernels of their own: equal tokens, not equal bits), with
     misses streaming through 8 slots."""
     from experiments import records, runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
     from specter.offload.grouped import pick_kernel
 
     auto = pick_kernel(torch.device("cuda"), getattr(torch, dtype))

@@ -80,7 +80,7 @@ def test_k_beyond_the_tokens_left_and_eos_inside_a_window():
 
 def test_speculative_decoding_over_offloaded_experts_is_lossless():
     """Target experts through the offload runtime at top-k slots, draft from INT4."""
-    from experiments.registry import BuildContext
+    from specter.systems import BuildContext
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.offload.build import offload_model, timing_for
@@ -297,9 +297,9 @@ def test_a_depth_profile_is_keyed_by_the_codes_sources(tmp_path):
     specter and baselines sources, which any edit changes."""
     from types import SimpleNamespace
 
-    from experiments.configs import compose_run_config
+    from specter.settings import compose_run_config
     from specter import hermetic
-    from specter.decoding import depth_profile as depth
+    from experiments import depth_profile as depth
 
     (tmp_path / "specter").mkdir()
     (tmp_path / "specter" / "a.py").write_text("X = 1\n")
@@ -509,7 +509,7 @@ def test_adaptive_depth_follows_the_slots_and_the_link():
 def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
     """spec.k=adaptive on offloaded experts: resident's tokens; the K of every window recorded;
     a draft made wrong on purpose drives K down to the shallowest windows."""
-    from experiments.registry import BuildContext, build_engine
+    from specter.systems import BuildContext, build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.decoding.engines import resident_engine

@@ -175,7 +175,7 @@ BAD_SETTINGS = [
 def _cli_error(args: tuple[str, ...]) -> str:
     """What `python run.py ARGS` refuses, checked in this process the way run.py does it:
     its argument checks, Hydra's composition, then the typed RunConfig."""
-    from experiments.configs import run_config
+    from specter.settings import run_config
     from specter.errors import UserError
 
     try:
@@ -216,7 +216,7 @@ def test_a_command_line_sweep_replaces_the_overlays_sweep_of_the_same_key():
     """`experiment=depth spec.k=2,4` sweeps K over 2 and 4 only: a key the yaml lists stays
     plain, so Hydra's sweeper sees one `spec.k` (with `++spec.k` it would also run the
     overlay's nine K, each overridden back to the command line's)."""
-    from experiments.configs import typed_overrides
+    from specter.settings import typed_overrides
 
     out = typed_overrides(["-m", "experiment=batch", "workload.batch=1,32", "spec.k=2,4",
                            "workload.temperature=0.5"])

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 
-from experiments.registry import BuildContext, build_engine
+from specter.systems import BuildContext, build_engine
 from fake_cuda import FakeCuda
 from specter.budget import resolve_slots
 from specter.config import RunConfig

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from experiments.registry import BuildContext, build_engine, footprint
+from specter.systems import BuildContext, build_engine, footprint
 from specter import budget as budget_mod
 from specter.config import RunConfig, SystemConfig
 from specter.models import archs

@@ -203,15 +203,15 @@ def test_the_preflight_counts_what_each_system_holds_on_the_host(tiny_models, tm
     it counted; too little is one sentence naming each item."""
     import torch
 
-    from experiments import runner
+    from specter import compose
     from specter.errors import UserError
 
     lm = tiny_models("tiny_deepseek")
     n_experts, cpu = lm.spec.num_experts, torch.device("cpu")
     # a random store an earlier test of this process left held would count as available
     monkeypatch.setattr("specter.placement.loader.held_random_store_bytes", lambda: 0)
-    monkeypatch.setattr(runner, "MEMINFO", _meminfo(tmp_path / "plenty", 64 * 2**20))
-    held = {name: dict(runner.check_host_holds(_cfg(name), lm.checkpoint, cpu, n_experts))
+    monkeypatch.setattr(compose, "MEMINFO", _meminfo(tmp_path / "plenty", 64 * 2**20))
+    held = {name: dict(compose.check_host_holds(_cfg(name), lm.checkpoint, cpu, n_experts))
             for name in ("lru", "specter", "resident")}
     experts = sum(t.numel() * t.element_size() for m in lm.model.modules()
                   if hasattr(m, "gate_up_proj") for t in (m.gate_up_proj, m.down_proj))
@@ -224,10 +224,10 @@ def test_the_preflight_counts_what_each_system_holds_on_the_host(tiny_models, tm
     assert whole == lm.spec.num_moe_layers * layer  # one layer on the host, not the draft
 
     need = sum(held["specter"].values())
-    monkeypatch.setattr(runner, "MEMINFO", _meminfo(tmp_path / "short", need // 1024 - 64))
-    runner.check_host_holds(_cfg("lru"), lm.checkpoint, cpu, n_experts)  # lru's still fits
+    monkeypatch.setattr(compose, "MEMINFO", _meminfo(tmp_path / "short", need // 1024 - 64))
+    compose.check_host_holds(_cfg("lru"), lm.checkpoint, cpu, n_experts)  # lru's still fits
     with pytest.raises(UserError) as err:
-        runner.preflight(_cfg("specter"), lm.checkpoint, cpu, n_experts)
+        compose.preflight(_cfg("specter"), lm.checkpoint, cpu, n_experts)
     msg = str(err.value)
     assert msg.startswith("system=specter with model=tiny_deepseek needs ") and msg.count(". ") == 0
     assert "(the routed experts in the host store " in msg and "one MoE layer of the INT4 " \
@@ -238,8 +238,8 @@ def test_a_run_that_does_not_fit_the_host_exits_with_one_sentence(tiny_models, t
     """run.py with too little MemAvailable: exit status 2 and one line, before loading."""
     tiny_models("tiny_deepseek")  # built into the shared cache
     fake = _meminfo(tmp_path / "meminfo", 1024)
-    code = ("import sys; from pathlib import Path; from experiments import runner; "
-            f"runner.MEMINFO = Path({str(fake)!r}); import run; run.main()")
+    code = ("import sys; from pathlib import Path; from specter import compose; "
+            f"compose.MEMINFO = Path({str(fake)!r}); import run; run.main()")
     res = subprocess.run([sys.executable, "-c", code, "system=specter", "model=tiny_deepseek",
                           "quant.method=rtn", "progress=false", f"out_dir={tmp_path / 'out'}"],
                          cwd=REPO, capture_output=True, text=True, timeout=300,

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 
 from conftest import TINY
-from experiments.registry import BuildContext, build_engine
+from specter.systems import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.errors import UserError
@@ -136,7 +136,7 @@ def test_host_profiles_override_the_hardware_host_and_survive_the_cpu_fallback()
     from omegaconf import OmegaConf
 
     from conftest import REPO
-    from experiments.runner import resolve_auto_hardware
+    from specter.compose import resolve_auto_hardware
 
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
         plain = compose(config_name="config", overrides=["hardware=a100_pcie4_hf"])

@@ -107,7 +107,7 @@ def test_inflation_refuses_what_it_cannot_preserve(tiny):
 
 
 def test_config_names_what_inflation_supports():
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     with pytest.raises(UserError, match="no inflation rule"):
         run_config(["model=phi", "model.weights=inflated"])
@@ -127,7 +127,7 @@ def test_the_runner_builds_it_lossless_with_the_small_models_acceptance(tiny, tm
     draft, specter's verification), at grown widths: the tokens are tiny_deepseek's own greedy
     ones and the acceptance is tiny_deepseek's under the same draft."""
     from experiments import runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     real = published.fixture_config
     monkeypatch.setattr(published, "fixture_config",

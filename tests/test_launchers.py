@@ -118,7 +118,7 @@ def test_depth_profile_measured_once_by_concurrent_workers(tmp_path, monkeypatch
     import time
     from types import SimpleNamespace
 
-    from specter.decoding import depth_profile as depth
+    from experiments import depth_profile as depth
 
     calls = []
 

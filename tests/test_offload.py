@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import PROMPTS, TINY
-from experiments.registry import BuildContext, build_engine
+from specter.systems import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models import archs
@@ -258,7 +258,7 @@ def test_transformers_sizes_its_device_map_from_the_budgets_gib():
     the same share of the tiny model's layers stays resident, the link is charged the real
     model's 7 offloaded layers per token, and the record says what accelerate moved."""
     from specter.budget import resolve
-    from experiments.registry import footprint
+    from specter.systems import footprint
 
     cfg = RunConfig.from_dict({
         "model": {"name": "tiny_deepseek", "source": "project", "stands_for": "deepseek",
@@ -378,7 +378,7 @@ def test_quantized_experts_and_attention_are_charged_at_their_bits(tiny_models, 
 
     def rows(name, *extra):
         from experiments import runner
-        from experiments.configs import run_config
+        from specter.settings import run_config
 
         runner.run(run_config([*fp16, *extra, f"out_dir={tmp_path / name}"]), log=lambda *_: None)
         return records.load(tmp_path / name).iloc[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from fake_cuda import FakeCuda
-from experiments.registry import SYSTEMS, BuildContext, build_engine
+from specter.systems import SYSTEMS, BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.decoding import engines

@@ -326,7 +326,7 @@ def test_host_checks_use_the_measured_memory_when_none_is_given(monkeypatch):
 def test_a_held_random_store_counts_as_memory_the_next_job_can_have(monkeypatch):
     """A sweep's next job reuses the last job's random host store or frees it before drawing
     its own: its preflight adds the store's bytes to what the process can have now."""
-    from experiments.runner import host_with_held_store
+    from specter.compose import host_with_held_store
     from specter.placement import bytes as checkpoint_bytes, loader as host_load
 
     monkeypatch.setattr(checkpoint_bytes, "host_memory_bytes", lambda: 10 * 2**30)

@@ -360,7 +360,7 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
     Specter with it is lossless."""
     from safetensors.torch import save_file
 
-    from experiments.registry import BuildContext, build_engine
+    from specter.systems import BuildContext, build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.models.introspect import experts_modules

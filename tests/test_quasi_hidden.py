@@ -13,7 +13,7 @@ import yaml
 from conftest import PROMPTS, REPO
 from baselines import quasi_hidden as qh
 from experiments import records, runner
-from experiments.registry import BuildContext
+from specter.systems import BuildContext
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules

@@ -21,6 +21,7 @@ from torch import nn
 
 from conftest import REPO
 from experiments import real_size, records, runner
+from specter import compose
 from fake_cuda import FakeCuda
 from specter.config import RunConfig
 from specter.decoding import engines
@@ -55,7 +56,7 @@ def _on_cuda_link(monkeypatch) -> None:
 
 
 def _h200_measured() -> dict:
-    return dataclasses.asdict(runner.load_hardware("h200_measured"))
+    return dataclasses.asdict(compose.load_hardware("h200_measured"))
 
 
 def test_the_verdict_pairs_a_cuda_runs_rows_with_the_virtual_clocks(tmp_path, monkeypatch):
@@ -103,9 +104,9 @@ def test_a_job_is_freed_before_the_next_one_loads(tmp_path, monkeypatch):
     """Two jobs in one process, as a Hydra sweep runs them: once the first `run` returns,
     nothing of its model, engine or slot buffers is alive (on CUDA their blocks would count in
     the next job's load-time peak), with the automatic collector off so that only the runner's
-    own freeing counts. Without it (free_job a no-op) they would still be alive."""
+    own freeing counts. Without it (compose.free a no-op) they would still be alive."""
     alive: list[weakref.ref] = []
-    real_load, real_build = runner.load_model, runner.build_engine
+    real_load, real_build = compose.load_model, compose.build_engine
 
     def load(*a, **k):
         loaded = real_load(*a, **k)
@@ -118,8 +119,8 @@ def test_a_job_is_freed_before_the_next_one_loads(tmp_path, monkeypatch):
         alive.extend(weakref.ref(lc.buf) for lc in engine.runtime.cache.layers)
         return engine
 
-    monkeypatch.setattr(runner, "load_model", load)
-    monkeypatch.setattr(runner, "build_engine", build)
+    monkeypatch.setattr(compose, "load_model", load)
+    monkeypatch.setattr(compose, "build_engine", build)
     quiet = lambda *_: None  # noqa: E731
     hw = _h200_measured()
 
@@ -142,7 +143,7 @@ def test_a_job_is_freed_before_the_next_one_loads(tmp_path, monkeypatch):
         assert len(records.load(tmp_path / system)) == 2
 
     with monkeypatch.context() as m:  # the control: the freeing is what frees them (their
-        m.setattr(runner, "free_job", lambda error=None: None)  # hooks make cycles)
+        m.setattr(compose, "free", lambda error=None: None)  # hooks make cycles)
         _, held = first_job("specter", tmp_path / "control")
         assert "DeepseekV2ForCausalLM" in held
     gc.collect()
@@ -227,7 +228,7 @@ def test_the_gpu_command_line_passes_the_runs_own_checks(tmp_path):
     assert calls[1][2:] == [str(tmp_path / "out" / "records"), "--csv",
                             str(tmp_path / "out" / "error_table.csv"), "--real-hardware", "cuda",
                             "--virtual-hardware", "h200_realsize", "--h2d-gbps", "50"]
-    from experiments.configs import checked_overrides
+    from specter.settings import checked_overrides
 
     assert len(checked_overrides(sweep)) == len(sweep)
     gpu_check = (REPO / "scripts" / "gpu_check.sh").read_text()
@@ -302,7 +303,7 @@ def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
     assert "system=specter,lru" in hot and "budget.gb=16" in hot
     assert verdict[verdict.index("--virtual-hardware") + 1] == "none"
     assert verdict[verdict.index("--h2d-gbps") + 1] == "50"
-    from experiments.configs import checked_overrides
+    from specter.settings import checked_overrides
 
     for call in (sweep[2:], adaptive[1:], resident[2:], source[1:], hot[3:]):
         args = [a for a in call if a != "-m"]

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import run_cli
 from experiments import records, runner
+from specter import compose
 from specter.config import RunConfig
 from specter.errors import UserError
 
@@ -177,17 +178,17 @@ def test_auto_hardware_keeps_real_clocks_where_asked(tmp_path):
     import torch
 
     cfg = smoke_cfg(tmp_path, hardware={"name": "auto", "device": "auto", "cpu_fallback": "h200_ideal"})
-    moved = runner.resolve_auto_hardware(cfg, torch.device("cpu"), log=lambda *_: None)
+    moved = compose.resolve_auto_hardware(cfg, torch.device("cpu"), log=lambda *_: None)
     assert (moved.hardware.name, moved.hardware.clock, moved.hardware.engine) == ("h200_ideal", "virtual", "ideal")
     assert moved.hardware.device == "cpu"
     for keep in (smoke_cfg(tmp_path),  # hardware=cpu: this CPU's wall clock
                  smoke_cfg(tmp_path, hardware={"name": "auto", "cpu_fallback": "h200_ideal"},
                            system={"name": "fidelity"})):
-        assert runner.resolve_auto_hardware(keep, torch.device("cpu")).hardware == keep.hardware
-    on_gpu = runner.resolve_auto_hardware(cfg, torch.device("cuda"))
+        assert compose.resolve_auto_hardware(keep, torch.device("cpu")).hardware == keep.hardware
+    on_gpu = compose.resolve_auto_hardware(cfg, torch.device("cuda"))
     assert on_gpu.hardware.clock == "wall"
     with pytest.raises(UserError, match="unknown hardware profile 'nope'"):
-        runner.load_hardware("nope")
+        compose.load_hardware("nope")
 
 
 def test_batched_run_writes_a_row_per_sequence_and_resumes_a_partial_batch(tmp_path):
@@ -217,8 +218,8 @@ def test_on_a_gpu_every_engine_is_warmed_before_its_timed_rows():
     step is warmed; a virtual clock never."""
     import torch
 
-    from experiments.configs import run_config
-    from experiments.runner import warm_up
+    from specter.settings import run_config
+    from specter.compose import warm_up
 
     class Engine:
         compiled: dict = {}

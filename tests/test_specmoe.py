@@ -16,7 +16,7 @@ from omegaconf import OmegaConf
 from baselines import specmoe
 from conftest import REPO
 from experiments import records, runner
-from experiments.registry import BuildContext, build_engine
+from specter.systems import BuildContext, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules

@@ -286,7 +286,7 @@ def test_a_captured_step_is_charged_its_kernels_time_and_one_launch():
     launch, the graph's replay; outside it the profile is the eager one again."""
     from types import SimpleNamespace as NS
 
-    from experiments.configs import run_config
+    from specter.settings import run_config
     from specter.offload.build import profile_of
     from specter.offload.runtime import Charger
 

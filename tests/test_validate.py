@@ -136,8 +136,8 @@ def test_run_cases_runs_each_case_through_the_runner(tmp_path):
 
 
 def test_every_table_case_composes_and_passes_run_pys_checks():
-    """validate's cases compose through run.py's own checks (experiments.configs.run_config)."""
-    from experiments.configs import run_config
+    """validate's cases compose through run.py's own checks (specter.settings.run_config)."""
+    from specter.settings import run_config
 
     for case in [*validate.cases(validate.PROFILES), *validate.batch_cases(validate.PROFILES)]:
         run_config([*case.overrides, "experiment=validate", "workload.items=1"]).validate()

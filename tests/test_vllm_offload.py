@@ -18,7 +18,7 @@ BASE = ["model=tiny_deepseek", "workload.items=2", "workload.max_new_tokens=12",
 
 def _run(tmp_path, name, *extra):
     from experiments import records, runner
-    from experiments.configs import run_config
+    from specter.settings import run_config
 
     runner.run(run_config([*BASE, *extra, f"out_dir={tmp_path / name}"]), log=lambda *_: None)
     return records.load(tmp_path / name).sort_values("request_id")

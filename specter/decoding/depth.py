@@ -1,17 +1,17 @@
 """The draft depth K: the one rule every speculative system follows (`settle_depth`), and
 the per-window depth of `spec.k=adaptive` (`AdaptiveDepth`).
 
-The rule: `spec.k=N` -> N; `spec.k=auto` -> the profiled K (`depth_profile.py`, run by the
+The rule: `spec.k=N` -> N; `spec.k=auto` -> the profiled K (`experiments/depth_profile.py`, run by the
 harness on the built engine), except for a system with its own K, which keeps it (a baseline
 runs at the depth its paper or artifact uses) unless `spec.tune_own_k=true` (a tuned-depth
 baseline, reported as its own variant); `spec.k=adaptive` -> a K per window (`AdaptiveDepth`,
 starting from the unset rule's K, at most `spec.k_max`); unset -> the system's own K if its
 recipe has one (`OWN_K`: SpecMoEOff 3, SpecMoE 4, as their papers run them), else the model's
 paper K (`model.paper_k`), else DEFAULT_K. Every record says which one applied (`k_source`).
-The rule has one caller, `experiments/registry.py depth_of` (the recipe's `OWN_K` read there):
+The rule has one caller, `specter/systems.py depth_of` (the recipe's `OWN_K` read there):
 the build context settles it once and the engine is built with that `Depth`; the runner's
 context check, before the weights load, asks `depth_of` for the deepest window (`k_max`).
-Does not own: the engine (systems), the profiler (depth_profile.py), timing.
+Does not own: the engine (systems), the profiler (experiments/depth_profile.py), timing.
 """
 
 from __future__ import annotations

@@ -66,24 +66,35 @@ class GreedyEngine:
         if self.runtime is not None:
             self.runtime.record_demand = phase != "prefill"  # the hit rate excludes prefill
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_commit=None) -> Generation:
+        """One request; `on_commit(tokens)` hears each token as it is committed (the
+        `Engine` protocol), on the compiled path as on the eager one."""
+        if on_commit is None:  # through generate_batch, as ever (a measurement may wrap it)
+            return self.generate_batch([prompt_ids], max_new_tokens)[0]
+        return self._decode([prompt_ids], max_new_tokens, [on_commit])[0]
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """The requests decoded together; the batch's statistics (demand, link, prefetcher)
         are the same columns on every row."""
+        return self._decode(prompts, max_new_tokens)
+
+    def _decode(self, prompts: list[list[int]], max_new_tokens: int,
+                on_commit: list | None = None) -> list[Generation]:
+        """`generate_batch`, with a listener per request or None (`generate`'s)."""
         if self.static is not None and len(prompts) == 1:
             before = self.static.compiles, self.static.compile_s
             with torch.no_grad():
                 gens = [self.static.generate(prompts[0], max_new_tokens, self.device,
                                              self.timing.link, self.stop, self.memory,
-                                             self._before_forward)]
+                                             self._before_forward,
+                                             on_commit=None if on_commit is None else on_commit[0])]
             self.compiled.update(decode_compiles=self.static.compiles - before[0],  # this request's
                                  decode_compile_s=self.static.compile_s - before[1])
         else:
             gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
                                        self.timing.link, self.stop, self.memory,
-                                       self._before_forward)
+                                       self._before_forward, on_commit=on_commit)
         shared = dict(self.compiled)
         if self.runtime is not None:
             shared.update(self.runtime.as_record())
@@ -150,19 +161,30 @@ class SpeculativeEngine:
         self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
         self.window.on_forward(phase)
 
-    def generate(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        return self.generate_batch([prompt_ids], max_new_tokens)[0]
+    def generate(self, prompt_ids: list[int], max_new_tokens: int,
+                 on_commit=None) -> Generation:
+        """One request; `on_commit(tokens)` hears each commit (the `Engine` protocol): the
+        prefill's token, then each window's accepted proposals and the target's token."""
+        if on_commit is None:  # through generate_batch, as ever (a measurement may wrap it)
+            return self.generate_batch([prompt_ids], max_new_tokens)[0]
+        return self._decode([prompt_ids], max_new_tokens, [on_commit])[0]
 
     def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """The requests decoded together, each accepting its own proposals; the batch's
         statistics (demand, link, draft, window prefetcher) are the same columns on every
         row, acceptance is each row's own."""
+        return self._decode(prompts, max_new_tokens)
+
+    def _decode(self, prompts: list[list[int]], max_new_tokens: int,
+                on_commit: list | None = None) -> list[Generation]:
+        """`generate_batch`, with a listener per request or None (`generate`'s)."""
         sampling = {"temperature": self.temperature, "generators": self.generators} \
             if self.temperature > 0 else {}
         gens = speculative_batch(self.model, self.draft.self_draft, prompts, max_new_tokens,
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
                                  self._before_forward, prefetcher=self.window,
-                                 layout=self.draft.layout, depth=self.adaptive, **sampling)
+                                 layout=self.draft.layout, depth=self.adaptive,
+                                 on_commit=on_commit, **sampling)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), **self.compiled, "k_source": self.k_source,
                   "k_why": self.adaptive.why if self.adaptive is not None else self.k_source,
@@ -226,7 +248,7 @@ def build_speculative(ctx, name: str, make_draft, window=None, reorder: bool = T
     `reorder=False` verifies token by token, `overlap=False` loads
     verification's misses serially (the runtime's ablations). K: `ctx.depth`, settled once by
     the harness with the one rule of `decoding/depth.py settle_depth` (a recipe's `OWN_K`
-    included); under spec.k=auto the harness profiles the built engine (depth_profile.py)."""
+    included); under spec.k=auto the harness profiles the built engine (experiments/depth_profile.py)."""
     timing = timing_for(ctx)
     runtime = offload_model(ctx, timing, host_all=host_all)
     runtime.serial, runtime.overlap = not reorder, overlap

@@ -40,14 +40,16 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                       device: torch.device, clock, stop: set[int], memory,
                       before_forward=None, prefetcher: WindowPrefetcher | None = None,
                       temperature: float = 0.0, generators: list[torch.Generator] | None = None,
-                      layout=None, depth=None) -> list[Generation]:
+                      layout=None, depth=None, on_commit: list | None = None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
     `before_forward(tokens, context, phase, rows)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `prefetcher` plans and issues copies between draft steps and hears
     each window's end; `temperature` > 0 samples (one generator per request); `layout` is
     where and how the draft runs (drafting.py: a second model, or static_draft.py's compiled
     step; else `SharedDraft(shared)`, the target's own instance in draft mode over its cache);
-    `depth` (an `AdaptiveDepth`) chooses each window's K instead of `k`."""
+    `depth` (an `AdaptiveDepth`) chooses each window's K instead of `k`; `on_commit`: per
+    request a listener or None (`Engine.generate`'s), called with each commit's new tokens
+    (`Rows._commit`); None: no listener at all."""
     _check(prompts, k, temperature, generators)
     tell = before_forward or (lambda *a, **kw: None)
     prefetch = prefetcher or WindowPrefetcher()
@@ -56,7 +58,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     depths = WindowDepth(k, depth, clock)
     memory.start()
     kv = BatchCache(model, device, len(prompts))
-    rows = Rows(prompts, max_new_tokens, k, stop, clock.mark())
+    rows = Rows(prompts, max_new_tokens, k, stop, clock.mark(), on_commit)
 
     # 0. Prefill: each row's last logits give the target's first token, committed at once
     #    (as in autoregressive decoding: TTFT and TPOT mean the same for every system).
@@ -113,11 +115,12 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                        device: torch.device, clock, stop: set[int], memory,
                        before_forward=None, prefetcher: WindowPrefetcher | None = None,
                        temperature: float = 0.0, generator: torch.Generator | None = None,
-                       layout=None) -> Generation:
-    """One request: `speculative_batch` of one row."""
+                       layout=None, on_commit=None) -> Generation:
+    """One request: `speculative_batch` of one row; `on_commit(tokens)` hears each commit."""
     return speculative_batch(model, shared, [prompt_ids], max_new_tokens, k, device, clock, stop,
                              memory, before_forward, prefetcher, temperature,
-                             None if generator is None else [generator], layout)[0]
+                             None if generator is None else [generator], layout,
+                             on_commit=None if on_commit is None else [on_commit])[0]
 
 
 def _check(prompts: list[list[int]], k: int, temperature: float, generators) -> None:
@@ -156,12 +159,14 @@ class Rows:
     """The batch's requests: each one's committed tokens and their clock marks, its limit and
     statistics; `live[r]` is the request in cache row r. A row that commits its stop token or
     its last token leaves the batch while the others go on (the positions one row rejected
-    become holes of the shared cache, so no row is cut to another's acceptance)."""
+    become holes of the shared cache, so no row is cut to another's acceptance).
+    `on_commit[b]` (None, or None for a request: no listener) hears request b's commits."""
 
     def __init__(self, prompts: list[list[int]], max_new_tokens: int, k: int, stop: set[int],
-                 start):
+                 start, on_commit: list | None = None):
         n = len(prompts)
         self.stop, self.start = stop, start
+        self.on_commit = on_commit
         self.seqs = [list(p) for p in prompts]  # per request: prompt + committed tokens
         self.tokens: list[list[int]] = [[] for _ in range(n)]  # committed tokens
         self.times: list[list] = [[] for _ in range(n)]  # the clock's mark at each commit
@@ -182,14 +187,20 @@ class Rows:
         return [min(k, self.limit[b] - len(self.tokens[b]) - 1) for b in self.live]
 
     def _commit(self, b: int, new: list[int], now) -> bool:
-        """Commit request b's tokens in order; True once it is finished."""
+        """Commit request b's tokens in order, up to its stop token or its limit (its
+        listener hears exactly those); True once it is finished."""
         self.seqs[b].extend(new)
+        tokens, done = self.tokens[b], False
+        before = len(tokens)
         for t in new:
-            self.tokens[b].append(t)
+            tokens.append(t)
             self.times[b].append(now)
-            if t in self.stop or len(self.tokens[b]) >= self.limit[b]:
-                return True
-        return False
+            if t in self.stop or len(tokens) >= self.limit[b]:
+                done = True
+                break
+        if self.on_commit is not None and self.on_commit[b] is not None and len(tokens) > before:
+            self.on_commit[b](tokens[before:])
+        return done
 
     def commit_first(self, first: list[int], now) -> list[int]:
         """The prefill's token of every request; returns the rows still going."""

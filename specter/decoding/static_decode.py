@@ -184,8 +184,10 @@ class StaticDecode:
             dst.cumulative_length.fill_(src.keys.shape[2])
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device, clock,
-                 stop: set[int], memory, before_forward=None) -> Generation:
-        """`greedy_decode_batch` for one request, its decode steps compiled."""
+                 stop: set[int], memory, before_forward=None, on_commit=None) -> Generation:
+        """`greedy_decode_batch` for one request, its decode steps compiled; `on_commit`
+        hears each token (`[token]`) as it is committed, after the stop check's host read
+        (the compiled step is unchanged)."""
         if not prompt:
             raise ValueError("every request needs at least one prompt token")
         memory.start()
@@ -203,6 +205,8 @@ class StaticDecode:
             picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
             tokens.append(picked)
             times.append(clock.mark())
+            if on_commit is not None:
+                on_commit([picked])
             memory.observe_cache(None, cache_bytes(self.cache))
             if len(tokens) >= max_new_tokens or picked in stop:
                 break

@@ -34,6 +34,9 @@ def resolve_checkpoint(cfg: ModelConfig, cache_dir: Path | None, seed: int,
         return random_folder(cfg, cache_dir)
     if cfg.weights == "inflated":
         return inflated_folder(cfg, cache_dir, seed, progress)
+    if not cfg.path and not cfg.hub_id:
+        raise UserError(f"model={cfg.name} names no weights: pass model.path=DIR, a folder "
+                        "holding its config.json and .safetensors files.")
     if cfg.path:
         path = Path(cfg.path).expanduser()
         if not (path / "config.json").is_file():

@@ -1,16 +1,16 @@
-"""The run configuration as a command line gives it: Hydra's conf/ composed into a typed
-`RunConfig`.
+"""Settings: the run configuration as a command line or the library gives it, Hydra's conf/
+composed into a typed `RunConfig`.
 
 Owns: the config folder (`CONF`) and its groups (`GROUPS`), the checks of a command line's
 arguments before Hydra sees them (an unknown group choice, a knob the chosen system does not
 have, an unknown or unreadable `key=value`: each one sentence naming the nearest valid key),
 the rewriting of a valid key the selected yaml does not list into `++key=value`, and the one
 conversion of Hydra's composed config into a `RunConfig` (`to_run_config`; `run_config` for a
-whole argument list in this process, as run.py's entry, experiments.validate, experiments.hotpath
-and the tests compose it).
-Does not own: the command-line entry and its exit statuses (run.py), the typed settings and
-their validation (specter.config), each system's knobs (experiments/registry.py), running a
-configuration (experiments/runner.py).
+whole argument list in this process, as run.py's entry, the library (specter/api.py),
+experiments.validate, experiments.hotpath and the tests compose it).
+Does not own: the command-line entries and their exit statuses (run.py, specter/__main__.py),
+the typed settings and their validation (specter.config), each system's knobs
+(specter/systems.py), turning settings into parts (specter/compose.py).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ def chosen_systems(argv: list[str]) -> list[str]:
 
 def check_system_settings(argv: list[str]) -> None:
     """`system.<knob>=v` that the chosen system does not have: one sentence (each system's
-    knobs are its own typed config, experiments/registry.py `config_class`), before Hydra's
+    knobs are its own typed config, specter/systems.py `config_class`), before Hydra's
     struct check answers in several lines."""
-    from experiments.registry import check_setting
+    from specter.systems import check_setting
 
     for arg in argv:
         key, eq, _ = arg.lstrip("+~").partition("=")
@@ -171,7 +171,6 @@ def to_run_config(cfg):
     """Hydra's composed config (a DictConfig) as the typed `RunConfig`, interpolations resolved."""
     from omegaconf import OmegaConf
 
-    import experiments.registry  # noqa: F401 - registers each system's typed knobs
     from specter.config import RunConfig
 
     return RunConfig.from_dict(OmegaConf.to_container(cfg, resolve=True))

@@ -7,7 +7,8 @@ mean TPOT (ties: the smaller K), and stores the sweep as JSON under `<cache>/dep
 runs with the same key reuse it without measuring. The key holds the configuration and a
 digest of the code's sources (`hermetic.source_digest`), so a profile measured by other code
 (another commit, an edit) is measured again, never reused. The harness calls it on an engine
-whose `Depth` says `auto` (experiments/registry.py `build_engine`), outside the engine's building.
+whose `Depth` says `auto` (experiments/runner.py, once specter/compose.py has built it);
+the library refuses spec.k=auto, whose prompts are the benchmark's datasets.
 Does not own: the K rule (depth.py), the engine (systems), timing (the engine's clock:
 virtual TPOTs make the choice deterministic).
 """

@@ -1,8 +1,11 @@
-"""The registry of systems the runner can execute: a name -> a function building its engine.
+"""The registry of systems: a name -> the module (recipe) that builds its engine.
 
 A new system is one module exposing `build(ctx) -> Engine` and `ENGINE` (the engine class
 it builds: `specter.decoding.engines`' GreedyEngine or SpeculativeEngine for every decoding
-system) and one line here. Recipes import their optional dependencies inside `build`.
+system) and one line here. Recipes are imported by name on use (the baselines live in
+`baselines/`, beside this package; `fidelity` is the harness's routing measurement), and
+import their optional dependencies inside `build`. The composition root
+(specter/compose.py) and the typed settings (specter/config.py, each system's `Config`) read it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from specter.budget import Footprint, ResolvedBudget
-from specter.config import RunConfig, SystemConfig, register_system_configs
+from specter.config import RunConfig, SystemConfig
 from specter.engine import Engine
 from specter.errors import UserError
 from specter.placement.loader import LoadedModel
@@ -113,17 +116,11 @@ def check_setting(name: str, knob: str) -> None:
                        else "no settings."))
 
 
-def build_engine(ctx: BuildContext, log=print) -> Engine:
-    """The system's engine for `ctx`; under spec.k=auto, with its profiled K (the profiler
-    runs the built engine: specter/decoding/depth_profile.py)."""
+def build_engine(ctx: BuildContext) -> Engine:
+    """The system's engine for `ctx` (under spec.k=auto, at the base K until the harness's
+    depth profiler gives it the profiled one: experiments/depth_profile.py)."""
     check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
-    engine = recipe(ctx.cfg.system.name).build(ctx)
-    depth = getattr(engine, "depth", None)
-    if depth is not None and depth.mode == "auto":
-        from specter.decoding.depth_profile import profile
-
-        profile(ctx, engine, log)
-    return engine
+    return recipe(ctx.cfg.system.name).build(ctx)
 
 
 def depth_of(cfg: RunConfig):
@@ -135,6 +132,3 @@ def depth_of(cfg: RunConfig):
         return None
     return settle_depth(cfg.spec, cfg.model.paper_k, getattr(recipe(cfg.system.name), "OWN_K", None))
 
-
-# RunConfig.from_dict builds each system's own config and refuses a knob it lacks in one sentence
-register_system_configs(config_class, check_setting)
