@@ -24,5 +24,5 @@ ENGINE = GreedyEngine
 FOOTPRINT = Footprint(host_experts=True)  # no expert slots: the device budget is the rest
 
 
-def build(ctx) -> GreedyEngine:
-    return build_greedy(ctx, "host_experts", host_all=True)
+def build(job) -> GreedyEngine:
+    return build_greedy(job, "host_experts", host_all=True)

@@ -18,9 +18,9 @@ ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True, host_experts=True)  # the INT4 copy; no expert slots
 
 
-def build(ctx) -> SpeculativeEngine:
-    draft = draft_for(ctx)  # from the full-precision experts, before they move out
+def build(job) -> SpeculativeEngine:
+    draft = draft_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
-        ctx, "host_experts_s",
-        lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing),
+        job, "host_experts_s",
+        lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing),
         host_all=True)

@@ -52,10 +52,10 @@ class LastWindowPrefetch(WindowPrefetcher):
         return {"prefetches": self.prefetched, "top_m": self.top_m}
 
 
-def build(ctx) -> SpeculativeEngine:
-    draft = draft_for(ctx)
-    top_m = ctx.cfg.system.top_m or ctx.loaded.spec.top_k
+def build(job) -> SpeculativeEngine:
+    draft = draft_for(job)
+    top_m = job.system.top_m or job.loaded.spec.top_k
     return build_speculative(
-        ctx, "last_window",
-        lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing),
+        job, "last_window",
+        lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing),
         window=lambda runtime, timing, _: LastWindowPrefetch(runtime, top_m))

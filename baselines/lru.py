@@ -23,7 +23,7 @@ class Config(SystemConfig):
     host_compute: bool | None = None  # None: the system's default (lru: off, lru_hybrid: on)
 
 
-def build(ctx) -> GreedyEngine:
+def build(job) -> GreedyEngine:
     from specter.system import host_compute_on
 
-    return build_greedy(ctx, ctx.cfg.system.name, host_compute=host_compute_on(ctx.cfg.system))
+    return build_greedy(job, job.system.name, host_compute=host_compute_on(job.system))

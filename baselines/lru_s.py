@@ -18,7 +18,7 @@ ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
 
 
-def build(ctx) -> SpeculativeEngine:
-    draft = draft_for(ctx)  # from the full-precision experts, before they move out
+def build(job) -> SpeculativeEngine:
+    draft = draft_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
-        ctx, "lru_s", lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing))
+        job, "lru_s", lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing))

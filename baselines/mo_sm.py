@@ -44,5 +44,5 @@ class NextLayerRouterPrefetch(LayerPrefetcher):
         runtime.prefetch(nxt, sorted(set(guess.flatten().tolist())))  # one read: a host decision
 
 
-def build(ctx) -> GreedyEngine:
-    return build_greedy(ctx, "mo_sm", NextLayerRouterPrefetch(ctx.loaded.model))
+def build(job) -> GreedyEngine:
+    return build_greedy(job, "mo_sm", NextLayerRouterPrefetch(job.loaded.model))

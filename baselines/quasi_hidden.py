@@ -44,7 +44,6 @@ from baselines.mo_sm import router_of
 from specter.decoding.engines import GreedyEngine, build_greedy
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.models.zoo import default_cache_dir
 from specter.offload.prefetch import LayerPrefetcher
 from specter.offload.store import expert_layout, expert_weights
 from specter.quant.calibrate import QuantSpec, calibration_windows, source_checksum
@@ -220,22 +219,21 @@ def overlap(guess: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     return (guess[:, :, None] == chosen[:, None, :]).any(-1).sum()
 
 
-def default_vectors_for(ctx) -> tuple[DefaultVectors, Path]:
-    """The default vectors of `ctx.loaded.model` (before its experts are offloaded), calibrated
+def default_vectors_for(job) -> tuple[DefaultVectors, Path]:
+    """The default vectors of `job.loaded.model` (before its experts are offloaded), calibrated
     on `quant.calib_tokens` tokens of the workloads' text."""
-    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
-    data_dir = Path(ctx.cfg.data_dir) if ctx.cfg.data_dir else None
-    spec = QuantSpec(calib_tokens=ctx.cfg.quant.calib_tokens)
-    dv, path, _ = ensure_default_vectors(ctx.loaded.model, ctx.loaded.tokenizer, spec, cache_dir,
-                                         ctx.device, data_dir)
+    cache_dir, data_dir = job.files.cache_dir, job.files.data_dir
+    spec = QuantSpec(calib_tokens=job.draft.quant.calib_tokens)
+    dv, path, _ = ensure_default_vectors(job.loaded.model, job.loaded.tokenizer, spec, cache_dir,
+                                         job.device, data_dir)
     return dv, path
 
 
-def build_with(ctx, prefetch: QuasiHiddenPrefetch) -> GreedyEngine:
+def build_with(job, prefetch: QuasiHiddenPrefetch) -> GreedyEngine:
     """The engine around a given prefetcher (tests pass deliberately broken ones)."""
-    return build_greedy(ctx, "quasi_hidden", prefetch)
+    return build_greedy(job, "quasi_hidden", prefetch)
 
 
-def build(ctx) -> GreedyEngine:
-    dv, path = default_vectors_for(ctx)  # 1. measured on the full model, before offloading
-    return build_with(ctx, QuasiHiddenPrefetch(ctx.loaded.model, dv, path))
+def build(job) -> GreedyEngine:
+    dv, path = default_vectors_for(job)  # 1. measured on the full model, before offloading
+    return build_with(job, QuasiHiddenPrefetch(job.loaded.model, dv, path))

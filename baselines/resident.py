@@ -36,18 +36,18 @@ class Config(SystemConfig):
                             f"(got '{self.compile}').")
 
 
-def build(ctx) -> GreedyEngine:
+def build(job) -> GreedyEngine:
     from specter.decoding.static_decode import StaticDecode, resolve_system_compile
 
-    engine = build_greedy(ctx, "resident", offload=False)
-    sc, w = ctx.cfg.system, ctx.cfg.workload
-    on, why = resolve_system_compile(sc.compile, w.batch, engine.timing.clock)
-    cuda = ctx.device.type == "cuda"
+    engine = build_greedy(job, "resident", offload=False)
+    sc = job.system
+    on, why = resolve_system_compile(sc.compile, job.rows, engine.timing.clock)
+    cuda = job.device.type == "cuda"
     if on:
         from specter.quant.kernels import capture_graph
 
-        engine.static = StaticDecode(ctx.loaded.model, sc.compile_backend,
-                                     positions=w.prompt_tokens + w.max_new_tokens + 1,
+        engine.static = StaticDecode(job.loaded.model, sc.compile_backend,
+                                     positions=job.positions + 1,
                                      capture=capture_graph if cuda else None)
         if hasattr(engine.charger, "captured_step"):  # a virtual clock: charged as captured
             engine.static.charger = engine.charger

@@ -38,6 +38,6 @@ class Config(SystemConfig):
                              wait_last_batch=self.wait_last_batch)
 
 
-def build(ctx) -> SpeculativeEngine:
-    sc = ctx.cfg.system
-    return build_planned(ctx, sc.name, MODES[sc.name], sc.as_specter())
+def build(job) -> SpeculativeEngine:
+    sc = job.system
+    return build_planned(job, sc.name, MODES[sc.name], sc.as_specter())

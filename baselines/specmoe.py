@@ -212,16 +212,16 @@ class WindowPrefetch(WindowPrefetcher):
         return {"prefetches": self.prefetched}
 
 
-def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpeculativeEngine:
+def build(job, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpeculativeEngine:
     """`draft_top_k`: argument, else `system.draft_top_k` if set, else
     `max(1, top_k // 2)`; `renormalize`: argument, else as the model's router does."""
-    top_k = ctx.loaded.spec.top_k
+    top_k = job.loaded.spec.top_k
     if draft_top_k is None:
-        draft_top_k = ctx.cfg.system.draft_top_k or default_draft_top_k(top_k)
+        draft_top_k = job.system.draft_top_k or default_draft_top_k(top_k)
     if not 1 <= draft_top_k <= top_k:
         raise UserError(f"system.draft_top_k must be between 1 and the model's top-k ({top_k}); "
                         f"got {draft_top_k}.")
-    renormalize = router_normalizes(ctx.loaded.model.config) if renormalize is None \
+    renormalize = router_normalizes(job.loaded.model.config) if renormalize is None \
         else renormalize
 
     def make_window(runtime, timing, draft: HostDraft) -> WindowPrefetch:
@@ -230,7 +230,7 @@ def build(ctx, draft_top_k: int | None = None, renormalize: bool | None = None) 
         return prefetch
 
     return build_speculative(  # the host store is also the draft's expert weights
-        ctx, "specmoe",
-        lambda timing, runtime: HostDraft(ctx.loaded.model, runtime, timing, draft_top_k,
+        job, "specmoe",
+        lambda timing, runtime: HostDraft(job.loaded.model, runtime, timing, draft_top_k,
                                           renormalize),
         window=make_window)

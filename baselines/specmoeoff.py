@@ -82,11 +82,11 @@ class RouteFrequencyPrefetch(WindowPrefetcher):
         return {"prefetches": self.prefetched, "top_m": self.top_m}
 
 
-def build(ctx) -> SpeculativeEngine:
-    draft = draft_for(ctx)
-    second = load_separate_draft_model(ctx)
+def build(job) -> SpeculativeEngine:
+    draft = draft_for(job)
+    second = load_separate_draft_model(job)
     return build_speculative(
-        ctx, "specmoeoff",
-        lambda timing, _: SeparateInt4Draft(ctx.loaded.model, second, draft, ctx.device, timing),
+        job, "specmoeoff",
+        lambda timing, _: SeparateInt4Draft(job.loaded.model, second, draft, job.device, timing),
         window=lambda runtime, timing, draft: RouteFrequencyPrefetch(
-            len(runtime.modules), runtime, ctx.loaded.spec.top_k))
+            len(runtime.modules), runtime, job.loaded.spec.top_k))

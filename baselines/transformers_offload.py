@@ -270,14 +270,14 @@ class TransformersOffloadEngine:
                 "h2d_hidden_frac": 0.0 if self.cuda_copies else math.nan}
 
 
-def build(ctx) -> TransformersOffloadEngine:
-    timing = timing_for(ctx)  # before any hook: the emulated clock calibrates on the model
-    refuse_wall_clock_offload(timing.clock, ctx.device, ctx.budget.slots,
-                              ctx.loaded.spec.num_experts)
-    return TransformersOffloadEngine(ctx.loaded.model, ctx.device, timing, ctx.budget.slots,
-                                     stop_on_eos=ctx.cfg.workload.stop_on_eos,
-                                     whole_layers=ctx.budget.whole_layers,
-                                     whole_layers_of=ctx.budget.whole_layers_of)
+def build(job) -> TransformersOffloadEngine:
+    timing = timing_for(job)  # before any hook: the emulated clock calibrates on the model
+    refuse_wall_clock_offload(timing.clock, job.device, job.budget.slots,
+                              job.loaded.spec.num_experts)
+    return TransformersOffloadEngine(job.loaded.model, job.device, timing, job.budget.slots,
+                                     stop_on_eos=job.stop_on_eos,
+                                     whole_layers=job.budget.whole_layers,
+                                     whole_layers_of=job.budget.whole_layers_of)
 
 
 ENGINE = TransformersOffloadEngine

@@ -121,9 +121,9 @@ _SCRATCH = torch.zeros(1)
 class VllmOffloadEngine(GreedyEngine):
     """Greedy decoding with the offloaded layers' reads charged on the link."""
 
-    def __init__(self, ctx, timing, reads: OffloadedReads):
-        super().__init__("vllm_offload", ctx.loaded.model, ctx.device, timing,
-                         stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    def __init__(self, job, timing, reads: OffloadedReads):
+        super().__init__("vllm_offload", job.loaded.model, job.device, timing,
+                         stop_on_eos=job.stop_on_eos)
         self.reads = reads
 
     def reset(self) -> None:
@@ -138,12 +138,12 @@ class VllmOffloadEngine(GreedyEngine):
         return gens
 
 
-def build(ctx) -> VllmOffloadEngine:
-    timing = timing_for(ctx)
+def build(job) -> VllmOffloadEngine:
+    timing = timing_for(job)
     if timing.cost is None or timing.clock not in ("virtual", "emulated"):
         raise UserError("system=vllm_offload models vLLM's cpu_offload_gb on a modelled clock: "
                         "use a GPU profile, e.g. hardware=a100_pcie4_ideal (vLLM decodes under "
                         "CUDA graphs: the optimised engine).")
-    share = ctx.budget.offload_share
-    return VllmOffloadEngine(ctx, timing, OffloadedReads(ctx.loaded.model, timing, share,
-                                                         ctx.cfg.system.reads))
+    share = job.budget.offload_share
+    return VllmOffloadEngine(job, timing, OffloadedReads(job.loaded.model, timing, share,
+                                                         job.system.reads))

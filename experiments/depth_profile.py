@@ -21,8 +21,20 @@ import math
 import os
 from pathlib import Path
 
+from dataclasses import dataclass
+from typing import Any
+
 from specter import hermetic
 from specter.metrics import timing
+
+
+@dataclass(frozen=True)
+class Profiled:
+    """What a profile is of (`ctx` below): the run's settings, its loaded model, its budget."""
+
+    cfg: Any  # RunConfig
+    loaded: Any  # placement/loader.py LoadedModel
+    budget: Any  # budget.py ResolvedBudget
 
 
 

@@ -85,16 +85,15 @@ class FidelityEngine:
         return gen
 
 
-def build(ctx) -> FidelityEngine:
+def build(job) -> FidelityEngine:
     from specter.decoding.self_draft import account_model
 
-    draft = draft_for(ctx)
-    shared = SelfDraft(ctx.loaded.model, draft.experts, draft.backend, ctx.device)
-    w = ctx.cfg.workload
-    memory = account_model(f"own:{ctx.cfg.model.name}", ctx.loaded.spec, ctx.budget.slots,
-                           w.prompt_tokens + w.max_new_tokens, shared.draft_bytes)
-    return FidelityEngine(ctx.loaded.model, ctx.device, shared,
-                          {**draft.as_record(), **memory.as_record()}, stop_on_eos=w.stop_on_eos)
+    draft = draft_for(job)
+    shared = SelfDraft(job.loaded.model, draft.experts, draft.backend, job.device)
+    memory = account_model(f"own:{job.clock.model}", job.loaded.spec, job.budget.slots,
+                           job.positions, shared.draft_bytes)
+    return FidelityEngine(job.loaded.model, job.device, shared,
+                          {**draft.as_record(), **memory.as_record()}, stop_on_eos=job.stop_on_eos)
 
 
 ENGINE = FidelityEngine

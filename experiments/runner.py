@@ -204,9 +204,9 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     engine, acct, load_rec = parts.engine, parts.account, parts.load
     depth = getattr(engine, "depth", None)
     if depth is not None and depth.mode == "auto":  # spec.k=auto: the K measured on this engine
-        from experiments.depth_profile import profile
+        from experiments.depth_profile import Profiled, profile
 
-        profile(parts.context, engine, log)
+        profile(Profiled(cfg, parts.loaded, budget), engine, log)
     attn = parts.loaded.model.config._attn_implementation
     checkpoint, ckpt_bytes = planned.checkpoint, planned.checkpoint_bytes
 

@@ -40,7 +40,8 @@ from specter.placement.bytes import size_text
 from specter.placement.loader import LoadedModel, load_model
 from specter.placement.plan import PlacementPlan
 from specter.settings import CONF
-from specter.systems import BuildContext, build_engine, check_system, depth_of, footprint, recipe
+from specter.specs import ClockSpec, DraftSpec, Files, Job, OffloadSpec
+from specter.systems import build_engine, check_system, depth_of, footprint, recipe
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,32 @@ class Parts:
 
     planned: Planned
     loaded: LoadedModel
-    context: BuildContext  # what the engine was built from
+    job: Job  # what the engine was built from
     engine: Any
     account: Any  # budget.py DeviceAccount
     held: int  # resident expert slots per MoE layer
     load: dict
+
+
+def job_of(cfg: RunConfig, loaded: LoadedModel, budget: budget_mod.ResolvedBudget,
+           device: torch.device) -> Job:
+    """The settings as the core's specs (specs.py): what one system's engine is built from."""
+    from specter.models.zoo import default_cache_dir
+
+    w = cfg.workload
+    return Job(
+        loaded=loaded, device=device, system=cfg.system, budget=budget,
+        offload=OffloadSpec(slots=budget.slots, staging=budget.staging,
+                            policy=cfg.offload.policy, grouped=cfg.offload.grouped),
+        draft=DraftSpec(quant=cfg.quant, depth=depth_of(cfg), compile=cfg.spec.compile,
+                        compile_backend=cfg.spec.compile_backend),
+        clock=ClockSpec(hardware=cfg.hardware, model=cfg.model.name,
+                        stands_for=cfg.model.stands_for),
+        files=Files(cache_dir=Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir(),
+                    data_dir=Path(cfg.data_dir) if cfg.data_dir else None, model=cfg.model,
+                    model_seed=cfg.model_seed, progress=cfg.progress),
+        rows=w.batch, temperature=w.temperature, positions=w.prompt_tokens + w.max_new_tokens,
+        stop_on_eos=w.stop_on_eos, seed=cfg.seed)
 
 
 def settle(cfg: RunConfig, log=print) -> tuple[RunConfig, torch.device]:
@@ -142,14 +164,14 @@ def build(planned: Planned, log=print, kv_tokens: int | None = None) -> Parts:
     if budget.accounting:
         log("[specter] budget in GiB:\n" + budget.accounting)
     log("[specter] device byte accounting:\n" + account.table(held, spec))
-    context = BuildContext(cfg=cfg, loaded=loaded, budget=budget, device=device)
-    engine = build_engine(context)
+    built = job_of(cfg, loaded, budget, device)
+    engine = build_engine(built)
     load = {**meter.done(), "load_base_device_bytes": base}
     log(f"[specter] loaded in {load['load_s']:.1f} s (ready in {load['setup_s']:.1f} s): "
         f"device peak {size_text(load['load_peak_device_bytes'])} "
         f"({load['load_peak_device_source']}), host peak "
         f"{size_text(load['load_peak_host_bytes'])} (process RSS)")
-    return Parts(planned, loaded, context, engine, account, held, load)
+    return Parts(planned, loaded, built, engine, account, held, load)
 
 
 def resolve_device(kind: str, asked_by: str = "hardware",

@@ -79,13 +79,13 @@ def footprint(system: SpecterConfig) -> Footprint:
     return Footprint(int4_draft=True, second_instance=not system.shared)
 
 
-def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
+def orchestrator_for(job, sc: SpecterConfig, plan_mode: str):
     """The window prefetcher: the PIO planner ("pio") or one single plan ("early", "late").
     system.top_m unset: M = the slots (the artifact's: a plan may fill every slot). The
     planner's bandwidth prior: `system.bandwidth_prior_Bps` (the artifact's, blended into the
     running average), else the link profile's; real-time links (CUDA) carry no profile, so the
     hardware's nominal PCIe bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until measured."""
-    hw = ctx.cfg.hardware
+    hw = job.clock.hardware
     real_time = hw.clock not in ("virtual", "emulated")
 
     def make(runtime, timing, draft) -> Orchestrator:
@@ -93,12 +93,12 @@ def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
         fallback = (hw.h2d_bandwidth_Bps or 25e9) if real_time else link.profile.bandwidth_Bps
         return Orchestrator(
             runtime, link, ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts,
-                                                 ctx.device),
-            slots=cache.slots, top_m=sc.top_m or ctx.budget.slots,
+                                                 job.device),
+            slots=cache.slots, top_m=sc.top_m or job.offload.slots,
             bandwidth_Bps=sc.bandwidth_prior_Bps or fallback, step_s=sc.step_prior_s or 0.0,
             blend_priors=(sc.bandwidth_prior_Bps is not None, sc.step_prior_s is not None),
             priors=(sc.bandwidth_prior_Bps, sc.step_prior_s), latency_s=link.profile.latency_s,
-            mode=plan_mode, cold_start=sc.cold_start, noise=sc.prefetch_noise, seed=ctx.cfg.seed,
+            mode=plan_mode, cold_start=sc.cold_start, noise=sc.prefetch_noise, seed=job.seed,
             sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0,
             cold_start_round=sc.cold_start_round, final_plan=sc.final_plan,
             # With host-computed misses verification does not wait for the last batch as a
@@ -107,19 +107,19 @@ def orchestrator_for(ctx, sc: SpecterConfig, plan_mode: str):
     return make
 
 
-def build_planned(ctx, name: str, plan_mode: str | None, sc: SpecterConfig) -> SpeculativeEngine:
+def build_planned(job, name: str, plan_mode: str | None, sc: SpecterConfig) -> SpeculativeEngine:
     """Specter's parts under settings `sc`: the INT4 self-draft (or, shared=false, a second
     instance), the orchestrator in `plan_mode` (None: on-demand loads only), expert-grouped
     verification."""
-    draft = draft_for(ctx)  # from the full-precision experts, before they move out
+    draft = draft_for(job)  # from the full-precision experts, before they move out
     if sc.shared:
-        make_draft = lambda timing, _: SelfInt4Draft(ctx.loaded.model, draft, ctx.device, timing)  # noqa: E731
+        make_draft = lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing)  # noqa: E731
     else:
-        second = load_separate_draft_model(ctx)
+        second = load_separate_draft_model(job)
         make_draft = lambda timing, _: SeparateInt4Draft(  # noqa: E731
-            ctx.loaded.model, second, draft, ctx.device, timing, kv_copy=sc.kv_copy)
-    return build_speculative(ctx, name, make_draft,
-                             window=orchestrator_for(ctx, sc, plan_mode) if plan_mode else None,
+            job.loaded.model, second, draft, job.device, timing, kv_copy=sc.kv_copy)
+    return build_speculative(job, name, make_draft,
+                             window=orchestrator_for(job, sc, plan_mode) if plan_mode else None,
                              reorder=sc.reorder, overlap=sc.overlap,
                              host_compute=host_compute_on(sc))
 
@@ -130,7 +130,7 @@ def host_compute_on(sc: SystemConfig) -> bool:
     return sc.name.endswith("_hybrid") if value is None else bool(value)
 
 
-def build(ctx) -> SpeculativeEngine:
+def build(job) -> SpeculativeEngine:
     """`specter`, or `specter_hybrid` (the same with host-computed misses on by default)."""
-    sc = ctx.cfg.system
-    return build_planned(ctx, sc.name, "pio" if sc.orchestrator else None, sc)
+    sc = job.system
+    return build_planned(job, sc.name, "pio" if sc.orchestrator else None, sc)

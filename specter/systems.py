@@ -1,8 +1,8 @@
 """The registry of systems: a name -> the module (recipe) that builds its engine.
 
-A new system is one module exposing `build(ctx) -> Engine` and `ENGINE` (the engine class
-it builds: `specter.decoding.engines`' GreedyEngine or SpeculativeEngine for every decoding
-system) and one line here. Recipes are imported by name on use (the baselines live in
+A new system is one module exposing `build(job) -> Engine` (`job`: specs.py `Job`) and
+`ENGINE` (the engine class it builds: `specter.decoding.engines`' GreedyEngine or
+SpeculativeEngine for every decoding system) and one line here. Recipes are imported by name on use (the baselines live in
 `baselines/`, beside this package; `fidelity` is the harness's routing measurement), and
 import their optional dependencies inside `build`. The composition root
 (specter/compose.py) and the typed settings (specter/config.py, each system's `Config`) read it.
@@ -11,16 +11,13 @@ import their optional dependencies inside `build`. The composition root
 from __future__ import annotations
 
 import importlib
-from typing import Any
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
-import torch
-
-from specter.budget import Footprint, ResolvedBudget
+from specter.budget import Footprint
 from specter.config import RunConfig, SystemConfig
 from specter.engine import Engine
 from specter.errors import UserError
-from specter.placement.loader import LoadedModel
+from specter.specs import Job
 
 SYSTEMS: dict[str, str] = {
     "resident": "baselines.resident",
@@ -44,23 +41,8 @@ SYSTEMS: dict[str, str] = {
 }
 
 
-@dataclass
-class BuildContext:
-    cfg: RunConfig
-    loaded: LoadedModel
-    budget: ResolvedBudget
-    device: torch.device
-    # a speculative engine's `Depth` (decoding/depth.py), settled once here from the run's
-    # config and the recipe's OWN_K; the engine and the runner's preflight read the one rule
-    depth: Any = None
-
-    def __post_init__(self):
-        if self.depth is None:
-            self.depth = depth_of(self.cfg)
-
-
 def recipe(name: str):
-    """The module of system `name` (its `build(ctx)` and `ENGINE`, the engine class it builds)."""
+    """The module of system `name` (its `build(job)` and `ENGINE`, the engine class it builds)."""
     return importlib.import_module(SYSTEMS[name])
 
 
@@ -116,11 +98,11 @@ def check_setting(name: str, knob: str) -> None:
                        else "no settings."))
 
 
-def build_engine(ctx: BuildContext) -> Engine:
-    """The system's engine for `ctx` (under spec.k=auto, at the base K until the harness's
-    depth profiler gives it the profiled one: experiments/depth_profile.py)."""
-    check_system(ctx.cfg.system, ctx.cfg.workload.temperature)
-    return recipe(ctx.cfg.system.name).build(ctx)
+def build_engine(job: Job) -> Engine:
+    """The system's engine for `job` (specs.py; under spec.k=auto, at the base K until the
+    harness's depth profiler gives it the profiled one: experiments/depth_profile.py)."""
+    check_system(job.system, job.temperature)
+    return recipe(job.system.name).build(job)
 
 
 def depth_of(cfg: RunConfig):

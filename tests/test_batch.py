@@ -16,7 +16,8 @@ import torch
 
 from conftest import PROMPTS, TINY
 from steering import steered_draft
-from specter.systems import SYSTEMS, BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import SYSTEMS, build_engine
 from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
 from specter.engine import BatchCache, pad_id
@@ -53,7 +54,7 @@ def engine_for(name: str, system: str, eos: int | None, slots: str = "low"):
         loaded.model.generation_config.eos_token_id = eos
     budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
     budget = dataclasses.replace(budget, staging=0)
-    return build_engine(BuildContext(cfg, loaded, budget, CPU)), loaded
+    return build_engine(job_of(cfg, loaded, budget, CPU)), loaded
 
 
 def hf_generate_batch(model, batch: list[list[int]], n: int, eos: int) -> list[list[int]]:

@@ -80,7 +80,7 @@ def test_k_beyond_the_tokens_left_and_eos_inside_a_window():
 
 def test_speculative_decoding_over_offloaded_experts_is_lossless():
     """Target experts through the offload runtime at top-k slots, draft from INT4."""
-    from specter.systems import BuildContext
+    from specter.compose import job_of
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.offload.build import offload_model, timing_for
@@ -99,7 +99,7 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
                          "launch_overhead_s": 5e-6, "h2d_bandwidth_Bps": 31.5e9,
                          "h2d_latency_s": 1e-5},
             "workload": {}, "progress": False})
-        ctx = BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU)
+        ctx = job_of(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU)
         qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
                                         None, CPU)
         timing = timing_for(ctx)
@@ -509,7 +509,8 @@ def test_adaptive_depth_follows_the_slots_and_the_link():
 def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
     """spec.k=adaptive on offloaded experts: resident's tokens; the K of every window recorded;
     a draft made wrong on purpose drives K down to the shallowest windows."""
-    from specter.systems import BuildContext, build_engine
+    from specter.compose import job_of
+    from specter.systems import build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.decoding.engines import resident_engine
@@ -525,7 +526,7 @@ def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
         "progress": False})
     for wrong in (False, True):
         lm = load_model(ModelConfig(name=name, source="project"), CPU, progress=False)
-        engine = build_engine(BuildContext(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU))
+        engine = build_engine(job_of(cfg, lm, ResolvedBudget("high", lm.spec.top_k, "test"), CPU))
         assert engine.adaptive is not None and "adaptive" in engine.k_source
         engine.stop = set()
         if wrong:  # every window's first proposal is one the target does not emit

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from experiments import records, runner, summarize
+from specter import compose
 from test_runner import smoke_cfg
 
 
@@ -258,7 +259,7 @@ def test_checked_before_the_model_loads(tmp_path, monkeypatch, over, text):
     from specter.placement import loader
 
     monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(compose, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     over = dict(over)
     hw = _hw(over.pop("hardware_name", "a100_pcie4_hf"))
     if "hardware_charge" in over:
@@ -329,7 +330,7 @@ def test_a_bad_checkpoint_folder_is_one_sentence(tmp_path, monkeypatch, tiny_mod
     shutil.copytree(tiny_models("tiny_deepseek").checkpoint, ckpt)
     breaker, text = BAD_CHECKPOINTS[how]
     breaker(ckpt)
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(compose, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     cfg = smoke_cfg(tmp_path / "out", model={"name": "deepseek", "source": "hf",
                                               "path": str(ckpt), "stands_for": None})
     with pytest.raises(UserError, match=text) as err:
@@ -378,7 +379,7 @@ def test_a_broken_prompt_file_is_one_sentence_naming_it(tmp_path, monkeypatch, h
     data.mkdir()
     target = data / "gsm8k.jsonl"
     target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
-    monkeypatch.setattr(runner, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
+    monkeypatch.setattr(compose, "load_model", lambda *a, **k: pytest.fail("loaded weights"))
     with pytest.raises(UserError, match=text):
         runner.run(smoke_cfg(tmp_path / "out", data_dir=str(data)), log=lambda *_: None)
 

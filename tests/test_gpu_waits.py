@@ -14,7 +14,8 @@ import dataclasses
 import pytest
 import torch
 
-from specter.systems import BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import build_engine
 from fake_cuda import FakeCuda
 from specter.budget import resolve_slots
 from specter.config import RunConfig
@@ -50,7 +51,7 @@ def _engine(system: str, monkeypatch, fake: FakeCuda | None, name: str = "tiny_d
         modelled = engines.timing_for
         monkeypatch.setattr(engines, "timing_for", lambda ctx: Timing(
             link=link, cost=None, clock="cuda", rates=modelled(ctx).cost))
-    return build_engine(BuildContext(cfg, lm, budget, CPU)), lm
+    return build_engine(job_of(cfg, lm, budget, CPU)), lm
 
 
 def _counted_run(engine, prompt, fake, n_new: int):
@@ -156,7 +157,7 @@ def test_on_cuda_the_decode_path_waits_only_on_the_compute_stream(system, monkey
     lm = load_model(cfg.model, dev, progress=False)
     budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
                                                lm.spec.top_k), staging=0)
-    engine = build_engine(BuildContext(cfg, lm, budget, dev))
+    engine = build_engine(job_of(cfg, lm, budget, dev))
     link = engine.timing.link
     assert link.kind == "cuda"
     names = {torch.cuda.current_stream(dev).cuda_stream: "compute",

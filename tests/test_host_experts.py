@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import TINY
-from specter.systems import BuildContext, build_engine, footprint
+from specter.compose import job_of
+from specter.systems import build_engine, footprint
 from specter import budget as budget_mod
 from specter.config import RunConfig, SystemConfig
 from specter.models import archs
@@ -27,7 +28,7 @@ def engine_for(name: str, system: str, hardware=A100, budget: str = "low", **spe
     lm = load_model(cfg.model, CPU, progress=False)
     b = budget_mod.resolve(cfg.budget, cfg.model, None, lm.spec.num_experts, lm.spec.top_k,
                            footprint(cfg.system), kv_tokens=64)
-    return build_engine(BuildContext(cfg, lm, b, CPU)), lm, b
+    return build_engine(job_of(cfg, lm, b, CPU)), lm, b
 
 
 @pytest.mark.parametrize("name", TINY)

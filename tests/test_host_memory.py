@@ -182,7 +182,7 @@ def test_cpu_int4_packing_in_row_blocks_is_the_whole_matrix_packing(n, k):
 def _cfg(system: str, *over: str):
     from hydra import compose, initialize_config_dir
 
-    from experiments.configs import CONF, checked_overrides, to_run_config
+    from specter.settings import CONF, checked_overrides, to_run_config
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=checked_overrides(

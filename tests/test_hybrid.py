@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 
 from conftest import TINY
-from specter.systems import BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.errors import UserError
@@ -32,7 +33,7 @@ def engine_for(name: str, system: str, hardware=SLOW, device=CPU, dtype="float32
     lm = load_model(cfg.model, device, progress=False)
     budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
                                                lm.spec.top_k), staging=0)
-    return build_engine(BuildContext(cfg, lm, budget, device)), lm
+    return build_engine(job_of(cfg, lm, budget, device)), lm
 
 
 @pytest.mark.parametrize("name", TINY)

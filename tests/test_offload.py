@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import PROMPTS, TINY
-from specter.systems import BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models import archs
@@ -35,7 +36,7 @@ def make_engine(name: str, system: str | dict, slots: int | None, hardware=None,
     loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates it
     budget_r = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
     budget_r = dataclasses.replace(budget_r, staging=staging)
-    return build_engine(BuildContext(cfg, loaded, budget_r, torch.device("cpu"))), loaded
+    return build_engine(job_of(cfg, loaded, budget_r, torch.device("cpu"))), loaded
 
 
 def decode_all(engine, tokenizer, n=20):
@@ -270,7 +271,7 @@ def test_transformers_sizes_its_device_map_from_the_budgets_gib():
     budget = resolve(cfg.budget, cfg.model, None, loaded.spec.num_experts, loaded.spec.top_k,
                      footprint(cfg.system), kv_tokens=144)
     assert (budget.whole_layers, budget.whole_layers_of, budget.slots) == (19, 26, 16)
-    engine = build_engine(BuildContext(cfg, loaded, budget, torch.device("cpu")))
+    engine = build_engine(job_of(cfg, loaded, budget, torch.device("cpu")))
     n_moe = loaded.spec.num_moe_layers
     assert engine.n_resident == n_moe * 19 // 26 and engine.n_offloaded >= 1
     expert = 3 * 2048 * 1408 * 2

@@ -23,7 +23,8 @@ from steering import steered_draft
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.placement.loader import load_model
-from specter.systems import BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import build_engine
 
 CPU = torch.device("cpu")
 A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
@@ -52,7 +53,7 @@ def build(system: str, stop: set[int]):
     loaded.model.generation_config.eos_token_id = sorted(stop) or None
     budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
     budget = dataclasses.replace(budget, staging=0)
-    engine = build_engine(BuildContext(cfg, loaded, budget, CPU))
+    engine = build_engine(job_of(cfg, loaded, budget, CPU))
     if hasattr(engine, "stop"):
         engine.stop = set(stop)
     if system == "resident_compiled":

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from fake_cuda import FakeCuda
-from specter.systems import SYSTEMS, BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import SYSTEMS, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.decoding import engines
@@ -52,7 +53,7 @@ def _build(system: str, monkeypatch):
         clock="cuda", rates=modelled(ctx).cost))
     loaded = load_model(cfg.model, CPU, progress=False)
     budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
-    return build_engine(BuildContext(cfg, loaded, budget, CPU))
+    return build_engine(job_of(cfg, loaded, budget, CPU))
 
 
 def test_every_offloading_system_runs_on_the_same_engine(monkeypatch):

@@ -360,7 +360,8 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
     Specter with it is lossless."""
     from safetensors.torch import save_file
 
-    from specter.systems import BuildContext, build_engine
+    from specter.compose import job_of
+    from specter.systems import build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.models.introspect import experts_modules
@@ -398,7 +399,7 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
         "spec": {"k": 3}, "progress": False})
     from specter.quant.build import draft_for
 
-    draft = draft_for(BuildContext(run, lm, ResolvedBudget("high", 8, "test"), torch.device("cpu")))
+    draft = draft_for(job_of(run, lm, ResolvedBudget("high", 8, "test"), torch.device("cpu")))
     assert not called and draft.reused and draft.path == folder
     for l, (layer, mod) in enumerate(experts_modules(lm.model)):
         for e in (0, 5):
@@ -413,7 +414,7 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
     ref = resident_engine(lm.model, torch.device("cpu")).generate(ids, 16).tokens
     fresh = _tiny("tiny_deepseek")  # offloading mutates a model: a fresh one
-    engine = build_engine(BuildContext(run, fresh, ResolvedBudget("high", 8, "test"),
+    engine = build_engine(job_of(run, fresh, ResolvedBudget("high", 8, "test"),
                                        torch.device("cpu")))
     assert not called
     assert engine.generate(ids, 16).tokens == ref

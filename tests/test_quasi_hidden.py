@@ -13,7 +13,7 @@ import yaml
 from conftest import PROMPTS, REPO
 from baselines import quasi_hidden as qh
 from experiments import records, runner
-from specter.systems import BuildContext
+from specter.compose import job_of
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
@@ -121,7 +121,7 @@ def guess_precision(name: str, make_prefetch) -> tuple[float, float]:
     cfg = run_cfg(name, "quasi_hidden", None, Path("unused"))
     loaded = load_model(cfg.model, torch.device("cpu"), progress=False)  # fresh: offloading mutates
     budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
-    ctx = BuildContext(cfg, loaded, budget, torch.device("cpu"))
+    ctx = job_of(cfg, loaded, budget, torch.device("cpu"))
     dv, path = qh.default_vectors_for(ctx)
     engine = qh.build_with(ctx, make_prefetch(loaded.model, dv, path))
     hits = guessed = 0

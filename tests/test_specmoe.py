@@ -16,7 +16,8 @@ from omegaconf import OmegaConf
 from baselines import specmoe
 from conftest import REPO
 from experiments import records, runner
-from specter.systems import BuildContext, build_engine
+from specter.compose import job_of
+from specter.systems import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
@@ -44,7 +45,7 @@ def make_engine(name: str, slots: int, k: int = 4, **build_kw):
     cfg = run_cfg(name, "specmoe", slots, Path("/nonexistent"), k)
     loaded = load_model(cfg.model, CPU, progress=False)  # fresh: offloading mutates it
     budget = resolve_slots(cfg.budget, cfg.model, loaded.spec.num_experts, loaded.spec.top_k)
-    ctx = BuildContext(cfg, loaded, budget, CPU)
+    ctx = job_of(cfg, loaded, budget, CPU)
     engine = specmoe.build(ctx, **build_kw) if build_kw else build_engine(ctx)
     return engine, loaded
 

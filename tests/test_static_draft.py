@@ -175,9 +175,10 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def wants(clock="wall", compile="auto", batch=1, temperature=0.0, device=cpu, host_op_s=0.0):
-        cfg = NS(hardware=NS(clock=clock, host_op_s=host_op_s, sync_s=0.0),
-                 spec=NS(compile=compile), workload=NS(batch=batch, temperature=temperature))
-        return draft_compiles(cfg, device)
+        job = NS(clock=NS(hardware=NS(clock=clock, host_op_s=host_op_s, sync_s=0.0)),
+                 draft=NS(compile=compile, quant=NS(graphs="auto")), rows=batch,
+                 temperature=temperature, device=device)
+        return draft_compiles(job)
 
     assert wants() and wants(clock="virtual", compile="on") and wants(device=cuda, compile="on")
     assert not wants(clock="virtual") and not wants(batch=4) and not wants(temperature=0.7)
@@ -188,9 +189,10 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
     # CUDA, a real clock: auto captures the whole step, so the backend is gather_int4 ...
     assert wants(device=cuda) and not wants(device=cuda, clock="virtual")
     # ... unless quant.graphs=on asked for each draft layer's own graph
-    on_graphs = NS(hardware=NS(clock="wall"), spec=NS(compile="auto"), quant=NS(graphs="on"),
-                   workload=NS(batch=1, temperature=0.0))
-    assert not draft_compiles(on_graphs, cuda)
+    on_graphs = NS(clock=NS(hardware=NS(clock="wall")),
+                   draft=NS(compile="auto", quant=NS(graphs="on")), rows=1, temperature=0.0,
+                   device=cuda)
+    assert not draft_compiles(on_graphs)
     assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "gather_int4"
     assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == "gather_int4"
     assert resolve_backend("cpu_int4", 4, cpu, {32}, compiles=True)[0] == "cpu_int4"
@@ -315,35 +317,34 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
 
     cuda = torch.device("cuda")
 
-    def cfg(compile="auto", graphs="auto", batch=1):
-        return NS(spec=NS(compile=compile, compile_backend="eager"), quant=NS(graphs=graphs),
-                  workload=NS(batch=batch, temperature=0.0, prompt_tokens=16,
-                              max_new_tokens=8), system=NS(name="specter"))
+    def job(compile="auto", graphs="auto", batch=1, device=cuda):
+        return NS(draft=NS(compile=compile, compile_backend="eager", quant=NS(graphs=graphs)),
+                  rows=batch, temperature=0.0, positions=16 + 8, system=NS(name="specter"),
+                  device=device)
 
-    assert step_captured(cfg(), "gather_int4", cuda)
-    assert not step_captured(cfg(), "gather_int4", CPU)
-    assert not step_captured(cfg(), "triton", cuda)  # eager: triton's layers graphed instead
-    assert not step_captured(cfg(batch=2), "gather_int4", cuda)
-    assert not step_captured(cfg(compile="off"), "gather_int4", cuda)
-    assert not step_captured(cfg(graphs="on"), "gather_int4", cuda)
+    assert step_captured(job(), "gather_int4")
+    assert not step_captured(job(device=CPU), "gather_int4")
+    assert not step_captured(job(), "triton")  # eager: triton's layers graphed instead
+    assert not step_captured(job(batch=2), "gather_int4")
+    assert not step_captured(job(compile="off"), "gather_int4")
+    assert not step_captured(job(graphs="on"), "gather_int4")
     on, why = resolve_graphs("auto", "gather_int4", cuda, whole_step=True)
     assert not on and "whole draft step" in why
     assert resolve_graphs("auto", "triton", cuda, whole_step=False)[0]
     assert resolve_graphs("on", "gather_int4", cuda, whole_step=True)[0]
 
     timing = NS(cost=None, clock="cuda")
-    ctx = lambda c: NS(cfg=c, device=cuda)  # noqa: E731
     graphed = NS(draft=NS(backend="gather_int4", graphs=True), use_static=None)
     with pytest.raises(UserError, match="choose one"):
-        compile_draft(ctx(cfg(compile="on", graphs="on")), graphed, timing, 4)
-    rec = compile_draft(ctx(cfg(graphs="on")), graphed, timing, 4)
+        compile_draft(job(compile="on", graphs="on"), graphed, timing, 4)
+    rec = compile_draft(job(graphs="on"), graphed, timing, 4)
     assert not rec["draft_compiled"] and "quant.graphs=on" in rec["draft_compile"]
     assert "choose one" in GRAPHS_AND_STEP
 
     made = {}
     plain = NS(draft=NS(backend="gather_int4", graphs=False),
                use_static=lambda *a, **kw: made.update(kw))
-    rec = compile_draft(ctx(cfg()), plain, timing, 4)
+    rec = compile_draft(job(), plain, timing, 4)
     from specter.quant.kernels import capture_graph
 
     assert rec["draft_compiled"] and rec["draft_captured"] and made["capture"] is capture_graph
@@ -354,7 +355,7 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     copied = NS(draft=NS(backend="gather_int4", graphs=False),
                 use_static=lambda *a, **kw: "eager: a per-window copy of the target's KV",
                 graph_layers=graphed_now.append)
-    rec = compile_draft(ctx(cfg()), copied, timing, 4)
+    rec = compile_draft(job(), copied, timing, 4)
     assert not rec["draft_compiled"] and "per-window copy" in rec["draft_compile"]
     assert graphed_now and "step stays eager" in graphed_now[0]
 

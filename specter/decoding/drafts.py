@@ -20,7 +20,6 @@ parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `r
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 
@@ -166,11 +165,11 @@ class SelfInt4Draft(DraftPart):
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
 
 
-def load_separate_draft_model(ctx):
+def load_separate_draft_model(job):
     """The same checkpoint loaded a second time as a stand-alone draft: its routed experts
     will be the INT4 copy only (their full-precision tensors are never read)."""
-    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else None
-    second = load_model(ctx.cfg.model, ctx.device, cache_dir, ctx.cfg.model_seed,
+    files = job.files
+    second = load_model(files.model, job.device, files.cache_dir, files.model_seed,
                         progress=False, plan=PlacementPlan("none")).model
     for _, m in experts_modules(second):
         release_fused(m, -1)  # still an experts module for introspection

@@ -224,49 +224,48 @@ def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> N
     runtime.host_compute = on
 
 
-def build_greedy(ctx, name: str, prefetcher: LayerPrefetcher | None = None,
+def build_greedy(job, name: str, prefetcher: LayerPrefetcher | None = None,
                  offload: bool = True, host_compute: bool = False,
                  host_all: bool = False) -> GreedyEngine:
-    """A greedy engine for `ctx`: experts offloaded (with `prefetcher`), or all resident;
+    """A greedy engine for `job` (specs.py): experts offloaded (with `prefetcher`), or all resident;
     `host_compute`: misses computed on the host when that ends sooner than their copy;
     `host_all`: every routed expert computed on the host, no slots (host_experts)."""
-    timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing, prefetcher, host_all) if offload else None
+    timing = timing_for(job)
+    runtime = offload_model(job, timing, prefetcher, host_all) if offload else None
     if runtime is not None:
         host_computed_misses(runtime, timing, host_compute)
-    return GreedyEngine(name, ctx.loaded.model, ctx.device, timing, runtime,
-                        stop_on_eos=ctx.cfg.workload.stop_on_eos)
+    return GreedyEngine(name, job.loaded.model, job.device, timing, runtime,
+                        stop_on_eos=job.stop_on_eos)
 
 
-def build_speculative(ctx, name: str, make_draft, window=None, reorder: bool = True,
+def build_speculative(job, name: str, make_draft, window=None, reorder: bool = True,
                       overlap: bool = True, host_compute: bool = False,
                       host_all: bool = False) -> SpeculativeEngine:
-    """A speculative engine for `ctx`. `make_draft(timing, runtime)` builds the draft part
+    """A speculative engine for `job` (specs.py). `make_draft(timing, runtime)` builds the draft part
     once the target's experts are offloaded (quantize before, from the full-precision
     experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
     window prefetcher, or None. `host_all`: verification's experts all on the host (no slots).
     `reorder=False` verifies token by token, `overlap=False` loads
-    verification's misses serially (the runtime's ablations). K: `ctx.depth`, settled once by
+    verification's misses serially (the runtime's ablations). K: `job.draft.depth`, settled once by
     the harness with the one rule of `decoding/depth.py settle_depth` (a recipe's `OWN_K`
     included); under spec.k=auto the harness profiles the built engine (experiments/depth_profile.py)."""
-    timing = timing_for(ctx)
-    runtime = offload_model(ctx, timing, host_all=host_all)
+    timing = timing_for(job)
+    runtime = offload_model(job, timing, host_all=host_all)
     runtime.serial, runtime.overlap = not reorder, overlap
     host_computed_misses(runtime, timing, host_compute)
     draft = make_draft(timing, runtime)
-    depth = ctx.depth
-    compiled = compile_draft(ctx, draft, timing, depth.k_max)
+    depth = job.draft.depth
+    compiled = compile_draft(job, draft, timing, depth.k_max)
     if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
-        draft.warm_graphs(ctx.cfg.workload.batch, depth.k_max)
-    engine = SpeculativeEngine(name, ctx.loaded.model, ctx.device, timing, runtime, draft, depth,
+        draft.warm_graphs(job.rows, depth.k_max)
+    engine = SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
                                window=window(runtime, timing, draft) if window else None,
-                               stop_on_eos=ctx.cfg.workload.stop_on_eos,
-                               temperature=ctx.cfg.workload.temperature)
+                               stop_on_eos=job.stop_on_eos, temperature=job.temperature)
     engine.compiled = compiled
     return engine
 
 
-def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
+def compile_draft(job, draft, timing: Timing, k_max: int) -> dict:
     """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
     (static_draft.py), where its shapes are static; on CUDA the whole step is captured as one
     CUDA graph (`kernels.capture_graph`: at its first step, the runner's untimed warm-up
@@ -274,7 +273,7 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
     every fallback of `auto` is said there, and `on` refuses it in one sentence. The
     buffers hold the longest request: its prompt, its new tokens and the deepest window
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
-    w, spec = ctx.cfg.workload, ctx.cfg.spec
+    spec = job.draft
     backend = getattr(getattr(draft, "draft", None), "backend", None)
     if spec.compile not in COMPILE_MODES:
         raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
@@ -282,12 +281,12 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
     if not hasattr(draft, "use_static"):
         if spec.compile == "on":
             raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
-                            f"lru_s, sp_e, sp_l, specmoeoff); {ctx.cfg.system.name} drafts "
+                            f"lru_s, sp_e, sp_l, specmoeoff); {job.system.name} drafts "
                             "otherwise.")
         return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
                 "draft_captured": False}
-    cuda = ctx.device.type == "cuda"
-    on, why = resolve_compile(spec.compile, backend, w.batch, w.temperature > 0)
+    cuda = job.device.type == "cuda"
+    on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
     if on and getattr(draft.draft, "graphs", False):  # quant.graphs=on asked per-layer graphs
         if spec.compile == "on":
             raise UserError(GRAPHS_AND_STEP)
@@ -297,13 +296,13 @@ def compile_draft(ctx, draft, timing: Timing, k_max: int) -> dict:
         from specter.quant.kernels import capture_graph
 
         why_not = draft.use_static(spec.compile_backend, None,
-                                   positions=w.prompt_tokens + w.max_new_tokens + k_max + 1,
+                                   positions=job.positions + k_max + 1,
                                    capture=capture_graph if cuda else None)
         if why_not is not None:
             if spec.compile == "on":
                 raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
             on, why = False, why_not
-            if cuda and ctx.cfg.quant.graphs == "auto" and backend in FIXED_SHAPE:
+            if cuda and spec.quant.graphs == "auto" and backend in FIXED_SHAPE:
                 # quant.graphs=auto was off for the whole step: its layers are graphed instead
                 draft.graph_layers(f"auto: CUDA and {backend} (the step stays eager)")
         elif cuda:

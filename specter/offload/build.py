@@ -136,9 +136,9 @@ def _sizes_for(model, hw: HardwareConfig, model_name: str, stands_for: str | Non
     return real_charged_sizes(real, layer_counts(model), elem_bytes=2)
 
 
-def timing_for(ctx) -> Timing:
-    """The clock and link a system runs under, from the run's hardware config."""
-    hw, device = ctx.cfg.hardware, ctx.device
+def timing_for(job) -> Timing:
+    """The clock and link a system runs under, from the job's `ClockSpec` (specs.py)."""
+    hw, device, clock = job.clock.hardware, job.device, job.clock
     if hw.clock == "wall":
         if not has_device_profile(hw):
             return Timing.wall(device)
@@ -146,18 +146,18 @@ def timing_for(ctx) -> Timing:
         kind = "cuda" if device.type == "cuda" else "wall"
         link = make_link(kind, LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps,
                                            latency_s=profile.h2d_latency_s), device)
-        own = sizes_for(ctx.loaded.model, dataclasses.replace(hw, charge="own"),
-                        ctx.cfg.model.name, ctx.cfg.model.stands_for)
+        own = sizes_for(job.loaded.model, dataclasses.replace(hw, charge="own"),
+                        clock.model, clock.stands_for)
         return Timing(link=link, cost=None, clock=kind, rates=CostModel(profile, own))
     profile = profile_of(hw)
-    sizes = sizes_for(ctx.loaded.model, hw, ctx.cfg.model.name, ctx.cfg.model.stands_for)
+    sizes = sizes_for(job.loaded.model, hw, clock.model, clock.stands_for)
     cost = CostModel(profile, sizes)
     link_profile = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps,
                                latency_s=profile.h2d_latency_s)
     if hw.clock == "virtual":
         return Timing(link=make_link("virtual", link_profile, device), cost=cost, clock="virtual")
     if hw.clock == "emulated":
-        scale = calibrate_time_scale(ctx.loaded.model, device, cost)
+        scale = calibrate_time_scale(job.loaded.model, device, cost)
         slowed = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps / scale,
                              latency_s=profile.h2d_latency_s * scale)
         link = make_link("wall", slowed, device)
@@ -205,14 +205,16 @@ def refuse_wall_clock_offload(clock: str, device, slots: int, num_experts: int) 
         raise UserError(WALL_CLOCK_OFFLOAD)
 
 
-def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None,
+def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None,
                   host_all: bool = False) -> OffloadRuntime:
-    """Move the model's routed experts to host memory with `ctx.budget.slots` per layer on
-    the device, through `timing`'s link, evicting by `offload.policy`; `host_all` (the
-    host_experts systems): no slots, every routed expert computed on the host."""
-    slots = 0 if host_all else ctx.budget.slots
-    refuse_wall_clock_offload(timing.clock, ctx.device, slots, ctx.loaded.spec.num_experts)
-    model, device = ctx.loaded.model, ctx.device
+    """Move the model's routed experts to host memory with the job's `OffloadSpec` (specs.py:
+    its slots per layer on the device, its eviction policy, its kernel), through `timing`'s
+    link; `host_all` (the host_experts systems): no slots, every routed expert computed on
+    the host."""
+    spec = job.offload
+    slots = 0 if host_all else spec.slots
+    refuse_wall_clock_offload(timing.clock, job.device, slots, job.loaded.spec.num_experts)
+    model, device = job.loaded.model, job.device
     store = host_store(model)  # the plan put the experts in host memory (placement/loader.py)
     if store is not None:
         store.adopt(model)
@@ -220,11 +222,10 @@ def offload_model(ctx, timing: Timing, prefetcher: LayerPrefetcher | None = None
         # fused parameters move out layer by layer
         store = HostExpertStore.from_model(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
-    cache = ExpertCache(store, slots, device, timing.link, POLICIES[ctx.cfg.offload.policy],
-                        transfer_bytes=transfer_bytes, staging=ctx.budget.staging)
+    cache = ExpertCache(store, slots, device, timing.link, POLICIES[spec.policy],
+                        transfer_bytes=transfer_bytes, staging=spec.staging)
     runtime = OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher)
     runtime.host_all = host_all
     runtime.rates = timing.cost or timing.rates
-    g = ctx.cfg.offload.grouped
-    runtime.grouped = None if g == "auto" else g
+    runtime.grouped = None if spec.grouped == "auto" else spec.grouped
     return runtime

@@ -1,5 +1,5 @@
 """Assembly of the INT4 self-draft for a run: the quantized experts (made, reused or imported
-from gptqmodel) and the backend that executes them. Systems call `draft_for(ctx)`."""
+from gptqmodel) and the backend that executes them. Systems call `draft_for(job)` (specs.py `Job`)."""
 
 from __future__ import annotations
 
@@ -110,7 +110,7 @@ def counted_clock(hw) -> bool:
                                       or getattr(hw, "sync_s", 0) > 0)
 
 
-def draft_compiles(cfg, device: torch.device) -> bool:
+def draft_compiles(job) -> bool:
     """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
     `auto` on a real clock with one greedy row: on the CPU, where the compiled step was
     measured faster, and on CUDA, where the whole step is captured as one CUDA graph (unless
@@ -121,17 +121,17 @@ def draft_compiles(cfg, device: torch.device) -> bool:
     on the backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
     (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
     (static_draft.resolve_compile)."""
-    mode, w, hw = cfg.spec.compile, cfg.workload, cfg.hardware
+    mode, hw, device = job.draft.compile, job.clock.hardware, job.device
     if mode == "on":
         return True
-    if mode != "auto" or w.batch != 1 or w.temperature != 0:
+    if mode != "auto" or job.rows != 1 or job.temperature != 0:
         return False
     if counted_clock(hw):
         return True  # a counted profile: the GPU's engine, whose step is captured
     if hw.clock != "wall":
         return False
     if device.type == "cuda":
-        return getattr(getattr(cfg, "quant", None), "graphs", "auto") != "on"
+        return job.draft.quant.graphs != "on"
     return device.type == "cpu"
 
 
@@ -141,18 +141,17 @@ GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA gra
                    "(quant.graphs=off, or spec.compile=off).")
 
 
-def step_captured(cfg, backend: str, device: torch.device) -> bool:
+def step_captured(job, backend: str) -> bool:
     """Whether `spec.compile` will capture the whole draft step as one CUDA graph
     (static_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
     quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
     spec.compile=auto leaves the step eager."""
     from specter.decoding.static_draft import resolve_compile
 
-    if device.type != "cuda" or cfg.quant.graphs == "on":
+    if job.device.type != "cuda" or job.draft.quant.graphs == "on":
         return False
-    w = cfg.workload
     try:
-        return resolve_compile(cfg.spec.compile, backend, w.batch, w.temperature > 0)[0]
+        return resolve_compile(job.draft.compile, backend, job.rows, job.temperature > 0)[0]
     except UserError:
         return False
 
@@ -182,14 +181,13 @@ def resolve_graphs(name: str, backend: str, device: torch.device,
     return True, "quant.graphs=on" if name == "on" else f"auto: CUDA and {backend}"
 
 
-def draft_for(ctx) -> Draft:
-    """The quantized routed experts of `ctx.loaded.model` under `ctx.cfg.quant`."""
-    q, model = ctx.cfg.quant, ctx.loaded.model
-    if q.graphs == "on" and ctx.cfg.spec.compile == "on":
+def draft_for(job) -> Draft:
+    """The quantized routed experts of `job.loaded.model` under the job's `DraftSpec`."""
+    q, model, device = job.draft.quant, job.loaded.model, job.device
+    if q.graphs == "on" and job.draft.compile == "on":
         raise UserError(GRAPHS_AND_STEP)
     spec = spec_of(q)
-    cache_dir = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
-    data_dir = Path(ctx.cfg.data_dir) if ctx.cfg.data_dir else None
+    cache_dir, data_dir = job.files.cache_dir, job.files.data_dir
     if q.path:  # a shipped GPTQ draft: imported, nothing quantized
         from specter.quant.gptq_import import import_gptq
 
@@ -207,22 +205,20 @@ def draft_for(ctx) -> Draft:
         _, m = experts_modules(model)[0]
         hidden, inter = m.gate_up_proj.shape[2], m.down_proj.shape[2]
         group = min(effective_group(hidden, q.group), effective_group(inter, q.group))
-        windows = calibrate.calibration_windows(ctx.loaded.tokenizer, spec, data_dir)
+        windows = calibrate.calibration_windows(job.loaded.tokenizer, spec, data_dir)
         out = cache_dir / "quant" / (f"gptqmodel-plain-{calibrate.source_checksum(model)}"
                                      f"-w4g{group}-t{q.calib_tokens}")
         reused = (out / "quantize_config.json").exists()
-        path = quantize_with_gptqmodel(ctx.loaded.checkpoint, windows, 4, group, out)
+        path = quantize_with_gptqmodel(job.loaded.checkpoint, windows, 4, group, out)
         experts = import_gptq(path, model)
     else:  # made or reused: its layers stay in their files until the backend reads them,
         # one at a time, into its own copy on the device (self_draft.py): the host never
         # holds the whole draft
         experts, path, reused = calibrate.ensure_quantized(
-            model, ctx.loaded.tokenizer, spec, cache_dir, ctx.device, data_dir, ctx.cfg.progress)
+            model, job.loaded.tokenizer, spec, cache_dir, device, data_dir, job.files.progress)
     groups = experts.groups()
-    hw = ctx.cfg.hardware
-    counted = counted_clock(hw)
-    backend, why = resolve_backend(q.backend, q.bits, ctx.device, groups, cache_dir, counted,
-                                   draft_compiles(ctx.cfg, ctx.device))
-    graphs, graphs_why = resolve_graphs(q.graphs, backend, ctx.device,
-                                        step_captured(ctx.cfg, backend, ctx.device))
+    counted = counted_clock(job.clock.hardware)
+    backend, why = resolve_backend(q.backend, q.bits, device, groups, cache_dir, counted,
+                                   draft_compiles(job))
+    graphs, graphs_why = resolve_graphs(q.graphs, backend, device, step_captured(job, backend))
     return Draft(experts, path, reused, backend, why, graphs, graphs_why)
