@@ -45,9 +45,10 @@ def crosscheck(model_name: str, group: int, calib_tokens: int, cache_dir: Path |
     rows = []
     for l, (_, m) in enumerate(experts_modules(lm.model)):
         h_gu, h_dn = layer_hessians(lm.model, l, windows, torch.device("cpu"))
+        their_gu, their_dn = theirs.layer(l)  # the import reads its layers one at a time
         for e in range(m.gate_up_proj.shape[0]):
-            for kind, w, h, a, b in (("gate_up", m.gate_up_proj[e], h_gu[e], ours.gate_up[l][e], theirs.gate_up[l][e]),
-                                     ("down", m.down_proj[e], h_dn[e], ours.down[l][e], theirs.down[l][e])):
+            for kind, w, h, a, b in (("gate_up", m.gate_up_proj[e], h_gu[e], ours.gate_up[l][e], their_gu[e]),
+                                     ("down", m.down_proj[e], h_dn[e], ours.down[l][e], their_dn[e])):
                 if h.n < spec.min_tokens:
                     continue  # our RTN fallback: not a GPTQ comparison
                 rows.append({"model": model_name, "moe_layer": l, "expert": e, "matrix": kind,

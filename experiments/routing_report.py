@@ -129,7 +129,9 @@ def draft_side(model, tokenizer, prompts: list[list[int]], outputs: list[torch.T
 
     spec = spec_of(QuantConfig())
     experts, path, _ = ensure_quantized(model, tokenizer, spec, default_cache_dir(), device)
-    groups = {m.group for layer in experts.gate_up + experts.down for m in layer}
+    # the groups from the saved draft's layout, no layer read; the backend then reads the
+    # layers one at a time into its own copy (the host never holds the whole draft)
+    groups = experts.groups()
     shared = SelfDraft(model, experts, resolve_backend("auto", spec.bits, device, groups)[0],
                        device)
     fid, match, per_k = [], [], {k: [] for k in ACCEPT_KS}

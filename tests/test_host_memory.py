@@ -4,7 +4,8 @@ The draft is prepared as a run prepares it: the routed experts in the host store
 quantized (RTN) and saved by `ensure_quantized`, then built layer by layer on the device by
 `SelfDraft` (`cpu_int4`). On the CPU the device is the host, so the process's resident memory
 holds the draft's device copy too; that copy is the device's (budget.py counts it), and what
-the host holds beyond it is the host-only extra the bound is about.
+the host holds beyond it is the host-only extra the bound is about. A draft imported from a
+GPTQ checkpoint (`quant.path`, gptq_import.py) is prepared and bounded the same way.
 
 Measured in fresh processes (one's heap is not the other's) at DeepSeek-V2-Lite's expert width
 (H 2048, I 1408) with few experts, at two depths: the slope per MoE layer is what a deeper
@@ -55,9 +56,43 @@ class _Peak:
         self.peak = max(self.peak, _rss())
 
 
-def _child(layers: int, experts: int, cache: str) -> dict:
+def _write_gptq(model, folder: Path) -> None:
+    """A GPTQ INT4 checkpoint of `model`'s routed experts (random codes, symmetric, group 128,
+    in the GPTQModel / AutoGPTQ layout), one safetensors file per MoE layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    from specter.models.introspect import experts_modules
+
+    g = torch.Generator().manual_seed(0)
+    folder.mkdir(parents=True)
+    for layer, mod in experts_modules(model):
+        n_exp, two_i, hidden = mod.gate_up_proj.shape
+        tensors = {}
+        for e in range(n_exp):
+            for name, (out, inp) in (("gate_proj", (two_i // 2, hidden)),
+                                     ("up_proj", (two_i // 2, hidden)),
+                                     ("down_proj", (hidden, two_i // 2))):
+                p = f"model.layers.{layer}.mlp.experts.{e}.{name}"
+                tensors[f"{p}.qweight"] = torch.randint(-2**31, 2**31 - 1, (inp // 8, out),
+                                                        generator=g, dtype=torch.int32)
+                # every code's zero point 8, stored minus one ("gptq" v1): 0x77777777
+                tensors[f"{p}.qzeros"] = torch.full((inp // 128, out // 8), 0x77777777,
+                                                    dtype=torch.int32)
+                tensors[f"{p}.scales"] = (torch.rand(inp // 128, out, generator=g) / 100).half()
+                tensors[f"{p}.g_idx"] = (torch.arange(inp) // 128).to(torch.int32)
+        save_file(tensors, str(folder / f"layer{layer}.safetensors"))
+        del tensors
+    (folder / "quantize_config.json").write_text(json.dumps(
+        {"bits": 4, "group_size": 128, "desc_act": False, "sym": True,
+         "checkpoint_format": "gptq"}))
+
+
+def _child(layers: int, experts: int, cache: str, source: str = "rtn") -> dict:
     """Build a DeepSeek-V2 of `layers` MoE layers at real expert width, experts in the host
-    store, then prepare its draft; what the process held at each phase, in bytes."""
+    store, then prepare its draft, quantized (`rtn`) or imported from a GPTQ checkpoint
+    written to `cache` (`gptq`, `quant.path`); what the process held at each phase, in
+    bytes ("quant": the quantization or the import)."""
     import ctypes
 
     import torch
@@ -66,6 +101,7 @@ def _child(layers: int, experts: int, cache: str) -> dict:
     from specter.decoding.self_draft import SelfDraft
     from specter.offload.store import HostExpertStore
     from specter.quant import calibrate
+    from specter.quant.gptq_import import import_gptq
 
     torch.set_num_threads(1)
     cfg = DeepseekV2Config(
@@ -82,6 +118,8 @@ def _child(layers: int, experts: int, cache: str) -> dict:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    if source == "gptq":  # from the fused parameters, before they move to the store
+        _write_gptq(model, Path(cache))
     store = HostExpertStore.from_model(model, pin=False)
     expert_bytes = store.layout.nbytes * experts * layers
     try:  # what construction freed goes back first: the base is what the process holds
@@ -92,8 +130,11 @@ def _child(layers: int, experts: int, cache: str) -> dict:
     cpu = torch.device("cpu")
     spec = calibrate.QuantSpec(method="rtn", bits=4, group=128)
     with torch.no_grad(), _Peak() as quant:
-        qe, _, reused = calibrate.ensure_quantized(model, None, spec, Path(cache), cpu)
-    assert not reused
+        if source == "gptq":
+            qe = import_gptq(Path(cache), model)
+        else:
+            qe, _, reused = calibrate.ensure_quantized(model, None, spec, Path(cache), cpu)
+            assert not reused
     after_quant = _rss()
     with torch.no_grad(), _Peak() as build:
         sw = SelfDraft(model, qe, "cpu_int4", cpu)
@@ -102,21 +143,25 @@ def _child(layers: int, experts: int, cache: str) -> dict:
             "after_build": _rss(), "device_bytes": sw.draft_bytes}
 
 
-def _measure(layers: int, cache: Path) -> dict:
+def _measure(layers: int, cache: Path, source: str = "rtn") -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    res = subprocess.run([sys.executable, __file__, str(layers), str(EXPERTS), str(cache)],
+    res = subprocess.run([sys.executable, __file__, str(layers), str(EXPERTS), str(cache), source],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.slow
-def test_draft_preparation_host_growth_per_layer_is_bounded(tmp_path):
+@pytest.mark.parametrize("source", ["rtn", "gptq"])
+def test_draft_preparation_host_growth_per_layer_is_bounded(tmp_path, source):
     """Per MoE layer more, the host-only bytes the draft's preparation adds (its peak less
     the draft's device copy) grow by at most 0.15x one layer's routed experts, and the
     quantization alone leaves nothing behind on the host: the draft is built layer by layer,
-    with no copy of every layer held at once and no freed memory kept by the allocator."""
-    one, three = _measure(1, tmp_path / "c1"), _measure(3, tmp_path / "c3")
+    with no copy of every layer held at once and no freed memory kept by the allocator.
+    `gptq`: the draft imported from a GPTQ checkpoint (`quant.path`), whose import read and
+    kept every layer at once before it read them one at a time."""
+    one, three = _measure(1, tmp_path / "c1", source), _measure(3, tmp_path / "c3", source)
+    assert three["device_bytes"] == 3 * one["device_bytes"] > 0  # every layer's experts built
     layer_bytes = one["expert_bytes"]  # one MoE layer's routed experts
     allowed = BOUND * layer_bytes
 
@@ -160,6 +205,73 @@ def test_a_saved_draft_is_read_one_layer_at_a_time(tiny_models, tmp_path):
     assert reads == list(range(len(qe.gate_up)))
     assert qe.packed_bytes() == kept.packed_bytes() and qe.groups() == kept.groups()
     assert not list(path.glob("layer*.json"))  # the resume metadata went with publishing
+
+
+class _CountedOpen:
+    """`safetensors.safe_open` that notes the name of every tensor read through it."""
+
+    def __init__(self, real, reads: list):
+        self.real, self.reads = real, reads
+
+    def __call__(self, *args, **kwargs):
+        return _CountedHandle(self.real(*args, **kwargs), self.reads)
+
+
+class _CountedHandle:
+    def __init__(self, handle, reads: list):
+        self.handle, self.reads = handle, reads
+
+    def __enter__(self):
+        self.handle.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+    def get_tensor(self, name):
+        self.reads.append(name)
+        return self.handle.get_tensor(name)
+
+    def get_tensors(self):
+        self.reads.extend(self.handle.keys())
+        return self.handle.get_tensors()
+
+    def __getattr__(self, name):  # keys, get_slice, metadata: headers only
+        return getattr(self.handle, name)
+
+
+def test_a_gptq_checkpoint_is_imported_one_layer_at_a_time(tiny_models, tmp_path, monkeypatch):
+    """`quant.path`: `import_gptq` reads the checkpoint's headers (and one linear's zero points
+    and group index, to refuse a checkpoint it cannot import at once), no codes or scales; a
+    backend asking for MoE layer l (gate_up[l] then down[l]) reads layer l's tensors once
+    each, nothing of another layer, and nothing is held after: the host holds one layer of the
+    imported draft at a time, as for one quantized here."""
+    import safetensors
+    import safetensors.torch
+
+    from specter.models.introspect import experts_modules
+    from specter.quant import calibrate
+    from specter.quant.gptq_import import import_gptq
+    from test_quant import write_gptq_checkpoint
+
+    lm = tiny_models("tiny_deepseek")
+    folder = tmp_path / "gptq"
+    write_gptq_checkpoint(lm, folder, shards=2)
+    reads: list[str] = []
+    for module in (safetensors, safetensors.torch):
+        monkeypatch.setattr(module, "safe_open", _CountedOpen(safetensors.safe_open, reads))
+    qe = import_gptq(folder, lm.model)
+    assert not [k for k in reads if k.endswith((".qweight", ".scales"))], reads[:4]
+    assert len(reads) <= 2  # one linear's qzeros and g_idx
+    assert isinstance(qe.gate_up, calibrate.SavedLayers)
+    reader = qe.gate_up.reader
+    for l, (layer, mod) in enumerate(experts_modules(lm.model)):
+        reads.clear()
+        gu, dn = qe.gate_up[l], qe.down[l]
+        assert reader._held is None  # both taken: nothing held
+        assert len(gu) == len(dn) == mod.gate_up_proj.shape[0]
+        assert {k.split(".")[2] for k in reads} == {str(layer)}  # this layer's tensors only
+        assert len(reads) == len(set(reads)) == 3 * 4 * len(gu)  # each once
 
 
 @pytest.mark.parametrize("n,k", [(2 * I_LITE, H_LITE), (H_LITE, I_LITE), (304, 96), (48, 128)])
@@ -252,4 +364,4 @@ def test_a_run_that_does_not_fit_the_host_exits_with_one_sentence(tiny_models, t
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])))
+    print(json.dumps(_child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])))

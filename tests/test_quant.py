@@ -353,24 +353,18 @@ def _gptq_pack(codes: torch.Tensor, zero: int, scales: torch.Tensor, group: int)
             "g_idx": (torch.arange(in_f) // group).to(torch.int32)}
 
 
-def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_path, monkeypatch):
-    """`quant.path`: a GPTQ INT4 checkpoint in the GPTQModel / AutoGPTQ layout (per-expert
-    qweight / qzeros / scales / g_idx, the settings in config.json's quantization_config) is
-    the draft as it is: its weights dequantize to (q - 8) x scale, nothing is calibrated, and
-    Specter with it is lossless."""
+def write_gptq_checkpoint(lm, folder, shards: int = 1, zero: int = 8) -> dict:
+    """A GPTQ INT4 checkpoint of `lm`'s routed experts in the GPTQModel / AutoGPTQ layout
+    (random codes, group 32, the settings in config.json's quantization_config), its MoE
+    layers split over `shards` safetensors files; returns each linear's dequantized weights."""
     from safetensors.torch import save_file
 
-    from specter.compose import job_of
-    from specter.systems import build_engine
-    from specter.budget import ResolvedBudget
-    from specter.config import RunConfig
-    from specter.models.introspect import experts_modules
-    from test_offload import A100
-
-    lm = tiny_models("tiny_deepseek")
     g = torch.Generator().manual_seed(0)
-    tensors, truth = {}, {}
-    for layer, mod in experts_modules(lm.model):
+    mods = experts_modules(lm.model)
+    files: list[dict] = [{} for _ in range(shards)]
+    truth = {}
+    for i, (layer, mod) in enumerate(mods):
+        tensors = files[i * shards // len(mods)]
         n_exp, two_i, hidden = mod.gate_up_proj.shape
         for e in range(n_exp):
             for name, shape in (("gate_proj", (two_i // 2, hidden)), ("up_proj", (two_i // 2, hidden)),
@@ -379,16 +373,121 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
                 scales = (torch.rand(shape[0], shape[1] // 32, generator=g) + 0.5) / 100
                 prefix = f"model.layers.{layer}.mlp.experts.{e}.{name}"
                 tensors.update({f"{prefix}.{k}": v for k, v in
-                                _gptq_pack(codes, 8, scales, 32).items()})
+                                _gptq_pack(codes, zero, scales, 32).items()})
                 # (q - 8) x scale, in the checkpoint's fp16 as the importer keeps its scales
                 truth[prefix] = ((codes - 8).half() * scales.half().repeat_interleave(32, 1)).float()
-    folder = tmp_path / "gptq"
-    folder.mkdir()
-    save_file(tensors, str(folder / "model.safetensors"))
+    folder.mkdir(parents=True)
+    for i, tensors in enumerate(files):
+        name = "model.safetensors" if shards == 1 else \
+            f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file(tensors, str(folder / name))
     cfg = json.loads((lm.checkpoint / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32,
                                   "desc_act": False, "sym": True, "checkpoint_format": "gptq"}
     (folder / "config.json").write_text(json.dumps(cfg))
+    return truth
+
+
+def _whole_gptq_import(folder, model, dtype=None):
+    """The GPTQ import as it was before it read a layer at a time: every file loaded at once,
+    every linear's codes unpacked (an int32 a code) and packed again, gate and up fused by
+    unpacking both, every expert of every layer in memory; (gate_up, down) per layer."""
+    from safetensors.torch import load_file
+
+    from specter.quant.formats import QuantizedMatrix
+    from specter.quant.gptq_import import NAMES, _unpack_int32
+
+    def linear(prefix):
+        codes = _unpack_int32(tensors[f"{prefix}.qweight"], 4, dim=0).T.contiguous()
+        return QuantizedMatrix(pack_codes(codes.to(torch.uint8), 4),
+                               tensors[f"{prefix}.scales"].T.contiguous(), 4, 32,
+                               tuple(codes.shape))
+
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    gate_up, down = [], []
+    for layer, mod in experts_modules(model):
+        gl, dl = [], []
+        for e in range(mod.gate_up_proj.shape[0]):
+            g, u, d = (linear(f"model.layers.{layer}.mlp.experts.{e}.{n}") for n in NAMES[0])
+            fused = QuantizedMatrix(pack_codes(torch.cat([g.unpacked(), u.unpacked()]), 4),
+                                    torch.cat([g.scales, u.scales]), 4, 32,
+                                    (g.shape[0] + u.shape[0], g.shape[1]))
+            if dtype is not None:
+                fused.scales, d.scales = fused.scales.to(dtype), d.scales.to(dtype)
+            gl.append(fused)
+            dl.append(d)
+        gate_up.append(gl)
+        down.append(dl)
+    return gate_up, down
+
+
+@pytest.mark.parametrize("dtype,byteorder", [(None, "little"), (torch.bfloat16, "little"),
+                                             (None, "big")])
+def test_the_gptq_import_read_a_layer_at_a_time_is_the_whole_import(tiny_models, tmp_path,
+                                                                    monkeypatch, dtype, byteorder):
+    """`import_gptq` reads each MoE layer from the checkpoint's files when it is asked for
+    (`GptqLayers`, two shards here), its codes the GPTQ words' bytes as they are: the same
+    codes, scales (dtype included), groups, shapes and packed bytes as the whole import it
+    replaces, also into a model whose experts `HostExpertStore.from_model` moved into the
+    host store (its fused parameters empty), and on a big-endian host (the words unpacked and packed again); a checkpoint
+    with asymmetric zero points is still refused when it is imported, before any layer is
+    read."""
+    from types import SimpleNamespace
+
+    from specter.offload.store import HostExpertStore
+    from specter.quant import gptq_import
+    from specter.quant.gptq_import import import_gptq
+
+    monkeypatch.setattr(gptq_import, "sys", SimpleNamespace(byteorder=byteorder))
+
+    lm = tiny_models("tiny_deepseek")
+    folder = tmp_path / "gptq"
+    write_gptq_checkpoint(lm, folder, shards=2)
+    qe = import_gptq(folder, lm.model, dtype)
+    whole = _whole_gptq_import(folder, lm.model, dtype)
+    assert isinstance(qe.gate_up, calibrate.SavedLayers) and len(qe.gate_up) == len(whole[0])
+    assert qe.groups() == {32}
+    assert qe.packed_bytes() == sum(m.packed_bytes() for part in whole for layer in part
+                                    for m in layer)
+    for l in range(len(whole[0])):
+        gu, dn = qe.layer(l)
+        for a, b in zip(gu + dn, whole[0][l] + whole[1][l], strict=True):
+            assert torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+            assert a.scales.dtype == b.scales.dtype and (a.bits, a.group, a.shape) == \
+                (b.bits, b.group, b.shape)
+    assert qe.meta["spec"]["method"] == "gptqmodel" and qe.meta["imported_from"] == str(folder)
+    # experts moved into the host store: the fused parameters empty (the whole import found
+    # no experts there)
+    hosted = _tiny("tiny_deepseek")
+    HostExpertStore.from_model(hosted.model, pin=False)
+    there = import_gptq(folder, hosted.model, dtype)
+    assert there.packed_bytes() == qe.packed_bytes()
+    for l in range(len(whole[0])):
+        gu, dn = there.layer(l)
+        assert all(torch.equal(a.codes, b.codes) and torch.equal(a.scales, b.scales)
+                   for a, b in zip(gu + dn, whole[0][l] + whole[1][l], strict=True))
+    write_gptq_checkpoint(lm, tmp_path / "asym", zero=9)
+    with pytest.raises(UserError, match="asymmetric GPTQ"):
+        import_gptq(tmp_path / "asym", lm.model)
+
+
+def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_path, monkeypatch):
+    """`quant.path`: a GPTQ INT4 checkpoint in the GPTQModel / AutoGPTQ layout (per-expert
+    qweight / qzeros / scales / g_idx, the settings in config.json's quantization_config) is
+    the draft as it is: its weights dequantize to (q - 8) x scale, nothing is calibrated, and
+    Specter with it is lossless."""
+    from specter.compose import job_of
+    from specter.systems import build_engine
+    from specter.budget import ResolvedBudget
+    from specter.config import RunConfig
+    from specter.models.introspect import experts_modules
+    from test_offload import A100
+
+    lm = tiny_models("tiny_deepseek")
+    folder = tmp_path / "gptq"
+    truth = write_gptq_checkpoint(lm, folder)
 
     called = []
     monkeypatch.setattr(calibrate, "quantize_experts", lambda *a, **k: called.append(1))

@@ -55,14 +55,20 @@ def test_acceptance_walk():
     assert rr.acceptance_at(m, 1) > rr.acceptance_at(m, 16)
 
 
-def test_report_on_a_tiny_model():
+def test_report_on_a_tiny_model(monkeypatch):
     from specter.config import ModelConfig
+    from specter.models.introspect import experts_modules
     from specter.placement.loader import load_model
+    from specter.quant.calibrate import LayerReader
 
     # a fresh copy: the draft side switches the model's experts implementation
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), torch.device("cpu"),
                     progress=False)
+    reads, real = [], LayerReader.read
+    monkeypatch.setattr(LayerReader, "read", lambda self, l: reads.append(l) or real(self, l))
     r = rr.model_report(lm.model, lm.tokenizer, "deepseek", items=1, tokens=18)
+    # the draft's layers are read once each, one at a time, by the backend that copies them
+    assert reads == list(range(len(experts_modules(lm.model))))
     ws = r["working_set"]
     k, e = r["top_k"], r["experts"]
     assert ws[1] == pytest.approx(k)  # one token needs exactly top-k experts
