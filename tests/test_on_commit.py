@@ -26,11 +26,9 @@ from specter.placement.loader import load_model
 from specter.compose import job_of
 from specter.systems import build_engine
 
+from test_batch import A100  # the virtual A100 with host rates (lru_hybrid's)
+
 CPU = torch.device("cpu")
-A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
-        "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,
-        "h2d_bandwidth_Bps": 31.5e9, "h2d_latency_s": 10e-6,
-        "host_matrix_flops": 2e12, "host_mem_bandwidth_Bps": 100e9}
 N_NEW = 14
 K = 3
 SYSTEMS = {
