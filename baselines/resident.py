@@ -37,23 +37,26 @@ class Config(SystemConfig):
 
 
 def build(job) -> GreedyEngine:
+    return build_greedy(job, "resident", offload=False,
+                        static=lambda timing, charger: decode_step(job, timing, charger))
+
+
+def decode_step(job, timing, charger):
+    """`system.compile`, decided with the engine's clock: (a `StaticDecode` charged through the
+    engine's `charger` as a captured graph on a virtual clock, or None; its record columns)."""
     from specter.decoding.static_decode import StaticDecode, resolve_system_compile
 
-    engine = build_greedy(job, "resident", offload=False)
     sc = job.system
-    on, why = resolve_system_compile(sc.compile, job.rows, engine.timing.clock)
+    on, why = resolve_system_compile(sc.compile, job.rows, timing.clock)
     cuda = job.device.type == "cuda"
+    static = None
     if on:
         from specter.quant.kernels import capture_graph
 
-        engine.static = StaticDecode(job.loaded.model, sc.compile_backend,
-                                     positions=job.positions + 1,
-                                     capture=capture_graph if cuda else None)
-        if hasattr(engine.charger, "captured_step"):  # a virtual clock: charged as captured
-            engine.static.charger = engine.charger
+        static = StaticDecode(job.loaded.model, sc.compile_backend, positions=job.positions + 1,
+                              capture=capture_graph if cuda else None,
+                              charger=charger if hasattr(charger, "captured_step") else None)
     if on and cuda:
         why = f"{why}: {CAPTURED_DECODE}"
-    engine.compiled = {"decode_compiled": on, "decode_compile": why,  # captured: a CUDA graph
-                       "decode_captured": on and (cuda  # or charged as one
-                                                  or engine.timing.clock == "virtual")}
-    return engine
+    return static, {"decode_compiled": on, "decode_compile": why,  # captured: a CUDA graph
+                    "decode_captured": on and (cuda or timing.clock == "virtual")}  # or charged as one

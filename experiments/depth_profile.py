@@ -38,13 +38,14 @@ class Profiled:
 
 
 
-def profile(ctx, engine, log=print) -> None:
-    """Give `engine` (built with an `auto` depth) its profiled K, measured or reused."""
+def profile(ctx, engine, log=print):
+    """`engine` (built with an `auto` depth) at its profiled K, measured or reused: an engine
+    over the same parts (`with_depth`)."""
     from specter.models.zoo import default_cache_dir
 
     cache = Path(ctx.cfg.cache_dir) if ctx.cfg.cache_dir else default_cache_dir()
     k, path, reused = auto_depth(ctx, engine, cache, log)
-    engine.use_k(k, f"auto ({'reused' if reused else 'profiled'}: {path})")
+    return engine.with_depth(k, f"auto ({'reused' if reused else 'profiled'}: {path})")
 
 
 # What a stored profile's TPOTs depend on beyond its configuration: the sources that build,
@@ -86,15 +87,15 @@ def profile_prompts(ctx) -> list[list[int]]:
 
 def sweep(engine, prompts: list[list[int]], ks, runs: int, max_new_tokens: int,
           log=print) -> list[dict]:
-    """Mean TPOT of `engine` at each K (engine.k is set per K)."""
+    """Mean TPOT of `engine`'s parts at each K (`with_depth`)."""
     rows = []
     for k in ks:
-        engine.k = k
+        at_k = engine.with_depth(k, "depth profile")
         tpots, acc = [], []
         for ids in prompts:
             for _ in range(runs):
-                engine.reset()
-                gen = engine.generate(ids, max_new_tokens)
+                at_k.reset()
+                gen = at_k.generate(ids, max_new_tokens)
                 t = timing(gen)["tpot_ms"]
                 if not math.isnan(t):
                     tpots.append(t)

@@ -206,7 +206,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     if depth is not None and depth.mode == "auto":  # spec.k=auto: the K measured on this engine
         from experiments.depth_profile import Profiled, profile
 
-        profile(Profiled(cfg, parts.loaded, budget), engine, log)
+        engine = profile(Profiled(cfg, parts.loaded, budget), engine, log)
     attn = parts.loaded.model.config._attn_implementation
     checkpoint, ckpt_bytes = planned.checkpoint, planned.checkpoint_bytes
 

@@ -161,15 +161,10 @@ def test_host_rate_measures_this_machine():
 
 
 def test_a_real_clock_without_a_profile_is_refused_in_one_sentence():
-    from types import SimpleNamespace
+    from specter.offload.build import check_host_rates
 
-    from specter.decoding.engines import host_computed_misses
-
-    runtime = SimpleNamespace(rates=None, host_compute=False)
     with pytest.raises(UserError, match="cuda clock has no profile for.*h200_measured"):
-        host_computed_misses(runtime, SimpleNamespace(clock="cuda"), True)
-    host_computed_misses(runtime, SimpleNamespace(clock="cuda"), False)  # off: nothing needed
-    assert not runtime.host_compute
+        check_host_rates(None, "cuda")
 
 
 @pytest.mark.cuda

@@ -101,7 +101,7 @@ def test_streaming_through_few_slots_costs_rounds_not_experts(tiny_models):
             assert syncs == 0 and reads == 1
             assert copies <= needed
             # per fill of the slots: what had landed, then the copies in MISS_ROUNDS chunks
-            bound = (runtime_mod.OffloadRuntime.MISS_ROUNDS + 1) * -(-needed // slots)
+            bound = (runtime_mod.Rounds.MISS_ROUNDS + 1) * -(-needed // slots)
             assert rounds <= bound and 2 * rounds <= needed, (slots, needed, rounds)
             assert launching <= 24 + 10 * rounds, (slots, launching, rounds)
 

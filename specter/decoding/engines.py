@@ -16,6 +16,8 @@ device-memory account, the compute charger, the per-request reset and the record
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from specter.decoding.depth import Depth, SlotView
@@ -37,7 +39,8 @@ class GreedyEngine:
     batches = True  # decodes workload.batch requests together (generate_batch)
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
-                 runtime: OffloadRuntime | None = None, stop_on_eos: bool = True):
+                 runtime: OffloadRuntime | None = None, stop_on_eos: bool = True,
+                 static=None):
         self.name, self.model, self.device = name, model, device
         self.timing, self.runtime = timing, runtime
         self.stop = eos_ids(model) if stop_on_eos else set()
@@ -45,8 +48,9 @@ class GreedyEngine:
         self.memory = DeviceMemory(model, device, extra_bytes=slots)
         self.charger = timing.charger(model, charge_experts=runtime is None)
         self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
-        self.static = None  # a StaticDecode: batch-1 decode steps compiled (system.compile)
-        self.compiled: dict = {}  # its record columns (resident's decode_compiled, ...)
+        # resident's system.compile, `static(timing, charger)` -> (a StaticDecode, batch-1
+        # decode steps compiled, or None; its record columns)
+        self.static, self.compiled = static(timing, self.charger) if static else (None, {})
 
     def reset(self) -> None:
         """The fixed initial resident set and statistics, before each request (outside timing)."""
@@ -147,9 +151,12 @@ class SpeculativeEngine:
         if self.adaptive is not None:
             self.adaptive.reset()
 
-    def use_k(self, k: int, source: str) -> None:
-        """Draft K tokens every window from now on (the depth profiler's choice)."""
-        self.k, self.k_source = k, source
+    def with_depth(self, k: int, source: str) -> "SpeculativeEngine":
+        """An engine over the same parts that drafts K tokens every window (the depth
+        profiler's K, `source` saying so); this one is unchanged."""
+        other = copy.copy(self)
+        other.k, other.k_source = k, source
+        return other
 
     def seed_requests(self, seeds: list[int]) -> None:
         """One sampling generator per request of the next batch (workload.temperature > 0)."""
@@ -208,34 +215,18 @@ def slot_view(runtime: OffloadRuntime, timing: Timing) -> SlotView:
     return SlotView(runtime, cache.slots + cache.staging, cache.layout.num_experts, copy_s)
 
 
-def host_computed_misses(runtime: OffloadRuntime, timing: Timing, on: bool) -> None:
-    """Switch the runtime's host-computed misses on; they decide from modelled rates (the
-    virtual or emulated clock's cost model, or a real clock's profile), refused without them."""
-    rates = runtime.rates
-    if on and rates is None:
-        raise UserError(f"host-computed misses (system.host_compute, the *_hybrid systems) decide "
-                        f"from the host's and the link's rates, which this {timing.clock} clock "
-                        "has no profile for: give a measured one, e.g. hardware=h200_measured "
-                        "hardware.clock=wall (scripts/calibrate_gpu.py writes it), or use a "
-                        "virtual clock, e.g. hardware=a100_pcie4_hf.")
-    if on and not (rates.hw.host_matrix_flops > 0 and rates.hw.host_mem_bandwidth_Bps > 0):
-        raise UserError(f"host-computed misses need the host's rates: hardware="
-                        f"{rates.hw.name} has no host_matrix_flops / host_mem_bandwidth_Bps.")
-    runtime.host_compute = on
-
-
 def build_greedy(job, name: str, prefetcher: LayerPrefetcher | None = None,
                  offload: bool = True, host_compute: bool = False,
-                 host_all: bool = False) -> GreedyEngine:
+                 host_all: bool = False, static=None) -> GreedyEngine:
     """A greedy engine for `job` (specs.py): experts offloaded (with `prefetcher`), or all resident;
     `host_compute`: misses computed on the host when that ends sooner than their copy;
-    `host_all`: every routed expert computed on the host, no slots (host_experts)."""
+    `host_all`: every routed expert computed on the host, no slots (host_experts); `static`:
+    resident's compiled decode step (baselines/resident.py)."""
     timing = timing_for(job)
-    runtime = offload_model(job, timing, prefetcher, host_all) if offload else None
-    if runtime is not None:
-        host_computed_misses(runtime, timing, host_compute)
+    runtime = offload_model(job, timing, prefetcher, host_all=host_all,
+                            host_misses=host_compute) if offload else None
     return GreedyEngine(name, job.loaded.model, job.device, timing, runtime,
-                        stop_on_eos=job.stop_on_eos)
+                        stop_on_eos=job.stop_on_eos, static=static)
 
 
 def build_speculative(job, name: str, make_draft, window=None, reorder: bool = True,
@@ -250,9 +241,8 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
     the harness with the one rule of `decoding/depth.py settle_depth` (a recipe's `OWN_K`
     included); under spec.k=auto the harness profiles the built engine (experiments/depth_profile.py)."""
     timing = timing_for(job)
-    runtime = offload_model(job, timing, host_all=host_all)
-    runtime.serial, runtime.overlap = not reorder, overlap
-    host_computed_misses(runtime, timing, host_compute)
+    runtime = offload_model(job, timing, host_all=host_all, host_misses=host_compute,
+                            serial=not reorder, overlap=overlap)
     draft = make_draft(timing, runtime)
     depth = job.draft.depth
     compiled = compile_draft(job, draft, timing, depth.k_max)

@@ -86,7 +86,7 @@ class StaticDecode:
     buffers serves the run; `capture`: below."""
 
     def __init__(self, model: nn.Module, compiler: str = "inductor", positions: int = 0,
-                 capture=None):
+                 capture=None, charger=None):
         _register()
         self.model, self.compiler = model, compiler
         self.positions = positions
@@ -111,7 +111,7 @@ class StaticDecode:
         self.routes: list[torch.Tensor] = []
         # a virtual clock's Charger (offload/runtime.py): each compiled step charged after it
         # runs, as a captured graph's replay; None on real clocks
-        self.charger = None
+        self.charger = charger
         torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler)
         self.steps_run = self.compiles = 0

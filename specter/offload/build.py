@@ -23,7 +23,7 @@ from specter.offload.costmodel import (ChargedSizes, CostModel, HardwareProfile,
 from specter.offload.link import Link, LinkProfile, make_link
 from specter.offload.policy import POLICIES
 from specter.offload.prefetch import LayerPrefetcher
-from specter.offload.runtime import Charger, OffloadRuntime
+from specter.offload.runtime import Charger, OffloadRuntime, verification
 from specter.offload.store import HostExpertStore, host_store
 
 NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing
@@ -205,15 +205,36 @@ def refuse_wall_clock_offload(clock: str, device, slots: int, num_experts: int) 
         raise UserError(WALL_CLOCK_OFFLOAD)
 
 
-def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None,
-                  host_all: bool = False) -> OffloadRuntime:
+def check_host_rates(rates: CostModel | None, clock: str) -> None:
+    """Host-computed misses decide from modelled rates (the virtual or emulated clock's cost
+    model, or a real clock's profile): refused without them, in one sentence."""
+    if rates is None:
+        raise UserError(f"host-computed misses (system.host_compute, the *_hybrid systems) decide "
+                        f"from the host's and the link's rates, which this {clock} clock "
+                        "has no profile for: give a measured one, e.g. hardware=h200_measured "
+                        "hardware.clock=wall (scripts/calibrate_gpu.py writes it), or use a "
+                        "virtual clock, e.g. hardware=a100_pcie4_hf.")
+    if not (rates.hw.host_matrix_flops > 0 and rates.hw.host_mem_bandwidth_Bps > 0):
+        raise UserError(f"host-computed misses need the host's rates: hardware="
+                        f"{rates.hw.name} has no host_matrix_flops / host_mem_bandwidth_Bps.")
+
+
+def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None, *,
+                  host_all: bool = False, host_misses: bool = False, serial: bool = False,
+                  overlap: bool = True) -> OffloadRuntime:
     """Move the model's routed experts to host memory with the job's `OffloadSpec` (specs.py:
     its slots per layer on the device, its eviction policy, its kernel), through `timing`'s
-    link; `host_all` (the host_experts systems): no slots, every routed expert computed on
-    the host."""
+    link, and the runtime that computes them, complete: `host_all` (the host_experts systems):
+    no slots, every routed expert computed on the host; `host_misses`: a miss the host would
+    finish sooner than its copy is computed there (refused without the rates that decide);
+    `serial` (one GEMV per token and expert) and `overlap=False` (serial demand loading): the
+    runtime's ablations (runtime.py `verification`)."""
     spec = job.offload
     slots = 0 if host_all else spec.slots
     refuse_wall_clock_offload(timing.clock, job.device, slots, job.loaded.spec.num_experts)
+    rates = timing.cost or timing.rates
+    if host_misses:
+        check_host_rates(rates, timing.clock)
     model, device = job.loaded.model, job.device
     store = host_store(model)  # the plan put the experts in host memory (placement/loader.py)
     if store is not None:
@@ -224,8 +245,6 @@ def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
     cache = ExpertCache(store, slots, device, timing.link, POLICIES[spec.policy],
                         transfer_bytes=transfer_bytes, staging=spec.staging)
-    runtime = OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher)
-    runtime.host_all = host_all
-    runtime.rates = timing.cost or timing.rates
-    runtime.grouped = None if spec.grouped == "auto" else spec.grouped
-    return runtime
+    compute = verification(device, store.layout.dtype, spec.grouped, serial, overlap)
+    return OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher, compute=compute,
+                          rates=rates, host_misses=host_misses, host_all=host_all)

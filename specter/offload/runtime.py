@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from specter.counting import charging_only, routed_counts
+from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
@@ -178,156 +179,41 @@ class Charger:
             h.remove()
 
 
-class OffloadRuntime:
-    """Routed experts in host memory, `slots` per layer on the device, every forward through
-    `experts_forward`."""
+@dataclass(frozen=True)
+class Layer:
+    """One call of a MoE layer's routed experts: its inputs and its routing, grouped on the host
+    once (`groups`, specter/grouping.py)."""
 
-    # A layer's copies in flight (prefetches and misses) compute in this many rounds
-    # (`_rounds`): each round's experts compute while the next round's copies land (one round:
-    # every expert waits for the last copy; one per expert: the most overlap, and about 10
-    # launches per expert).
+    l: int
+    module: nn.Module
+    hidden: torch.Tensor  # [T, H]
+    top_k_index: torch.Tensor  # [T, k]
+    top_k_weights: torch.Tensor  # [T, k]
+    groups: object  # grouping.ExpertGroups
+
+    def expert(self, e: int, views: tuple[torch.Tensor, torch.Tensor], serial: bool = False):
+        """Expert `e` over its tokens from the (gate_up, down) `views`: (token_idx, out)."""
+        return expert_output(self.hidden, self.groups.of(e), self.top_k_weights, *views,
+                             self.module._apply_gate, serial)
+
+
+class Rounds:
+    """Verification's experts in rounds of one fixed-launch kernel each (`kernel`, one of
+    offload/grouped.py KERNELS) while the misses stream in: every miss's copy is issued before
+    anything computes. The default wherever a kernel runs without a host sync."""
+
+    serial, overlap = False, True
+
+    # A layer's copies in flight (prefetches and misses) compute in this many rounds: each
+    # round's experts compute while the next round's copies land (one round: every expert waits
+    # for the last copy; one per expert: the most overlap, and about 10 launches per expert).
     MISS_ROUNDS = 2
 
-    def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
-                 prefetcher: LayerPrefetcher | None = None):
-        self.model, self.cache, self.link, self.cost = model, cache, link, cost
-        self.device = next(model.parameters()).device
-        self.prefetcher = prefetcher
-        self.stats = DemandStats()
-        self.record_demand = True  # False during prefill (hit rate excludes it)
-        self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
-        self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
-        self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
-        self.serial = False  # True: one GEMV per (token, expert), no grouping (an ablation)
-        # False: serial demand loading (an ablation): each miss is copied only when its turn
-        # comes and waited for before anything else computes; no copy overlaps compute.
-        self.overlap = True
-        # True: a miss whose host computation (host rates, activations over the link) would
-        # end before its copy would land and compute is computed on the host from its host
-        # copy, never admitted (Fiddler's rule). `rates`: the cost model that decides (the
-        # virtual clock's, or on a real clock a profile's rates, never charged).
-        self.host_compute = False
-        # True (system=host_experts): every routed expert is computed on the host, none is
-        # ever copied (the cache has no slots): `_host_layer`.
-        self.host_all = False
-        self.rates = cost
-        self.host_weights: HostWeights | None = None  # the host's compute copies (hostweights.py)
-        # The resident experts' kernel (offload.grouped; `kernel()`): None = pick_kernel's,
-        # True = grouped_mm required, "padded", False = one GEMM per expert and projection
-        self.grouped: bool | str | None = None
-        self._kernel: str | None = None
-        register_experts_implementation()
-        self.modules = [m for _, m in experts_modules(model)]
-        for l, m in enumerate(self.modules):
-            m._specter_runtime = self
-            m._specter_moe_layer = l
-            # The fused copies are already gone: the store (store.py) took every expert.
-            assert m.gate_up_proj.numel() == 0, "build the HostExpertStore before the runtime"
-        model.config._experts_implementation = IMPL_NAME
+    def __init__(self, kernel: str):
+        self.kernel = kernel
 
-    def reset(self) -> None:
-        self.cache.reset()
-        self.stats = DemandStats()
-        if self.host_weights is not None:
-            self.host_weights.reset_stats()
-        self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
-        self.link.reset_stats()
-
-    @torch.no_grad()
-    def experts_forward(self, l: int, module: nn.Module, hidden: torch.Tensor,
-                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]."""
-        cache = self.cache
-        self.charge("router_s", hidden.shape[0])  # the router that just ran
-        self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
-        if self.host_all:  # every expert on the host: the routing is grouped there
-            return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
-        # The layer's one host read: residency is a host decision (specter/grouping.py).
-        groups = group_by_expert(top_k_index, cache.store.layout.num_experts)
-        needed = groups.needed
-        self.last_needed[l] = needed
-        self.last_counts[l] = groups.counts
-        self.last_shape[l] = tuple(top_k_index.shape)
-        # 1. Demand: hits stay, misses are admitted (never evicting a needed expert).
-        hits = [e for e in needed if cache.resident(l, e)]
-        misses = [e for e in needed if not cache.resident(l, e)]
-        if self.record_demand:
-            self.stats.hits += len(hits)
-            self.stats.misses += len(misses)
-            self.stats.cap_hits += min(cache.slots + cache.staging, len(needed))
-            self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
-            self.stats.distinct[l].update(needed)
-            self.stats.forward_distinct.append(len(needed))
-            tokens_of = self.last_counts[l]
-            self.stats.pair_requests += top_k_index.numel()
-            self.stats.pair_hits += sum(tokens_of[e] for e in hits)
-        host = []
-        if self.host_compute:  # misses, and prefetches still in flight, that the host would finish sooner
-            late = {e: cache.arrival(l, e) for e in hits if not cache.ready(l, e)}
-            host = self._host_side(misses, self.last_counts[l], late)
-        if host:
-            misses = [e for e in misses if e not in host]
-            hits = [e for e in hits if e not in host]
-            if self.record_demand:
-                self.stats.host_experts += len(host)
-                self.stats.host_tokens += sum(self.last_counts[l][e] for e in host)
-        jobs = [self._host_expert(module, l, e, hidden, groups, top_k_weights) for e in host]
-        cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
-        cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
-        # Misses that found no slot yet (multi-token forwards); serial (overlap=False): none
-        # issued yet, each is copied when its turn comes.
-        waiting = self._issue(l, misses) if self.overlap else []
-        # 2. Speculative loads for later layers go behind the demand copies.
-        if self.prefetcher is not None:
-            self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
-        # 3. Resident experts compute while misses stream in: in rounds of one fixed-launch
-        # kernel each (`kernel()`), or one expert at a time (`_per_expert`, the ablations).
-        kernel = self.kernel()
-        if kernel is not None:
-            total = LayerSum(hidden, top_k_index, groups, top_k_weights)
-            self._rounds(kernel, l, module, hidden, groups, top_k_weights, hits, misses,
-                         waiting, total)
-        else:
-            outs = self._per_expert(l, module, hidden, groups, top_k_weights, hits + misses,
-                                    waiting)
-        back = [self.link.wait_host(job).to(hidden.device) for _, job in jobs]  # before the sum
-        if kernel is None:
-            outs.update({e: (token_idx, out) for e, (token_idx, _), out in zip(host, jobs, back)})
-        elif host:  # every host-computed expert's products placed at once
-            pairs = [groups.of(e) for e in host]
-            total.place(*(torch.cat(t) if len(t) > 1 else t[0] for t in zip(*pairs)),
-                        torch.cat(back) if len(back) > 1 else back[0])
-        for e in host:
-            cache.unprotect(l, e)
-        # 4. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
-        final = sum_in_expert_order(hidden, outs, needed) if kernel is None else total.result()
-        cache.release_staged(l)  # staging buffers serve one forward of their layer
-        cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
-        return final
-
-    def kernel(self) -> str | None:
-        """The fixed-launch kernel (offload/grouped.py KERNELS) this runtime computes a layer's
-        resident experts with, in rounds (`_rounds`); None: one GEMM per expert and projection
-        (`_per_expert`: offload.grouped=false, and the ablations `serial` and overlap off).
-        `grouped`: None = `pick_kernel`'s choice for the device and dtype, True = grouped_mm
-        required, "padded" = the padded kernel."""
-        if self.serial or self.grouped is False or not self.overlap:
-            return None
-        if self._kernel is None:
-            auto = pick_kernel(self.device, self.cache.layout.dtype)
-            if self.grouped is True and auto != "grouped_mm":
-                raise RuntimeError(f"offload.grouped=true, but torch's grouped GEMM does not run "
-                                   f"{self.cache.layout.dtype} on {self.device} without a host "
-                                   "sync (specter/offload/grouped.py): use offload.grouped=auto.")
-            self._kernel = "padded" if self.grouped == "padded" else auto
-        return self._kernel
-
-    def grouping(self) -> bool:
-        """Whether a layer's resident experts compute in fixed-launch rounds (`kernel`)."""
-        return self.kernel() is not None
-
-    def _rounds(self, kernel: str, l: int, module, hidden, groups, top_k_weights,
-                hits: list[int], misses: list[int], waiting: list[int], total: LayerSum) -> None:
+    def compute(self, rt: "OffloadRuntime", layer: Layer, hits: list[int], misses: list[int],
+                waiting: list[int]) -> LayerSum:
         """The layer's experts (`hits`, then `misses`, whose copies are issued; `waiting`: the
         misses that found no slot yet) in rounds, each one `grouped_products` call over the
         slots: whatever has landed (no wait), else the next chunk of copies in issue order
@@ -336,8 +222,9 @@ class OffloadRuntime:
         the next one's copies land. A round's experts are released as soon as it is queued,
         so the misses still waiting are copied into their slots (after the round's reads)
         while later rounds wait. Host work per round, not per expert: one upload, no host
-        read."""
-        cache = self.cache
+        read. Returns the layer's sum so far (`LayerSum`)."""
+        cache, l, groups = rt.cache, layer.l, layer.groups
+        total = LayerSum(layer.hidden, layer.top_k_index, groups, layer.top_k_weights)
         todo = hits + misses
         chunk = max(1, -(-len(todo) // self.MISS_ROUNDS))
         while todo:
@@ -355,44 +242,230 @@ class OffloadRuntime:
                 cache.touch(l, e)
                 s = cache.slot(l, e)
                 if s is None:  # a staging buffer (beyond the slots): on its own
-                    self.charge("expert_s", groups.counts[e])
-                    _, out = self._expert(module, l, e, hidden, groups, top_k_weights)
+                    rt.charge("expert_s", groups.counts[e])
+                    _, out = layer.expert(e, cache.weights(l, e))
                     total.place(*groups.of(e), out)
                 else:
                     slot_of[e] = s
             if slot_of:  # one kernel call, charged as one (the clock follows the engine)
-                if self.cost is not None:
-                    self.link.compute(self.cost.grouped_experts_s(
+                if rt.cost is not None:
+                    rt.link.compute(rt.cost.grouped_experts_s(
                         [groups.counts[e] for e in slot_of]))
-                grouped_products(kernel, groups, slot_of, cache.slot_buffers(l),
-                                 module._apply_gate, total)
+                grouped_products(self.kernel, groups, slot_of, cache.slot_buffers(l),
+                                 layer.module._apply_gate, total)
             done = set(batch)
             for e in batch:
                 cache.unprotect(l, e)
             todo = [e for e in todo if e not in done]
             if waiting:
-                waiting = self._issue(l, waiting)
+                waiting = rt._issue(l, waiting)
+        return total
 
-    def _per_expert(self, l: int, module, hidden, groups, top_k_weights, todo: list[int],
-                    waiting: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """The layer's experts one at a time, each after its own copy (overlap off: each
-        miss is issued only when its turn comes): (token_idx, weighted out) per expert."""
-        cache, outs = self.cache, {}
-        for e in todo:
+    @staticmethod
+    def add(total: LayerSum, layer: Layer, experts: list[int], outs: list[torch.Tensor]) -> None:
+        """Every host-computed expert's products placed at once."""
+        if experts:
+            pairs = [layer.groups.of(e) for e in experts]
+            total.place(*(torch.cat(t) if len(t) > 1 else t[0] for t in zip(*pairs)),
+                        torch.cat(outs) if len(outs) > 1 else outs[0])
+
+    @staticmethod
+    def result(total: LayerSum, layer: Layer) -> torch.Tensor:
+        return total.result()
+
+
+class OneByOne:
+    """Verification's experts one at a time, one GEMM per expert and projection, each after its
+    own copy: offload.grouped=false, and the runtime's two ablations, `serial` (one GEMV per
+    (token, expert), no grouping) and overlap off (serial demand loading: each miss is copied
+    only when its turn comes and waited for before anything else computes)."""
+
+    kernel = None
+
+    def __init__(self, serial: bool = False, overlap: bool = True):
+        self.serial, self.overlap = serial, overlap
+
+    def compute(self, rt: "OffloadRuntime", layer: Layer, hits: list[int], misses: list[int],
+                waiting: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(token_idx, weighted out) per expert, in `hits + misses` order."""
+        cache, l, outs = rt.cache, layer.l, {}
+        for e in hits + misses:
             if not cache.resident(l, e):
-                waiting = self._issue(l, waiting) if self.overlap else self._issue(l, [e])
+                waiting = rt._issue(l, waiting) if self.overlap else rt._issue(l, [e])
                 if not cache.resident(l, e):
                     raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
             cache.wait(l, e)
-            n = groups.counts[e]
+            n = layer.groups.counts[e]
             for _ in range(n if self.serial else 1):
-                self.charge("expert_s", 1 if self.serial else n)
+                rt.charge("expert_s", 1 if self.serial else n)
             cache.touch(l, e)
-            outs[e] = self._expert(module, l, e, hidden, groups, top_k_weights)
+            outs[e] = layer.expert(e, cache.weights(l, e), self.serial)
             cache.unprotect(l, e)
             if waiting:
-                waiting = self._issue(l, waiting)
+                waiting = rt._issue(l, waiting)
         return outs
+
+    @staticmethod
+    def add(outs: dict, layer: Layer, experts: list[int], back: list[torch.Tensor]) -> None:
+        outs.update({e: (layer.groups.of(e)[1], out) for e, out in zip(experts, back)})
+
+    @staticmethod
+    def result(outs: dict, layer: Layer) -> torch.Tensor:
+        return sum_in_expert_order(layer.hidden, outs, layer.groups.needed)
+
+
+def verification(device: torch.device, dtype: torch.dtype, grouped: bool | str = "auto",
+                 serial: bool = False, overlap: bool = True) -> Rounds | OneByOne:
+    """How verification computes a layer's resident experts, chosen once: in rounds of the
+    fixed-launch kernel (`Rounds`) or one expert at a time (`OneByOne`: offload.grouped=false
+    and the ablations `serial` and overlap off). `grouped`: "auto" = `pick_kernel`'s choice for
+    the device and dtype, True = grouped_mm required (refused where it would sync), "padded"."""
+    if serial or grouped is False or not overlap:
+        return OneByOne(serial, overlap)
+    auto = pick_kernel(device, dtype)
+    if grouped is True and auto != "grouped_mm":
+        raise UserError(f"offload.grouped=true, but torch's grouped GEMM does not run {dtype} "
+                        f"on {device} without a host sync (specter/offload/grouped.py): use "
+                        "offload.grouped=auto.")
+    return Rounds("padded" if grouped == "padded" else auto)
+
+
+class OffloadRuntime:
+    """Routed experts in host memory, `slots` per layer on the device, every forward through
+    `experts_forward`. Built complete: `compute` (a `Rounds` or `OneByOne`, `verification`)
+    says how a layer's experts compute; `host_misses`: a miss whose host computation (host
+    rates, activations over the link) would end before its copy would land and compute is
+    computed on the host from its host copy, never admitted (Fiddler's rule; `rates`, the cost
+    model that decides: the virtual clock's, or on a real clock a profile's, never charged);
+    `host_all` (system=host_experts): every routed expert computed on the host, none ever
+    copied (the cache has no slots: `_host_layer`)."""
+
+    def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
+                 prefetcher: LayerPrefetcher | None = None, *,
+                 compute: Rounds | OneByOne | None = None, rates: CostModel | None = None,
+                 host_misses: bool = False, host_all: bool = False):
+        self.model, self.cache, self.link, self.cost = model, cache, link, cost
+        self.device = next(model.parameters()).device
+        self.prefetcher = prefetcher
+        self.compute = compute or verification(self.device, cache.layout.dtype)
+        self.rates = rates or cost
+        self.host_compute, self.host_all = host_misses, host_all
+        self.stats = DemandStats()
+        self.record_demand = True  # False during prefill (hit rate excludes it)
+        self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
+        self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
+        self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
+        # the host's compute copies (hostweights.py), made on first use
+        self.host_weights: HostWeights | None = None
+        register_experts_implementation()
+        self.modules = [m for _, m in experts_modules(model)]
+        for l, m in enumerate(self.modules):
+            m._specter_runtime = self
+            m._specter_moe_layer = l
+            # The fused copies are already gone: the store (store.py) took every expert.
+            assert m.gate_up_proj.numel() == 0, "build the HostExpertStore before the runtime"
+        model.config._experts_implementation = IMPL_NAME
+
+    @property
+    def serial(self) -> bool:
+        return self.compute.serial
+
+    @property
+    def overlap(self) -> bool:
+        return self.compute.overlap
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.stats = DemandStats()
+        if self.host_weights is not None:
+            self.host_weights.reset_stats()
+        self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
+        self.link.reset_stats()
+
+    @torch.no_grad()
+    def experts_forward(self, l: int, module: nn.Module, hidden: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: route, demand, host,
+        copy, compute, sum."""
+        cache = self.cache
+        self.charge("router_s", hidden.shape[0])  # the router that just ran
+        self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
+        if self.host_all:  # every expert on the host: the routing is grouped there
+            return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
+        # 1. Route: the layer's one host read (residency is a host decision: specter/grouping.py).
+        layer = Layer(l, module, hidden, top_k_index, top_k_weights,
+                      group_by_expert(top_k_index, cache.store.layout.num_experts))
+        needed = layer.groups.needed
+        # 2. Demand: hits stay, misses are admitted (never evicting a needed expert).
+        hits, misses = self._demand(layer)
+        # 3. Host: misses, and prefetches still in flight, the host would finish sooner.
+        host = self._to_host(layer, hits, misses)
+        if host:
+            misses = [e for e in misses if e not in host]
+            hits = [e for e in hits if e not in host]
+        jobs = [self._host_expert(layer, e) for e in host]
+        cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
+        cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
+        # 4. Copy: the misses' copies issued together (those that found no slot yet wait; overlap
+        # off: none yet, each is copied when its turn comes), the layer prefetcher's
+        # speculative loads for later layers behind them.
+        waiting = self._issue(l, misses) if self.compute.overlap else []
+        if self.prefetcher is not None:
+            self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
+        # 5. Compute: the resident experts while the misses stream in, then the host's.
+        part = self.compute.compute(self, layer, hits, misses, waiting)
+        self.compute.add(part, layer, host, [self.link.wait_host(job).to(hidden.device)
+                                             for job in jobs])
+        for e in host:
+            cache.unprotect(l, e)
+        # 6. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
+        final = self.compute.result(part, layer)
+        cache.release_staged(l)  # staging buffers serve one forward of their layer
+        cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
+        return final
+
+    def _demand(self, layer: Layer) -> tuple[list[int], list[int]]:
+        """The layer's needed experts split into hits (resident, or their copy in flight) and
+        misses; this request's demand statistics (when they are recorded)."""
+        cache, l, groups = self.cache, layer.l, layer.groups
+        needed = groups.needed
+        self.last_needed[l] = needed
+        self.last_counts[l] = groups.counts
+        self.last_shape[l] = tuple(layer.top_k_index.shape)
+        hits = [e for e in needed if cache.resident(l, e)]
+        misses = [e for e in needed if not cache.resident(l, e)]
+        if self.record_demand:
+            self.stats.hits += len(hits)
+            self.stats.misses += len(misses)
+            self.stats.cap_hits += min(cache.slots + cache.staging, len(needed))
+            self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
+            self.stats.distinct[l].update(needed)
+            self.stats.forward_distinct.append(len(needed))
+            self.stats.pair_requests += layer.top_k_index.numel()
+            self.stats.pair_hits += sum(groups.counts[e] for e in hits)
+        return hits, misses
+
+    def _to_host(self, layer: Layer, hits: list[int], misses: list[int]) -> list[int]:
+        """The experts the host computes (`host_misses` only: `_host_side`), counted."""
+        if not self.host_compute:
+            return []
+        cache, l, counts = self.cache, layer.l, layer.groups.counts
+        late = {e: cache.arrival(l, e) for e in hits if not cache.ready(l, e)}
+        host = self._host_side(misses, counts, late)
+        if host and self.record_demand:
+            self.stats.host_experts += len(host)
+            self.stats.host_tokens += sum(counts[e] for e in host)
+        return host
+
+    def kernel(self) -> str | None:
+        """The fixed-launch kernel (offload/grouped.py KERNELS) a layer's resident experts
+        compute with, in rounds (`Rounds`); None: one GEMM per expert and projection
+        (`OneByOne`)."""
+        return self.compute.kernel
+
+    def grouping(self) -> bool:
+        """Whether a layer's resident experts compute in fixed-launch rounds (`kernel`)."""
+        return self.kernel() is not None
 
     def _host_side(self, misses: list[int], tokens_of: dict[int, int],
                    late: dict[int, float | None] | None = None) -> list[int]:
@@ -453,21 +526,21 @@ class OffloadRuntime:
             if self.rates is not None else 0.0  # a real clock without a profile: the job's own time
         return self.link.wait_host(self.link.host(job, seconds)).to(hidden.device, hidden.dtype)
 
-    def _host_expert(self, module, l, e, hidden, groups, top_k_weights):
-        """Expert `e` queued on the host CPU from its host copy: (token_idx on the device, the
-        host job whose value is the weighted output [n, H] on the CPU). The host computes in
-        the model's dtype on a CPU run (the same arithmetic as the device: lossless) and in
-        fp32 beside a GPU (CPUs lack fast fp16/bf16 kernels; the tokens may then differ)."""
-        pos, token_idx = groups.of(e)
+    def _host_expert(self, layer: Layer, e: int):
+        """Expert `e` queued on the host CPU from its host copy: the host job whose value is
+        the weighted output [n, H] on the CPU. The host computes in the model's dtype on a CPU
+        run (the same arithmetic as the device: lossless) and in fp32 beside a GPU (CPUs lack
+        fast fp16/bf16 kernels; the tokens may then differ)."""
+        pos, token_idx = layer.groups.of(e)
         cpu, weights = torch.device("cpu"), self.host_weights_for()
-        x = hidden[token_idx].to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
-        w = top_k_weights[token_idx, pos, None].to(cpu, weights.dtype)
-        act, serial = module._apply_gate, self.serial
+        x = layer.hidden[token_idx].to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
+        w = layer.top_k_weights[token_idx, pos, None].to(cpu, weights.dtype)
+        act, serial, l = layer.module._apply_gate, self.serial, layer.l
 
         def job() -> torch.Tensor:
             return expert_mlp(x, *weights.get(l, e), act, serial) * w
 
-        return token_idx, self.link.host(job, self.rates.host_expert_job_s(token_idx.numel()))
+        return self.link.host(job, self.rates.host_expert_job_s(token_idx.numel()))
 
     def as_record(self) -> dict:
         """This request's demand statistics, and the host's converted copies when it had some
@@ -532,11 +605,6 @@ class OffloadRuntime:
         if count and self.record_demand:
             self.stats.prefetches += issued
         return issued
-
-    def _expert(self, module, l, e, hidden, groups, top_k_weights):
-        gate_up, down = self.cache.weights(l, e)  # [2I, H], [H, I] views of the device slot
-        return expert_output(hidden, groups.of(e), top_k_weights, gate_up, down,
-                             module._apply_gate, self.serial)
 
 
 def expert_output(hidden: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor],
