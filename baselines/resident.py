@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specter.config import SystemConfig
+from specter.config import COMPILE_MODES, SystemConfig
 from specter.decoding.engines import GreedyEngine, build_greedy
 
 ENGINE = GreedyEngine
@@ -27,12 +27,10 @@ class Config(SystemConfig):
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 
     def validate(self) -> None:
-        from specter.decoding.static_decode import MODES
-
-        if self.compile not in MODES:
+        if self.compile not in COMPILE_MODES:
             from specter.errors import UserError
 
-            raise UserError(f"system.compile must be one of {', '.join(MODES)} "
+            raise UserError(f"system.compile must be one of {', '.join(COMPILE_MODES)} "
                             f"(got '{self.compile}').")
 
 

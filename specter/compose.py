@@ -36,6 +36,7 @@ from specter.errors import UserError
 from specter.models.loading import (load_tokenizer, pick_dtype, read_max_positions,
                                     read_moe_shape, remote_code_note, resolve_checkpoint)
 from specter.offload.build import WALL_CLOCK_OFFLOAD
+from specter.offload.policy import policy_named
 from specter.placement.bytes import size_text
 from specter.placement.loader import LoadedModel, load_model
 from specter.placement.plan import PlacementPlan
@@ -101,6 +102,7 @@ def settle(cfg: RunConfig, log=print) -> tuple[RunConfig, torch.device]:
     takes its virtual clock."""
     check_system(cfg.system, cfg.workload.temperature)
     check_batch(cfg)
+    policy_named(cfg.offload.policy)
     device = resolve_device(cfg.hardware.device)
     return resolve_auto_hardware(cfg, device, log), device
 

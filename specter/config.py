@@ -211,6 +211,9 @@ class SpecConfig:
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 
 
+COMPILE_MODES = ("auto", "on", "off")  # spec.compile and system.compile
+
+
 @dataclass
 class RunConfig:
     model: ModelConfig
@@ -333,12 +336,12 @@ class RunConfig:
             raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
         if not (w.temperature >= 0 and w.temperature < float("inf")):
             raise UserError(f"workload.temperature must be >= 0 (got {w.temperature}).")
+        if self.spec.compile not in COMPILE_MODES:
+            raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
+                            f"(got '{self.spec.compile}').")
         self.system.validate()
-        from specter.offload.policy import POLICIES
-
-        if self.offload.policy not in POLICIES:
-            raise UserError(f"unknown offload.policy '{self.offload.policy}'; choose one of: "
-                            f"{', '.join(sorted(POLICIES))}.")
+        # offload.policy names a class of specter/offload/policy.py: the composition root
+        # checks it (compose.settle), so this module imports nothing of the core
         if self.offload.grouped not in ("auto", True, False, "padded"):
             raise UserError(f"offload.grouped must be auto, true, false or padded "
                             f"(got {self.offload.grouped!r}).")

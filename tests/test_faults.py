@@ -175,12 +175,14 @@ BAD_SETTINGS = [
 
 def _cli_error(args: tuple[str, ...]) -> str:
     """What `python run.py ARGS` refuses, checked in this process the way run.py does it:
-    its argument checks, Hydra's composition, then the typed RunConfig."""
+    its argument checks, Hydra's composition, the typed RunConfig, then the composition
+    root's first step (compose.settle: no file read)."""
+    from specter import compose
     from specter.settings import run_config
     from specter.errors import UserError
 
     try:
-        run_config(list(args))
+        compose.settle(run_config(list(args)), log=lambda *a: None)
     except UserError as e:
         return str(e)
     return ""

@@ -21,7 +21,7 @@ from specter.offload.cache import ExpertCache
 from specter.offload.costmodel import (ChargedSizes, CostModel, HardwareProfile, charged_sizes,
                                        layer_counts, real_charged_sizes)
 from specter.offload.link import Link, LinkProfile, make_link
-from specter.offload.policy import POLICIES
+from specter.offload.policy import policy_named
 from specter.offload.prefetch import LayerPrefetcher
 from specter.offload.runtime import Charger, OffloadRuntime, verification
 from specter.offload.store import HostExpertStore, host_store
@@ -243,7 +243,7 @@ def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None
         # fused parameters move out layer by layer
         store = HostExpertStore.from_model(model, pin=device.type == "cuda")
     transfer_bytes = timing.cost.expert_transfer_bytes() if timing.cost else None
-    cache = ExpertCache(store, slots, device, timing.link, POLICIES[spec.policy],
+    cache = ExpertCache(store, slots, device, timing.link, policy_named(spec.policy),
                         transfer_bytes=transfer_bytes, staging=spec.staging)
     compute = verification(device, store.layout.dtype, spec.grouped, serial, overlap)
     return OffloadRuntime(model, cache, timing.link, timing.cost, prefetcher, compute=compute,

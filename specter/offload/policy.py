@@ -79,3 +79,14 @@ class LFU:
 
 # offload.policy=NAME (conf/config.yaml): the eviction policy of every offloading system.
 POLICIES = {"lru": LRU, "lfu": LFU}
+
+
+def policy_named(name: str):
+    """The eviction policy `offload.policy` names (checked here only: the composition root
+    asks before anything loads), or one sentence listing them."""
+    if name not in POLICIES:
+        from specter.errors import UserError
+
+        raise UserError(f"unknown offload.policy '{name}'; choose one of: "
+                        f"{', '.join(sorted(POLICIES))}.")
+    return POLICIES[name]
