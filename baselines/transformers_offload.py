@@ -86,6 +86,7 @@ class _ClockStreamer:
 class TransformersOffloadEngine:
     samples = False  # greedy only
     batches = True  # generate's own batching: left padding, finished rows fed padding
+    compiled: dict = {}  # nothing compiled
     name = "transformers"
 
     def __init__(self, model: nn.Module, device: torch.device, timing: Timing, slots: int,

@@ -52,6 +52,7 @@ def routing_fidelity(shared: SelfDraft, ids: torch.Tensor, start: int,
 
 class FidelityEngine:
     samples = False  # greedy only
+    compiled: dict = {}  # nothing compiled
     name = "fidelity"
 
     def __init__(self, model, device: torch.device, shared: SelfDraft, draft_record: dict,

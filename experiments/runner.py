@@ -37,7 +37,7 @@ from specter.metrics import distinct_n, timing
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import build_id, default_cache_dir
 from specter.offload.counted import counted_host_costs
-from specter.systems import recipe
+from specter.systems import depth_of, recipe
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
 
@@ -110,7 +110,7 @@ def measured_config(cfg: RunConfig) -> dict[str, Any]:
     does not speculate has no `spec` (so a sweep over spec.k runs it once, and its rows do
     not claim a K)."""
     d = cfg.to_dict()
-    if not recipe(cfg.system.name).ENGINE.samples:  # not speculative
+    if not recipe(cfg.system.name).samples:  # not speculative
         d.pop("spec")
     elif cfg.spec.k != "adaptive":  # the bound of adaptive K only
         d["spec"].pop("k_max")
@@ -202,7 +202,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     parts = compose.build(planned, log, kv_tokens=min(w.batch, len(prompts))
                           * (max(len(p) for p in prompts) + w.max_new_tokens))
     engine, acct, load_rec = parts.engine, parts.account, parts.load
-    depth = getattr(engine, "depth", None)
+    depth = depth_of(cfg)  # the engine's, settled by the one rule (decoding/depth.py)
     if depth is not None and depth.mode == "auto":  # spec.k=auto: the K measured on this engine
         from experiments.depth_profile import Profiled, profile
 
@@ -216,7 +216,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
         case["attn_implementation"] = attn
     if getattr(getattr(getattr(engine, "draft", None), "draft", None), "graphs", False):
         case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
-    compiled = getattr(engine, "compiled", {})
+    compiled = engine.compiled
     for kind, knob in (("draft", cfg.spec), ("decode", cfg.system)):
         if compiled.get(f"{kind}_compiled"):  # a compiled step: not the case of eager ones
             case[f"{kind}_compiled"] = knob.compile_backend

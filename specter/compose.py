@@ -229,8 +229,7 @@ def warm_up(engine, cfg: RunConfig, prompt: list[int], log) -> float:
     broken down), so no row's TPOT holds
     them and every system is timed warm alike. Its wall seconds: the `compile_warmup_s` column
     (0.0 when nothing ran)."""
-    compiled = getattr(engine, "compiled", {})
-    on_gpu = getattr(getattr(engine, "device", None), "type", None) == "cuda"
+    compiled, on_gpu = engine.compiled, engine.device.type == "cuda"
     if cfg.hardware.clock != "wall" or not (compiled.get("draft_compiled") or on_gpu
                                             or compiled.get("decode_compiled")):
         return 0.0
@@ -280,7 +279,7 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
                         "use quant.graphs=auto or off.")
     if cfg.hardware.clock in ("virtual", "emulated"):
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
-    offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
+    offloads = recipe(cfg.system.name).offloads
     if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
             and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
         raise UserError(f"system={cfg.system.name}: {WALL_CLOCK_OFFLOAD}")
@@ -314,7 +313,7 @@ def check_host_holds(cfg: RunConfig, checkpoint: Path, device: torch.device, n_e
     if plan.experts == "host":
         items.append(("the routed experts in the host store",
                       store_reserved_bytes(b, n_experts, pinned=plan.pin)))
-    elif getattr(recipe(cfg.system.name), "OFFLOADS", True) or cpu:
+    elif recipe(cfg.system.name).offloads or cpu:
         items.append(("the routed experts", b.expert_bytes))
     if cpu:
         items.append(("the non-expert weights", b.non_expert_bytes))
@@ -389,7 +388,7 @@ def checkpoint_fits(cfg: RunConfig, checkpoint: Path, device: torch.device,
 
     b, dtype = header_bytes(cfg, checkpoint, device)
     element_size = torch.finfo(dtype).bits // 8
-    offloads = getattr(recipe(cfg.system.name), "OFFLOADS", True)
+    offloads = recipe(cfg.system.name).offloads
     n_experts, _ = read_moe_shape(cfg.model, checkpoint)
     hidden = json.loads((checkpoint / "config.json").read_text()).get("hidden_size") or 0
     q = cfg.quant
@@ -426,7 +425,7 @@ def placement_of(cfg: RunConfig, device: torch.device) -> PlacementPlan:
     from specter.placement.plan import plan_for
 
     r = recipe(cfg.system.name)
-    return plan_for(getattr(r, "OFFLOADS", True), getattr(r, "LOADS_EXPERTS", "host"), device)
+    return plan_for(r.offloads, r.loads_experts, device)
 
 
 class LoadMeter:
@@ -464,7 +463,7 @@ class LoadMeter:
 
 def check_batch(cfg: RunConfig) -> None:
     """workload.batch > 1 needs a system that decodes requests together."""
-    if cfg.workload.batch > 1 and not getattr(recipe(cfg.system.name).ENGINE, "batches", False):
+    if cfg.workload.batch > 1 and not recipe(cfg.system.name).batches:
         raise UserError(f"system={cfg.system.name} decodes one request at a time; use "
                         "workload.batch=1 with it.")
 

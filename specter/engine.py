@@ -42,7 +42,10 @@ class Engine(Protocol):
     per commit). `generate_batch` takes no listener."""
 
     name: str
+    device: torch.device
     samples: bool  # decodes by speculative sampling when workload.temperature > 0
+    batches: bool  # decodes workload.batch requests together (`generate_batch`)
+    compiled: dict  # a compiled step's record columns (draft_compiled, decode_compiled); {}
 
     def reset(self) -> None:
         """Return to the fixed initial state before a request (outside timing)."""

@@ -10,8 +10,10 @@ import their optional dependencies inside `build`. The composition root
 
 from __future__ import annotations
 
+import functools
 import importlib
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Callable
 
 from specter.budget import Footprint
 from specter.config import RunConfig, SystemConfig
@@ -41,9 +43,43 @@ SYSTEMS: dict[str, str] = {
 }
 
 
-def recipe(name: str):
-    """The module of system `name` (its `build(job)` and `ENGINE`, the engine class it builds)."""
-    return importlib.import_module(SYSTEMS[name])
+@dataclass(frozen=True)
+class Recipe:
+    """What a system's module declares, read once (`recipe`): how to build its engine and
+    what the composition root must know before it does."""
+
+    name: str
+    build: Callable[[Job], Engine]  # build(job) -> its engine
+    engine: type  # ENGINE: the engine class it builds (GreedyEngine, SpeculativeEngine, ...)
+    config: type[SystemConfig]  # Config: its knobs (default: none)
+    offloads: bool  # OFFLOADS: copies experts while decoding (default True)
+    loads_experts: str  # LOADS_EXPERTS: where the loader puts the routed experts ("host")
+    own_k: tuple[int, str] | None  # OWN_K: a depth of its own (decoding/depth.py)
+    footprint: Callable[[SystemConfig], Footprint]  # footprint(config) or FOOTPRINT
+
+    @property
+    def samples(self) -> bool:
+        """Decodes by speculative sampling when workload.temperature > 0 (and reads spec.*)."""
+        return self.engine.samples
+
+    @property
+    def batches(self) -> bool:
+        return self.engine.batches
+
+
+@functools.cache
+def recipe(name: str) -> Recipe:
+    """System `name`'s recipe: its module's declarations (module docstring), with their
+    defaults, read here only."""
+    module = importlib.import_module(SYSTEMS[name])
+    declared = vars(module)
+    fixed = declared.get("FOOTPRINT", Footprint())
+    return Recipe(name=name, build=module.build, engine=module.ENGINE,
+                  config=declared.get("Config", SystemConfig),
+                  offloads=declared.get("OFFLOADS", True),
+                  loads_experts=declared.get("LOADS_EXPERTS", "host"),
+                  own_k=declared.get("OWN_K"),
+                  footprint=declared.get("footprint", lambda system: fixed))
 
 
 def config_class(name: str) -> type[SystemConfig]:
@@ -51,7 +87,7 @@ def config_class(name: str) -> type[SystemConfig]:
     knobs), else the bare SystemConfig (no knobs)."""
     if name not in SYSTEMS:
         return SystemConfig
-    return getattr(recipe(name), "Config", SystemConfig)
+    return recipe(name).config
 
 
 def settings_of(name: str) -> list[str]:
@@ -62,7 +98,7 @@ def sampling_systems() -> tuple[str, ...]:
     """Systems whose engine decodes by speculative sampling when workload.temperature > 0
     (`Engine.samples`, read off each recipe's ENGINE); the others decode greedily only. They
     are also the systems that read `spec.*` (the draft depth)."""
-    return tuple(n for n in SYSTEMS if recipe(n).ENGINE.samples)
+    return tuple(n for n in SYSTEMS if recipe(n).samples)
 
 
 def footprint(system: SystemConfig) -> Footprint:
@@ -70,17 +106,14 @@ def footprint(system: SystemConfig) -> Footprint:
     the slots from what is left): its recipe's `footprint(config)` or `FOOTPRINT`, else
     nothing (the INT4 draft for the systems that draft on the device, a second instance for
     SpecMoEOff and Specter without sharing, whole layers for accelerate)."""
-    module = recipe(system.name)
-    if hasattr(module, "footprint"):
-        return module.footprint(system)
-    return getattr(module, "FOOTPRINT", Footprint())
+    return recipe(system.name).footprint(system)
 
 
 def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     name = system.name
     if name not in SYSTEMS:
         raise UserError(f"unknown system '{name}'; choose one of: {', '.join(sorted(SYSTEMS))}.")
-    if temperature > 0 and not recipe(name).ENGINE.samples:
+    if temperature > 0 and not recipe(name).samples:
         raise UserError(f"workload.temperature > 0 needs a speculating system "
                         f"({', '.join(sampling_systems())}); system={name} decodes greedily only.")
 
@@ -110,7 +143,6 @@ def depth_of(cfg: RunConfig):
     for a greedy one."""
     from specter.decoding.depth import settle_depth
 
-    if not recipe(cfg.system.name).ENGINE.samples:
-        return None
-    return settle_depth(cfg.spec, cfg.model.paper_k, getattr(recipe(cfg.system.name), "OWN_K", None))
+    r = recipe(cfg.system.name)
+    return settle_depth(cfg.spec, cfg.model.paper_k, r.own_k) if r.samples else None
 
