@@ -40,7 +40,7 @@ class NextLayerRouterPrefetch(LayerPrefetcher):
             return
         out = self.routers[nxt](hidden)  # (logits, weights, top-k index) on every supported arch
         guess = out[2]  # [T, k]
-        runtime.charge("router_s", hidden.shape[0])
+        runtime.clock.router(hidden.shape[0])
         runtime.prefetch(nxt, sorted(set(guess.flatten().tolist())))  # one read: a host decision
 
 

@@ -202,7 +202,7 @@ class QuasiHiddenPrefetch(LayerPrefetcher):
             return
         q = self.quasi_hidden(moe_layer, top_k_index, top_k_weights)
         self.pending = self.routers[nxt](q)[2]  # (logits, weights, top-k index): [T, k]
-        runtime.charge("router_s", q.shape[0])
+        runtime.clock.router(q.shape[0])
         runtime.prefetch(nxt, sorted(set(self.pending.flatten().tolist())))  # one read: a host decision
 
     def as_record(self) -> dict:

@@ -36,12 +36,12 @@ class Config(SystemConfig):
 
 def build(job) -> GreedyEngine:
     return build_greedy(job, "resident", offload=False,
-                        static=lambda timing, charger: decode_step(job, timing, charger))
+                        static=lambda timing, clock: decode_step(job, timing, clock))
 
 
-def decode_step(job, timing, charger):
+def decode_step(job, timing, clock):
     """`system.compile`, decided with the engine's clock: (a `StaticDecode` charged through the
-    engine's `charger` as a captured graph on a virtual clock, or None; its record columns)."""
+    engine's `clock` as a captured graph on a virtual clock, or None; its record columns)."""
     from specter.decoding.static_decode import StaticDecode, resolve_system_compile
 
     sc = job.system
@@ -53,7 +53,7 @@ def decode_step(job, timing, charger):
 
         static = StaticDecode(job.loaded.model, sc.compile_backend, positions=job.positions + 1,
                               capture=capture_graph if cuda else None,
-                              charger=charger if hasattr(charger, "captured_step") else None)
+                              clock=clock)
     if on and cuda:
         why = f"{why}: {CAPTURED_DECODE}"
     return static, {"decode_compiled": on, "decode_compile": why,  # captured: a CUDA graph

@@ -38,7 +38,7 @@ Virtual clock per draft MoE layer: the router (`cost.router_s`), `cost.host_expe
 distinct kept expert (n its tokens), and the hidden state's round trip to the host, charged
 on the compute stream as two link latencies plus `T * H * elem` bytes each way (the host's
 result is waited for; its contention with the prefetch copies on the link is ignored).
-Attention, shared experts and the lm head are charged by the engine's Charger in both modes.
+Attention, shared experts and the lm head are charged by the engine's clock (clock/observer.py) in both modes.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.self_draft import SelfDraft
 from specter.errors import UserError
 from specter.grouping import group_by_expert
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime, host_layer_sum
 

@@ -40,7 +40,8 @@ from specter.budget import Footprint
 from specter.engine import DeviceMemory, Generation, eos_ids, pad_id
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.offload.build import Timing, refuse_wall_clock_offload, timing_for
+from specter.clock.timing import Timing, timing_for
+from specter.offload.build import refuse_wall_clock_offload
 
 
 def resident_layers(slots: int, num_experts: int, moe_layers: int) -> int:
@@ -130,10 +131,10 @@ class TransformersOffloadEngine:
             add_hook_to_module(m, AlignDevicesHook(execution_device=device, offload=True,
                                                    weights_map=weights))
             add_hook_to_module(m, MarkCopied(), append=True)
-            # Before every other pre-hook (the compute charger's): the copy comes first.
+            # Before every other pre-hook (the compute clock's): the copy comes first.
             m.register_forward_pre_hook(self._before_copy, prepend=True)
         self.memory = DeviceMemory(model, device)  # offloaded experts are on "meta" now
-        self.charger = timing.charger(model, charge_experts=True)
+        self.clock = timing.observer(model, charge_experts=True)
         model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
 
     def _charged_layer_bytes(self, num_experts: int, slots: int, moe_layers: int) -> int:
@@ -158,7 +159,7 @@ class TransformersOffloadEngine:
         cache = kwargs.get("cache")
         rows, tokens = ids.shape
         past = cache.get_seq_length() if cache is not None else 0
-        self.charger.begin_forward(tokens, past + tokens, prefill=past == 0, rows=rows)
+        self.clock.begin_forward(tokens, past + tokens, prefill=past == 0, rows=rows)
 
     def _before_copy(self, module, args) -> None:
         if self.real_clock:

@@ -42,7 +42,7 @@ from specter.counting import charging_only
 from specter.decoding.engines import GreedyEngine
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
-from specter.offload.build import timing_for
+from specter.clock.timing import timing_for
 
 ENGINE = GreedyEngine
 FOOTPRINT = Footprint(offloads_weights=True)

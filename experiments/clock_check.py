@@ -6,7 +6,7 @@ items x 32 tokens). Each request ran twice in one process, on the same weights a
 in real CUDA time (clock "cuda") and on the virtual clock of the counted H200 profile
 (`h200_measured`, fit on small models); the two decode the same tokens (checked here), so each
 real row has a virtual twin that charged the same work. A counted profile charges the host's
-work as it is issued (specter/offload/counted.py): every launching operation at `host_op_s`,
+work as it is issued (specter/clock/counted.py): every launching operation at `host_op_s`,
 every host sync or read at `sync_s`, added to the device's time on one timeline. The twin
 records what it counted (`counted.launching`, `counted.syncs`, `counted.host_reads`), so the
 clock's prediction under other rates is a replay of the twin's charges:

@@ -1,6 +1,6 @@
 """Fit the counted hardware profile's host rates on real GPU records, and check them held out.
 
-A counted profile (specter/offload/counted.py) charges each launching operation decoding
+A counted profile (specter/clock/counted.py) charges each launching operation decoding
 dispatches at `host_op_s` and each host sync at `sync_s`, on top of the device's own work
 (copies and arithmetic at the profile's measured rates). The two rates are fit on real TPOT of
 two systems and checked on the others, each system's counts being those of the code that

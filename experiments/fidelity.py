@@ -15,7 +15,7 @@ import torch
 
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
 from specter.models.introspect import router_topk
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.quant.build import draft_for
 from specter.decoding.self_draft import SelfDraft
 

@@ -37,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from specter.counting import OpCounter
-from specter.offload.counted import engine_models
+from specter.clock.counted import engine_models
 
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")

@@ -22,7 +22,7 @@ Before timing, every backend's output is checked: INT4 backends against the dequ
 matmul reference, the target paths against each other and against the reference over the same
 weights. A backend that disagrees gets a row with status `mismatch` and no time.
 
-Modelled rows: for the same routing, the seconds `specter.offload.costmodel.CostModel` charges
+Modelled rows: for the same routing, the seconds `specter.clock.costmodel.CostModel` charges
 under hardware=a100_pcie4_ideal (conf/hardware/a100_pcie4_ideal.yaml; sizes of the real model): the draft's
 fused kernel (`draft_experts_s`, backend `triton`), the same formula one expert at a time
 (`int4_per_expert`, three launches per expert), and the target's experts as the runtime charges
@@ -77,8 +77,8 @@ def modelled_cost(shape: ExpertShape):
     from omegaconf import OmegaConf
 
     from specter.config import HardwareConfig
-    from specter.offload.build import profile_of
-    from specter.offload.costmodel import ChargedSizes, CostModel, real_charged_sizes
+    from specter.clock.timing import profile_of
+    from specter.clock.costmodel import ChargedSizes, CostModel, real_charged_sizes
 
     # OmegaConf reads the yaml as Hydra does (plain YAML 1.1 takes 312.0e12 for a string).
     yaml = OmegaConf.load(CONF / "hardware" / f"{HARDWARE}.yaml")

@@ -36,7 +36,7 @@ from specter.errors import UserError
 from specter.metrics import distinct_n, timing
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import build_id, default_cache_dir
-from specter.offload.counted import counted_host_costs
+from specter.clock.counted import counted_host_costs
 from specter.systems import depth_of, recipe
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 

@@ -16,7 +16,7 @@ Stages (each one in try/except: a failing stage writes its error and the next on
              experts loop with 1..top-k experts, and whole eager decoder layers of the real
              architecture (random weights, DynamicCache of ~32 tokens); fits the engine's
              framework costs `layer_overhead_s` and `expert_overhead_s`
-             (specter/offload/calibration.py `fit_overheads`)
+             (specter/clock/calibration.py `fit_overheads`)
   5 profile  hardware_measured.yaml (the keys of conf/hardware/h200_hf.yaml)
   6 table    run.py on the project-made model for resident / lru / specter: real CUDA time
              (hardware=cuda) against the virtual clock (charge=own) under the measured profile,
@@ -27,8 +27,8 @@ Stages (each one in try/except: a failing stage writes its error and the next on
 Owns: these measurements and the files under --out (calibration.json with every raw number,
 hardware_measured.yaml, error_table.*, logs). Keeps within --budget-s: later stages are
 shortened or skipped when time runs out; what exists is always written. Does not own the fits
-of the measured numbers (specter/offload/calibration.py), the cost model
-(specter/offload/costmodel.py) or the runs (run.py).
+of the measured numbers (specter/clock/calibration.py), the cost model
+(specter/clock/costmodel.py) or the runs (run.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
-from specter.offload.calibration import (clamped, error_rows, fit_latency_bandwidth,  # noqa: E402
+from specter.clock.calibration import (clamped, error_rows, fit_latency_bandwidth,  # noqa: E402
                                          fit_offload_layer, fit_overheads, hardware_profile,
                                          predicted_layer_s, summarize_records)
 
@@ -78,7 +78,7 @@ def _on_sigterm(signum, frame):
 
 
 # ======================================================================================
-# the profile and the error table as files (the fits: specter/offload/calibration.py)
+# the profile and the error table as files (the fits: specter/clock/calibration.py)
 # ======================================================================================
 def rows_markdown(rows: list[dict], title: str) -> str:
     cols = ["system", "profile", "measured_tpot_ms", "virtual_tpot_ms",
@@ -419,7 +419,7 @@ def role_shapes(real: dict, elem_bytes: int) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from specter.models.introspect import experts_modules
-    from specter.offload.costmodel import charged_sizes
+    from specter.clock.costmodel import charged_sizes
 
     cfg = AutoConfig.for_model(**real)
     with torch.device("meta"):
@@ -596,7 +596,7 @@ def time_layers(ctx: Ctx, real: dict, impl: str, K: int, ctx_tokens: int = 32) -
 
 def stage_roles(ctx: Ctx) -> dict:
     from specter.models.real_configs import REAL_CONFIGS
-    from specter.offload.costmodel import CostModel
+    from specter.clock.costmodel import CostModel
 
     K = ctx.args.k
     models = [m for m in ctx.args.models.split(",") if m]

@@ -254,7 +254,7 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     """What can be checked before the weights load, each failure one sentence: the context
     length, knobs against the expert count, the draft kernel against the device, the charged
     sizes against the model, and that out_dir and the cache can be written."""
-    from specter.offload.build import charges_real_sizes
+    from specter.clock.timing import charges_real_sizes
 
     positions = read_max_positions(checkpoint)
     w = cfg.workload

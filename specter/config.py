@@ -124,7 +124,7 @@ class HardwareConfig:
     # (routing read on the host, residency bookkeeping, copy issue and wait); 0 in the
     # public-fit profiles, fit on a GPU by scripts/calibrate_gpu.py (LRU vs resident).
     offload_layer_overhead_s: float = 0.0
-    # A counted profile (specter/offload/counted.py): the host's cost of each launching
+    # A counted profile (specter/clock/counted.py): the host's cost of each launching
     # operation the code dispatches and of each host sync, charged as the run decodes,
     # instead of the constants above (which a counted profile sets to 0).
     host_op_s: float = 0.0

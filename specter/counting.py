@@ -1,6 +1,6 @@
 """Counting what decoding asks of the device: aten operations, the ones that launch kernels,
 host syncs and host reads (experiments/hotpath.py reports them; a counted hardware profile,
-specter/offload/counted.py, charges them to the virtual clock).
+specter/clock/counted.py, charges them to the virtual clock).
 
 `OpCounter` is a `TorchDispatchMode`: it sees every aten operation dispatched inside it and
 counts it under its current `phase`. The code under measurement says three things the

@@ -26,8 +26,8 @@ import pytest
 
 from experiments import anchors
 from experiments.cases import Case, run_cases
-from specter.offload import calibration as cal
-from specter.offload.costmodel import CostModel
+from specter.clock import calibration as cal
+from specter.clock.costmodel import CostModel
 
 AGREE = (1 / 1.5, 1.5)  # ours / theirs for a row that agrees (observed 0.94-1.36)
 

@@ -104,7 +104,7 @@ def test_missing_records_leave_ours_empty_not_zero():
 
 
 def test_hqq_deployment_charges_the_publications_bits():
-    from specter.offload.costmodel import ChargedSizes
+    from specter.clock.costmodel import ChargedSizes
 
     base = dict(source="x", elem_bytes=2, attn_params=64 * 1000, router_params=0, shared_params=0,
                 dense_mlp_params=0, expert_params=16 * 1000, lm_head_params=0,

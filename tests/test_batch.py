@@ -204,16 +204,16 @@ def test_charger_charges_a_batched_forward_as_rows_times_tokens():
     """Under the virtual clock a forward of 32 rows x 3 tokens is charged as 96 tokens through
     every token-linear step, attention as 32 sequences each reading its own KV
     (`attention_batch_s`), and the lm head by rows x kept positions."""
-    from specter.offload.costmodel import CostModel, HardwareProfile, charged_sizes
+    from specter.clock.costmodel import CostModel, HardwareProfile, charged_sizes
     from specter.offload.link import LinkProfile, make_link
-    from specter.offload.runtime import Charger
+    from specter.clock.observer import ComputeClock
 
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), CPU, progress=False)
     hw = HardwareProfile(name="t", matrix_flops=312e12, mem_bandwidth_Bps=1.555e12,
                          launch_overhead_s=5e-6, h2d_bandwidth_Bps=31.5e9, h2d_latency_s=1e-5)
     cost = CostModel(hw, charged_sizes(lm.model, "own", 4))
     link = make_link("virtual", LinkProfile(31.5e9, 1e-5), CPU)
-    charger = Charger(lm.model, link, cost, charge_experts=False)
+    charger = ComputeClock(link, cost, lm.model, charge_experts=False)
     charger.begin_forward(3, 40, rows=32)
     assert charger.tokens == 96
     assert charger._attention_s() == cost.attention_batch_s([(3, 40)] * 32)

@@ -1,4 +1,4 @@
-"""scripts/calibrate_gpu.py: the fits of its timings (specter/offload/calibration.py) recover
+"""scripts/calibrate_gpu.py: the fits of its timings (specter/clock/calibration.py) recover
 known values, the CPU smoke run writes a complete hardware profile, and the measured profile's
 overrides compose into a valid RunConfig."""
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from specter.offload.calibration import (error_rows, fit_latency_bandwidth, fit_offload_layer,
+from specter.clock.calibration import (error_rows, fit_latency_bandwidth, fit_offload_layer,
                                          fit_overheads, summarize_records)
 
 REPO = Path(__file__).resolve().parent.parent
@@ -98,7 +98,7 @@ def test_summary_drops_the_warm_up_repeat():
 
 def test_cpu_quick_writes_a_complete_profile(tmp_path):
     from specter.config import HardwareConfig, _build
-    from specter.offload.build import profile_of
+    from specter.clock.timing import profile_of
 
     out = tmp_path / "cal"
     p = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--out", str(out),

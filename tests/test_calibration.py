@@ -1,5 +1,5 @@
 """Engine profiles: the framework costs are charged where the cost model says, the *_hf and
-*_ideal yamls hold the fit of the cited measurements (specter/offload/calibration.py), and
+*_ideal yamls hold the fit of the cited measurements (specter/clock/calibration.py), and
 the fit itself recovers known overheads from synthetic measurements."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from specter.models.real_configs import REAL_CONFIGS
-from specter.offload import calibration as cal
-from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
+from specter.clock import calibration as cal
+from specter.clock.costmodel import CostModel, HardwareProfile, real_charged_sizes
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "hardware"
 IDEAL = HardwareProfile("a100_pcie4_ideal", 312e12, 1.555e12, 5e-6, 31.5e9, 10e-6)

@@ -1,4 +1,4 @@
-"""The counted hardware profile (specter/offload/counted.py): each launching operation and each
+"""The counted hardware profile (specter/clock/counted.py): each launching operation and each
 sync the code issues while decoding is charged to the virtual clock, so TPOT moves with the hot
 path, by exactly what the counter counts."""
 

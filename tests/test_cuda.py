@@ -49,7 +49,7 @@ def test_resident_batch_equals_generate_batch_on_cuda(name):
 @pytest.mark.parametrize("name", ["tiny_deepseek", "tiny_qwen"])
 def test_transformers_offload_on_cuda_equals_resident_and_times_real_copies(name):
     from baselines.transformers_offload import TransformersOffloadEngine
-    from specter.offload.build import Timing
+    from specter.clock.timing import Timing
 
     dev = torch.device("cuda")
     ref_lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)

@@ -13,7 +13,7 @@ from specter.engine import DeviceMemory, eos_ids
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.quant import calibrate
 from specter.decoding.loop import speculative_greedy
 from specter.decoding.self_draft import SelfDraft
@@ -83,7 +83,8 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
     from specter.compose import job_of
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
-    from specter.offload.build import offload_model, timing_for
+    from specter.clock.timing import timing_for
+    from specter.offload.build import offload_model
 
     for name in ("tiny_deepseek", "tiny_phi"):
         lm, _ = _setup(name)

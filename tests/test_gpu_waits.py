@@ -22,7 +22,7 @@ from specter.config import RunConfig
 from specter.decoding import engines
 from specter.models import archs
 from specter.placement.loader import load_model
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.offload.link import CudaLink, LinkProfile
 
 CPU = torch.device("cpu")

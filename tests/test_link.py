@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specter.errors import UserError
-from specter.offload.intervals import intersection_length, merge, union_length
+from specter.clock.intervals import intersection_length, merge, union_length
 from specter.offload.link import LinkProfile, make_link
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ from specter.config import RunConfig
 from specter.models import archs
 from specter.placement.loader import load_model
 from specter.models.real_configs import REAL_CONFIGS
-from specter.offload.costmodel import CostModel, HardwareProfile, real_charged_sizes
+from specter.clock.costmodel import CostModel, HardwareProfile, real_charged_sizes
 
 A100 = {"name": "a100_pcie4_ideal", "device": "cpu", "clock": "virtual", "charge": "own",
         "matrix_flops": 312e12, "mem_bandwidth_Bps": 1.555e12, "launch_overhead_s": 5e-6,

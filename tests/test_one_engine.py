@@ -21,7 +21,7 @@ from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.decoding import engines
 from specter.decoding.engines import GreedyEngine, SpeculativeEngine
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.offload.link import CudaLink, LinkProfile
 from specter.offload.runtime import OffloadRuntime
 from specter.placement.loader import load_model

@@ -25,7 +25,7 @@ from specter import compose
 from fake_cuda import FakeCuda
 from specter.config import RunConfig
 from specter.decoding import engines
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.offload.link import CudaLink, LinkProfile
 
 CPU = torch.device("cpu")

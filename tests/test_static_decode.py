@@ -12,7 +12,7 @@ from specter.config import ModelConfig
 from specter.decoding.static_decode import StaticDecode, resolve_system_compile
 from specter.engine import DeviceMemory, eos_ids, greedy_decode_batch
 from specter.errors import UserError
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.placement.loader import load_model
 
 CPU = torch.device("cpu")

@@ -18,7 +18,7 @@ from specter.decoding.self_draft import SelfDraft
 from specter.decoding.static_draft import StaticDraft, resolve_compile
 from specter.engine import DeviceMemory, eos_ids
 from specter.errors import UserError
-from specter.offload.build import Timing
+from specter.clock.timing import Timing
 from specter.placement.loader import load_model
 from specter.quant import calibrate
 
@@ -283,19 +283,19 @@ def test_the_hot_path_counter_counts_a_compiled_step_as_one_graph_replay():
 
 
 def test_a_captured_step_is_charged_its_kernels_time_and_one_launch():
-    """`Charger.captured_step`: every charge made inside it is priced without per-kernel
+    """`ComputeClock.captured_step`: every charge made inside it is priced without per-kernel
     launches or eager framework costs (HardwareProfile.captured), and the block adds one
     launch, the graph's replay; outside it the profile is the eager one again."""
     from types import SimpleNamespace as NS
 
     from specter.settings import run_config
-    from specter.offload.build import profile_of
-    from specter.offload.runtime import Charger
+    from specter.clock.timing import profile_of
+    from specter.clock.observer import ComputeClock
 
     hw = profile_of(run_config(["hardware=a100_pcie4_hf"]).hardware)
     assert hw.launch_overhead_s > 0 and hw.layer_overhead_s > 0 and hw.expert_overhead_s > 0
     charged = []
-    charger = Charger.__new__(Charger)  # the block needs only the cost model and the link
+    charger = ComputeClock.__new__(ComputeClock)  # the block needs only the cost model and the link
     charger.cost, charger.link = NS(hw=hw), NS(compute=charged.append)
     with charger.captured_step():
         inside = charger.cost.hw

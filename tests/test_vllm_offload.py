@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from baselines.vllm_offload import OffloadedReads
-from specter.offload.costmodel import ChargedSizes
+from specter.clock.costmodel import ChargedSizes
 
 BASE = ["model=tiny_deepseek", "workload.items=2", "workload.max_new_tokens=12",
         "workload.stop_on_eos=false", "hardware=a100_pcie4_ideal", "progress=false"]

@@ -30,7 +30,8 @@ from specter.engine import cache_bytes
 from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
 from specter.placement.plan import PlacementPlan
-from specter.offload.build import Timing
+from specter.clock.observer import NULL_CLOCK, NullClock
+from specter.clock.timing import Timing
 from specter.offload.store import release_fused
 from specter.quant.build import Draft
 
@@ -149,14 +150,15 @@ class SelfInt4Draft(DraftPart):
             self.listen(*draft_experts_charge(timing, draft))
 
     def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
-                   capture=None) -> None:
+                   capture=None, clock: NullClock = NULL_CLOCK) -> None:
         """Draft in a static cache, each step one compiled graph (static_draft.py; `capture`:
-        captured as one CUDA graph); each window's copy of newly committed KV is charged as a
-        device copy."""
+        captured as one CUDA graph), charged after it by `clock`, the target's (its hooks do
+        not run inside the compiled step); each window's copy of newly committed KV is charged
+        as a device copy."""
         from specter.decoding.static_draft import StaticDraft
 
         self.layout = StaticDraft(self.self_draft, compiler, mode, on_copy=self._charge_kv_copy,
-                                  positions=positions, capture=capture)
+                                  positions=positions, capture=capture, clock=clock)
 
     def as_record(self) -> dict:
         static = self.layout is not None
@@ -190,7 +192,7 @@ class SeparateInt4Draft(DraftPart):
         self.instance = SelfDraft(draft_model, draft.experts, draft.backend, device,
                                   graphs=draft.graphs)
         self.instance.mode = "draft"  # this instance is only ever the draft
-        self.charger = timing.charger(draft_model, charge_experts=False)
+        self.clock = timing.observer(draft_model, charge_experts=False)
         if charges_virtually(timing):
             self.listen(*draft_experts_charge(timing, draft))
         # the INT4 copy (counted once) and the second instance's non-expert weights
@@ -202,22 +204,21 @@ class SeparateInt4Draft(DraftPart):
         self.instance.listen(fn, all_layers, in_graph)
 
     def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
-                   capture=None) -> str | None:
+                   capture=None, clock: NullClock = NULL_CLOCK) -> str | None:
         """Draft in a static cache of its own, each step one compiled graph (static_draft.py
-        `own_kv`; `capture`: captured as one CUDA graph), charged by this instance's own hooks
-        after each step; None, or why not."""
+        `own_kv`; `capture`: captured as one CUDA graph), charged by this instance's own clock
+        after each step (not the target's `clock`); None, or why not."""
         if isinstance(self.layout, CopiedKVDraft):
             return "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
         from specter.decoding.static_draft import StaticDraft
 
         self.layout = StaticDraft(self.instance, compiler, mode, positions=positions,
-                                  after_step=getattr(self.charger, "charge_compiled_step", None),
-                                  charging=getattr(self.charger, "captured_step", None),
+                                  clock=self.clock,
                                   own_kv=True, capture=capture)
         return None
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
+        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
 
     def as_record(self) -> dict:
         copied = isinstance(self.layout, CopiedKVDraft)

@@ -11,7 +11,8 @@ An engine is a decoding loop x a draft x a prefetcher x an eviction policy:
 
 Systems are recipes choosing the parts and their knobs (`specter/system.py`, `baselines/`);
 no system subclasses an engine. Each engine owns what every system shares: the stop set, the
-device-memory account, the compute charger, the per-request reset and the record columns.
+device-memory account, the compute clock (clock/observer.py), the per-request reset and the
+record columns.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from specter.decoding.loop import speculative_batch
 from specter.decoding.static_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
 from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
-from specter.offload.build import Timing, offload_model, timing_for
+from specter.clock.observer import NULL_CLOCK, NullClock
+from specter.clock.timing import Timing, timing_for
+from specter.offload.build import offload_model
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
 from specter.quant.build import GRAPHS_AND_STEP
@@ -46,11 +49,11 @@ class GreedyEngine:
         self.stop = eos_ids(model) if stop_on_eos else set()
         slots = runtime.cache.device_bytes() if runtime is not None else 0
         self.memory = DeviceMemory(model, device, extra_bytes=slots)
-        self.charger = timing.charger(model, charge_experts=runtime is None)
+        self.clock = timing.observer(model, charge_experts=runtime is None)
         self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
-        # resident's system.compile, `static(timing, charger)` -> (a StaticDecode, batch-1
+        # resident's system.compile, `static(timing, clock)` -> (a StaticDecode, batch-1
         # decode steps compiled, or None; its record columns)
-        self.static, self.compiled = static(timing, self.charger) if static else (None, {})
+        self.static, self.compiled = static(timing, self.clock) if static else (None, {})
 
     def reset(self) -> None:
         """The fixed initial resident set and statistics, before each request (outside timing)."""
@@ -66,7 +69,7 @@ class GreedyEngine:
         """Greedy decoding draws nothing."""
 
     def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
+        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
         if self.runtime is not None:
             self.runtime.record_demand = phase != "prefill"  # the hit rate excludes prefill
 
@@ -119,8 +122,8 @@ class SpeculativeEngine:
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
                  runtime: OffloadRuntime, draft, depth: Depth,
-                 window: WindowPrefetcher | None = None, stop_on_eos: bool = True,
-                 temperature: float = 0.0):
+                 clock: NullClock = NULL_CLOCK, window: WindowPrefetcher | None = None,
+                 stop_on_eos: bool = True, temperature: float = 0.0, compiled: dict | None = None):
         self.name, self.model, self.device = name, model, device
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.depth = depth  # how deep it drafts, settled once (decoding/depth.py)
@@ -131,15 +134,12 @@ class SpeculativeEngine:
         self.stop = eos_ids(model) if stop_on_eos else set()
         self.memory = DeviceMemory(model, device,
                                    extra_bytes=runtime.cache.device_bytes() + draft.device_bytes)
-        self.charger = timing.charger(model, charge_experts=False)
+        # the target's forwards, charged on a virtual clock (build_speculative subscribes it)
+        self.clock = clock
         draft.listen(self.window.on_draft_experts, self.window.on_draft_routes,
                      in_graph=self.window.routes_in_graph)
-        if getattr(draft.layout, "after_step", False) is None:
-            # a compiled draft step of the target's own instance is charged after it runs by
-            # the target's hooks (they do not run inside); a second instance brings its own
-            draft.layout.after_step = getattr(self.charger, "charge_compiled_step", None)
-            draft.layout.charging = getattr(self.charger, "captured_step", None)
-        self.compiled = {"draft_compiled": False, "draft_compile": "eager", "draft_captured": False}
+        self.compiled = compiled or {"draft_compiled": False, "draft_compile": "eager",
+                                     "draft_captured": False}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
         self.generators: list[torch.Generator] | None = None
 
@@ -163,7 +163,7 @@ class SpeculativeEngine:
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
 
     def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.charger.begin_forward(tokens, context, phase == "prefill", rows)
+        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
         self.draft.before_forward(tokens, context, phase, rows)
         self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
         self.window.on_forward(phase)
@@ -245,17 +245,19 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
                             serial=not reorder, overlap=overlap)
     draft = make_draft(timing, runtime)
     depth = job.draft.depth
-    compiled = compile_draft(job, draft, timing, depth.k_max)
+    # the target's forwards, charged on a virtual clock; a compiled draft step of the target's
+    # own instance is charged by it after the step runs (its hooks do not run inside)
+    clock = timing.observer(job.loaded.model, charge_experts=False)
+    compiled = compile_draft(job, draft, timing, depth.k_max, clock)
     if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
         draft.warm_graphs(job.rows, depth.k_max)
-    engine = SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
-                               window=window(runtime, timing, draft) if window else None,
-                               stop_on_eos=job.stop_on_eos, temperature=job.temperature)
-    engine.compiled = compiled
-    return engine
+    return SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
+                             clock=clock, window=window(runtime, timing, draft) if window else None,
+                             stop_on_eos=job.stop_on_eos, temperature=job.temperature,
+                             compiled=compiled)
 
 
-def compile_draft(job, draft, timing: Timing, k_max: int) -> dict:
+def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NULL_CLOCK) -> dict:
     """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
     (static_draft.py), where its shapes are static; on CUDA the whole step is captured as one
     CUDA graph (`kernels.capture_graph`: at its first step, the runner's untimed warm-up
@@ -287,7 +289,7 @@ def compile_draft(job, draft, timing: Timing, k_max: int) -> dict:
 
         why_not = draft.use_static(spec.compile_backend, None,
                                    positions=job.positions + k_max + 1,
-                                   capture=capture_graph if cuda else None)
+                                   capture=capture_graph if cuda else None, clock=clock)
         if why_not is not None:
             if spec.compile == "on":
                 raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")

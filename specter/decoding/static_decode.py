@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.engine import BatchCache, Generation, cache_bytes
 from specter.decoding.static_draft import MODES, index_kept, settle_compile
@@ -86,7 +87,7 @@ class StaticDecode:
     buffers serves the run; `capture`: below."""
 
     def __init__(self, model: nn.Module, compiler: str = "inductor", positions: int = 0,
-                 capture=None, charger=None):
+                 capture=None, clock: NullClock = NULL_CLOCK):
         _register()
         self.model, self.compiler = model, compiler
         self.positions = positions
@@ -109,9 +110,9 @@ class StaticDecode:
         self.cache = None
         self.capacity = 0
         self.routes: list[torch.Tensor] = []
-        # a virtual clock's Charger (offload/runtime.py): each compiled step charged after it
-        # runs, as a captured graph's replay; None on real clocks
-        self.charger = charger
+        # the engine's clock (clock/observer.py): each compiled step charged after it runs, as
+        # a captured graph's replay (a no-op on real clocks)
+        self.clock = clock
         torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler)
         self.steps_run = self.compiles = 0
@@ -213,9 +214,8 @@ class StaticDecode:
             tell(1, n + 1, "decode", rows=1)
             began = time.perf_counter()
             tok, routes = self._run_step(tok)
-            if self.charger is not None:
-                with self.charger.captured_step():
-                    self.charger.charge_compiled_step(routes)
+            with self.clock.captured_step():
+                self.clock.compiled_step(routes)
             if self._fresh:
                 self.compile_s += time.perf_counter() - began
                 self.compiles, self._fresh = self.compiles + 1, False

@@ -29,16 +29,16 @@ Hooks in the compiled region (the virtual clock's charges, the draft's routing l
 not run inside it: the step records each draft layer's routing as an output, and after the
 step the charges and listeners are replayed in the order the eager forward makes them.
 Does not own: the window loop (loop.py), the eager layouts (drafting.py), the experts
-(self_draft.py), what a forward costs (offload/runtime.py `Charger`).
+(self_draft.py), what a forward costs (clock/observer.py `ComputeClock`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
+from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.engine import BatchCache, cache_bytes
 from specter.errors import UserError
@@ -111,13 +111,14 @@ class StaticDraft:
     one CUDA graph, at the first step (the runner's untimed warm-up request), and each step
     then one replay; the window's proposals are read once, after its last step.
     `on_copy(positions, rows, cache)` is told of each window's copy of newly committed KV;
-    `after_step()` replays what the compiled region did not run (the clock's charges).
+    `clock` (clock/observer.py) charges after each step what the compiled region did not run
+    (`compiled_step`), inside its `captured_step` block (priced as a captured graph's replay).
     `positions`: the longest context a request will reach (prompt, new tokens, a window), so
     that one set of buffers, and one compilation, serves the whole run."""
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
-                 on_copy=None, after_step=None, positions: int = 0, own_kv: bool = False,
-                 charging=None, capture=None):
+                 on_copy=None, positions: int = 0, own_kv: bool = False,
+                 clock: NullClock = NULL_CLOCK, capture=None):
         self.shared, self.model = shared, shared.model
         # own_kv: a second instance's own KV (SpecMoEOff's layout), not a copy of the target's:
         # the committed tokens it has not seen are fed in one eager forward before the steps
@@ -125,10 +126,7 @@ class StaticDraft:
         self.compiler, self.mode = compiler, mode
         self.capture = capture  # capture(fn, warm) -> replay(): the step as one CUDA graph
         self.replay = None  # the captured step (new buffers drop it: captured again)
-        self.on_copy, self.after_step = on_copy, after_step
-        # `charging()`: the block a step's replayed charges are made in (a virtual clock's
-        # `Charger.captured_step`: priced as a captured graph's replay), or None
-        self.charging = charging
+        self.on_copy, self.clock = on_copy, clock
         self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
         self.capacity = 0
         self.positions = positions
@@ -291,10 +289,9 @@ class StaticDraft:
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
                 self.steps_run += 1
-                with self.charging() if self.charging is not None else contextlib.nullcontext():
+                with self.clock.captured_step():
                     self.shared.replay(routes)
-                    if self.after_step is not None:
-                        self.after_step()
+                    self.clock.compiled_step()
                 chosen.append(nxt)
                 tok = nxt
                 yield i + 1, k
@@ -326,10 +323,9 @@ class StaticDraft:
                 with compiled_region():  # one graph replay (experiments/hotpath.py)
                     routes = self.replay()
                 self.steps_run += 1
-                with self.charging() if self.charging is not None else contextlib.nullcontext():
+                with self.clock.captured_step():
                     self.shared.replay(routes, captured=True)  # read before the next replay
-                    if self.after_step is not None:
-                        self.after_step()
+                    self.clock.compiled_step()
                 yield i + 1, k
         row = self._proposals[0, :k].tolist()  # the window's one read of its proposals
         cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))

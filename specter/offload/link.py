@@ -49,7 +49,7 @@ import torch
 
 from specter.counting import expert_copy
 from specter.errors import UserError
-from specter.offload.intervals import Interval, intersection_length, union_length
+from specter.clock.intervals import Interval, intersection_length, union_length
 
 KINDS = ("virtual", "wall", "cuda")
 

@@ -7,7 +7,7 @@ speculative window: it sees the draft's routing at every MoE layer of every draf
 told after each draft step and when the window ends, and may load experts for the coming
 verification (Specter's orchestrator, SpecMoEOff's route-frequency prefetch, the single-plan
 and last-window policies). Both load through the runtime's public `prefetch(...)` or the
-cache's own `load/pin/stage`, and advance the clock through `runtime.charge(...)`; neither
+cache's own `load/pin/stage`, and advance the clock through `runtime.clock (specter/clock/observer.py)`; neither
 touches the runtime's private members.
 
 Subclass the base classes below for the no-op defaults; the engines call every hook.

@@ -5,9 +5,9 @@ layer with the router's choice; routers, attention, norms and shared experts sta
 Face's and untouched), executing a layer's routed experts from device slots (one host read
 of the routing, the misses' copies issued together, then rounds of one fixed-launch kernel
 each: the resident experts while the misses stream in, `_rounds`, offload/grouped.py; results
-summed in expert order exactly as HF's eager path does), the per-request demand statistics,
-and `Charger`: forward hooks that charge each compute step to the clock with the cost model (a
-no-op charge on real clocks).
+summed in expert order exactly as HF's eager path does), and the per-request demand
+statistics. The steps it runs itself (router, its own host work, each expert or grouped call)
+are reported to its clock (specter/clock/observer.py; a no-op on real clocks).
 Does not own: what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what to
 evict (policy.py), how bytes move and time passes (link.py), the decode loops (decoding/).
 
@@ -16,19 +16,18 @@ T = tokens in this forward, k = top-k, H = hidden, E = routed experts.
 
 from __future__ import annotations
 
-import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from specter.counting import charging_only, routed_counts
 from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
-from specter.offload.costmodel import CostModel
+from specter.clock.costmodel import CostModel
+from specter.clock.observer import runtime_clock
 from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
 from specter.offload.hostweights import HostWeights
 from specter.offload.link import Link
@@ -84,99 +83,6 @@ class DemandStats:
                 "distinct_experts_mean": sum(per_layer) / len(per_layer) if per_layer else 0.0,
                 "distinct_experts_per_forward": (sum(self.forward_distinct) / len(self.forward_distinct)
                                                  if self.forward_distinct else float("nan"))}
-
-
-class Charger:
-    """Forward hooks charging each compute step of the model to the link's clock.
-
-    Attention (+norms) at each decoder layer's `self_attn`, dense MLPs, shared experts and the
-    lm head at their modules; routed experts are charged by whoever runs them (the offload
-    runtime per expert, or this charger from the router's choice when experts stay HF's).
-    """
-
-    def __init__(self, model: nn.Module, link: Link, cost: CostModel, charge_experts: bool):
-        self.link, self.cost = link, cost
-        self.tokens, self.context, self.rows = 1, 1, 1  # tokens: of all rows together
-        self.row_tokens = 1
-        self.handles = []
-        self.parts = []  # what the hooks charge, in their order (`charge_compiled_step`)
-        moe_ids = {id(m) for _, m in experts_modules(model)}
-        for layer in model.model.layers:
-            self._hook(layer.self_attn, self._attention_s)
-            mlp = layer.mlp
-            if not any(id(m) in moe_ids for m in mlp.modules()):
-                self._hook(mlp, lambda: cost.dense_mlp_s(self.tokens))
-                continue
-            for name, sub in mlp.named_children():
-                if name in ("shared_expert", "shared_experts"):  # (a sigmoid gate's cost is negligible)
-                    self._hook(sub, lambda: cost.shared_s(self.tokens))
-                elif id(sub) in moe_ids and charge_experts:
-                    self.handles.append(sub.register_forward_pre_hook(self._charge_hf_experts))
-        self.parts.append(lambda: cost.lm_head_s(self.rows))  # a compiled step keeps one position
-        self.handles.append(model.lm_head.register_forward_hook(  # rows x kept positions
-            lambda m, i, o: None if torch.compiler.is_compiling()
-            else link.compute(cost.lm_head_s(o.shape[:-1].numel()))))
-
-    def _attention_s(self) -> float:
-        """Every row's tokens through the projections, each row reading its own KV."""
-        if self.rows == 1:
-            return self.cost.attention_s(self.row_tokens, self.context)
-        return self.cost.attention_batch_s([(self.row_tokens, self.context)] * self.rows)
-
-    def _hook(self, module: nn.Module, seconds) -> None:
-        # Inside a compiled region the hook is traced, not run: the step is charged after it.
-        self.parts.append(seconds)
-        self.handles.append(module.register_forward_hook(
-            lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
-
-    @contextlib.contextmanager
-    def captured_step(self):
-        """The charges of one compiled step, made inside this block (the hooks' replay, the
-        draft's listeners), as the modelled GPU runs a captured graph: each kernel's compute
-        and memory time (`HardwareProfile.captured`), then one launch for the graph's replay.
-        The cost model is shared, so every charge in the block is priced so."""
-        hw = self.cost.hw
-        self.cost.hw = hw.captured()
-        try:
-            yield
-        finally:
-            self.cost.hw = hw
-        self.link.compute(hw.launch_overhead_s)  # the replay: one launch
-
-    def charge_compiled_step(self, routes: torch.Tensor | None = None) -> None:
-        """What the hooks charge for one forward that ran compiled (static_draft.py: one
-        position per row kept), after it ran; `routes` [L, T, k] (static_decode.py): every MoE
-        layer's routing, for the experts the pre-hooks would have charged."""
-        for seconds in self.parts:
-            self.link.compute(seconds())
-        if routes is not None:
-            for tokens, per_expert in routed_counts(routes):
-                self._charge_counts(tokens, per_expert)
-
-    def _charge_counts(self, tokens: int, per_expert: list[int]) -> None:
-        self.link.compute(self.cost.router_s(tokens))
-        for n in per_expert:
-            self.link.compute(self.cost.expert_s(n))
-
-    def _charge_hf_experts(self, module, args) -> None:
-        if torch.compiler.is_compiling():  # traced, not run: charge_compiled_step charges it
-            return
-        _, top_k_index, _ = args
-        with charging_only():
-            counts = torch.bincount(top_k_index.flatten())  # tokens per expert
-            per_expert = counts[counts > 0].tolist()  # host sync: charging only
-        self._charge_counts(self.tokens, per_expert)
-
-    def begin_forward(self, tokens: int, context: int, prefill: bool = False,
-                      rows: int = 1) -> None:
-        """The next forward: `rows` sequences of `tokens` positions each (padding included),
-        each attending over `context` positions (holes included: the kernel reads them)."""
-        self.tokens, self.context, self.rows = tokens * rows, context, rows
-        self.row_tokens = tokens
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
 
 
 @dataclass(frozen=True)
@@ -242,15 +148,13 @@ class Rounds:
                 cache.touch(l, e)
                 s = cache.slot(l, e)
                 if s is None:  # a staging buffer (beyond the slots): on its own
-                    rt.charge("expert_s", groups.counts[e])
+                    rt.clock.expert(groups.counts[e])
                     _, out = layer.expert(e, cache.weights(l, e))
                     total.place(*groups.of(e), out)
                 else:
                     slot_of[e] = s
             if slot_of:  # one kernel call, charged as one (the clock follows the engine)
-                if rt.cost is not None:
-                    rt.link.compute(rt.cost.grouped_experts_s(
-                        [groups.counts[e] for e in slot_of]))
+                rt.clock.grouped_experts([groups.counts[e] for e in slot_of])
                 grouped_products(self.kernel, groups, slot_of, cache.slot_buffers(l),
                                  layer.module._apply_gate, total)
             done = set(batch)
@@ -297,7 +201,7 @@ class OneByOne:
             cache.wait(l, e)
             n = layer.groups.counts[e]
             for _ in range(n if self.serial else 1):
-                rt.charge("expert_s", 1 if self.serial else n)
+                rt.clock.expert(1 if self.serial else n)
             cache.touch(l, e)
             outs[e] = layer.expert(e, cache.weights(l, e), self.serial)
             cache.unprotect(l, e)
@@ -345,6 +249,8 @@ class OffloadRuntime:
                  compute: Rounds | OneByOne | None = None, rates: CostModel | None = None,
                  host_misses: bool = False, host_all: bool = False):
         self.model, self.cache, self.link, self.cost = model, cache, link, cost
+        # the steps this runtime runs itself, charged where there is a cost model
+        self.clock = runtime_clock(link, cost)
         self.device = next(model.parameters()).device
         self.prefetcher = prefetcher
         self.compute = compute or verification(self.device, cache.layout.dtype)
@@ -388,8 +294,8 @@ class OffloadRuntime:
         """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: route, demand, host,
         copy, compute, sum."""
         cache = self.cache
-        self.charge("router_s", hidden.shape[0])  # the router that just ran
-        self.charge("offload_layer_s", hidden.shape[0])  # this method's own host work
+        self.clock.router(hidden.shape[0])  # the router that just ran
+        self.clock.offload_layer(hidden.shape[0])  # this method's own host work
         if self.host_all:  # every expert on the host: the routing is grouped there
             return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
         # 1. Route: the layer's one host read (residency is a host decision: specter/grouping.py).
@@ -585,13 +491,6 @@ class OffloadRuntime:
             if self.cache.load(l, e) is None:
                 return experts[i:]
         return []
-
-    def charge(self, step: str, tokens: int) -> None:
-        """Advance the clock by a cost-model step over `tokens` tokens (`step` names a
-        CostModel method, e.g. "router_s"); real clocks have no cost model here: the step took
-        its time."""
-        if self.cost is not None:
-            self.link.compute(getattr(self.cost, step)(tokens))
 
     def prefetch(self, layer: int, experts, count: bool = True) -> int:
         """Load `experts` of MoE layer `layer` that are not resident, in order, while a slot

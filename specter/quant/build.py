@@ -61,7 +61,7 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
     kind of device (kernel_bench --write-choice, at a real model's expert shape and one token:
     a draft step) among those that can run here, when that measurement exists; else triton on
     CUDA, cpu_int4 on the CPU. `counted`: a counted profile's virtual clock on the CPU
-    (specter/offload/counted.py) charges the operations the draft issues, so auto takes
+    (specter/clock/counted.py) charges the operations the draft issues, so auto takes
     gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's).
     `compiles`: the draft step is to run as one compiled graph (`spec.compile`, see
     `draft_compiles`), which only gather_int4 allows (the others read the routing on the host
@@ -105,7 +105,7 @@ COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step comp
 
 def counted_clock(hw) -> bool:
     """Whether the hardware settings are a counted profile's virtual clock
-    (specter/offload/counted.py: host costs charged from what the code issues)."""
+    (specter/clock/counted.py: host costs charged from what the code issues)."""
     return hw.clock == "virtual" and (getattr(hw, "host_op_s", 0) > 0
                                       or getattr(hw, "sync_s", 0) > 0)
 

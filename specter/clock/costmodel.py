@@ -46,7 +46,7 @@ class HardwareProfile:
     engine: str = "ideal"  # "ideal" | "hf"
     draft_overhead_s: float | None = None  # per fused INT4 draft layer; None: expert_overhead_s
     offload_layer_overhead_s: float = 0.0  # per offloaded MoE layer per forward (host side)
-    # Counted host costs (specter/offload/counted.py): per launching op, per host sync
+    # Counted host costs (specter/clock/counted.py): per launching op, per host sync
     host_op_s: float = 0.0
     sync_s: float = 0.0
 
@@ -58,7 +58,7 @@ class HardwareProfile:
     def captured(self) -> "HardwareProfile":
         """This device running a captured CUDA graph (a compiled step, `spec.compile`): no
         per-kernel launch and no eager framework cost inside it, only its kernels' compute and
-        memory time; the replay's one launch is charged by `Charger.captured_step`. A small
+        memory time; the replay's one launch is charged by `ComputeClock.captured_step`. A small
         kernel's few-microsecond floor on the GPU is not modelled."""
         return replace(self, launch_overhead_s=0.0, layer_overhead_s=0.0, expert_overhead_s=0.0,
                        draft_overhead_s=None, offload_layer_overhead_s=0.0)

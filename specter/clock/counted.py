@@ -32,7 +32,7 @@ from torch import nn
 
 from specter.counting import OpCounter
 from specter.models.introspect import experts_modules
-from specter.offload.costmodel import CostModel
+from specter.clock.costmodel import CostModel
 from specter.offload.link import Link
 
 

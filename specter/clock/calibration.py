@@ -1,10 +1,10 @@
 """Framework costs of the engine profiles, fit to public measurements of batch-1 decoding.
 
-`python -m specter.offload.calibration` prints the fit and checks it against the values in
+`python -m specter.clock.calibration` prints the fit and checks it against the values in
 conf/hardware/*.yaml (tests/test_calibration.py does the same). docs/calibration.md cites
 every measurement used and says what each profile therefore reproduces.
 
-The model (specter/offload/costmodel.py): one decode step of a resident model costs its
+The model (specter/clock/costmodel.py): one decode step of a resident model costs its
 roofline (bytes at HBM bandwidth, FLOPs at the matrix rate, 5 us per kernel launch) plus
 `layer_overhead_s` per decoder layer and `expert_overhead_s` per MLP call (each routed
 expert, each shared-expert block, each dense MLP, each fused INT4 draft layer). The step time
@@ -31,7 +31,7 @@ import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specter.offload.costmodel import ChargedSizes, CostModel, HardwareProfile
+from specter.clock.costmodel import ChargedSizes, CostModel, HardwareProfile
 
 # GPUs the measurements ran on (datasheet peaks). The A800 is the A100's export variant (same
 # HBM2e and tensor cores; only NVLink differs). gpt-fast's A100 ran power-capped at 330 W, which

@@ -1,0 +1,172 @@
+"""The virtual clock's observer: what each forward computes, charged to the link's clock.
+
+Owns: `ComputeClock`, subscribed to a model's forwards by hooks (attention, dense MLPs, shared
+experts, the lm head; HF's routed experts from the router's choice) and told by the offload
+runtime of the steps it runs itself (router, its own host work, each expert or grouped call);
+`NullClock`, the same calls doing nothing, for clocks that are the real thing (compute takes
+the time it takes). Engines and drafts hold one and call it; nothing else charges compute.
+Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from specter.clock.costmodel import CostModel
+from specter.counting import charging_only, routed_counts
+from specter.models.introspect import experts_modules
+from specter.offload.link import Link
+
+
+class NullClock:
+    """A real clock (or a model the clock does not price): every call is a no-op."""
+
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False,
+                      rows: int = 1) -> None:
+        pass
+
+    def router(self, tokens: int) -> None:
+        pass
+
+    def offload_layer(self, tokens: int) -> None:
+        pass
+
+    def expert(self, tokens: int) -> None:
+        pass
+
+    def grouped_experts(self, counts: list[int]) -> None:
+        pass
+
+    def captured_step(self):
+        return contextlib.nullcontext()
+
+    def compiled_step(self, routes: torch.Tensor | None = None) -> None:
+        pass
+
+    def remove(self) -> None:
+        pass
+
+
+NULL_CLOCK = NullClock()
+
+
+def runtime_clock(link: Link, cost: CostModel | None) -> NullClock:
+    """The clock an offload runtime reports its own steps to: priced wherever there is a cost
+    model (the virtual and emulated clocks), a no-op on real clocks."""
+    return NULL_CLOCK if cost is None else ComputeClock(link, cost)
+
+
+class ComputeClock(NullClock):
+    """The virtual clock's observer: forward hooks charging each compute step of the model to
+    the link's clock, and the steps the offload runtime reports (`router`, `offload_layer`,
+    `expert`, `grouped_experts`), priced by the cost model.
+
+    Attention (+norms) at each decoder layer's `self_attn`, dense MLPs, shared experts and the
+    lm head at their modules; routed experts are charged by whoever runs them (the offload
+    runtime per expert, or this clock from the router's choice when experts stay HF's).
+    """
+
+    def __init__(self, link: Link, cost: CostModel, model: nn.Module | None = None,
+                 charge_experts: bool = False):
+        self.link, self.cost = link, cost
+        self.tokens, self.context, self.rows = 1, 1, 1  # tokens: of all rows together
+        self.row_tokens = 1
+        self.handles = []
+        self.parts = []  # what the hooks charge, in their order (`compiled_step`)
+        if model is not None:
+            self._subscribe(model, charge_experts)
+
+    def _subscribe(self, model: nn.Module, charge_experts: bool) -> None:
+        link, cost = self.link, self.cost
+        moe_ids = {id(m) for _, m in experts_modules(model)}
+        for layer in model.model.layers:
+            self._hook(layer.self_attn, self._attention_s)
+            mlp = layer.mlp
+            if not any(id(m) in moe_ids for m in mlp.modules()):
+                self._hook(mlp, lambda: cost.dense_mlp_s(self.tokens))
+                continue
+            for name, sub in mlp.named_children():
+                if name in ("shared_expert", "shared_experts"):  # (a sigmoid gate's cost is negligible)
+                    self._hook(sub, lambda: cost.shared_s(self.tokens))
+                elif id(sub) in moe_ids and charge_experts:
+                    self.handles.append(sub.register_forward_pre_hook(self._charge_hf_experts))
+        self.parts.append(lambda: cost.lm_head_s(self.rows))  # a compiled step keeps one position
+        self.handles.append(model.lm_head.register_forward_hook(  # rows x kept positions
+            lambda m, i, o: None if torch.compiler.is_compiling()
+            else link.compute(cost.lm_head_s(o.shape[:-1].numel()))))
+
+    def _attention_s(self) -> float:
+        """Every row's tokens through the projections, each row reading its own KV."""
+        if self.rows == 1:
+            return self.cost.attention_s(self.row_tokens, self.context)
+        return self.cost.attention_batch_s([(self.row_tokens, self.context)] * self.rows)
+
+    def _hook(self, module: nn.Module, seconds) -> None:
+        # Inside a compiled region the hook is traced, not run: the step is charged after it.
+        self.parts.append(seconds)
+        self.handles.append(module.register_forward_hook(
+            lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
+
+    @contextlib.contextmanager
+    def captured_step(self):
+        """The charges of one compiled step, made inside this block (the hooks' replay, the
+        draft's listeners), as the modelled GPU runs a captured graph: each kernel's compute
+        and memory time (`HardwareProfile.captured`), then one launch for the graph's replay.
+        The cost model is shared, so every charge in the block is priced so."""
+        hw = self.cost.hw
+        self.cost.hw = hw.captured()
+        try:
+            yield
+        finally:
+            self.cost.hw = hw
+        self.link.compute(hw.launch_overhead_s)  # the replay: one launch
+
+    def compiled_step(self, routes: torch.Tensor | None = None) -> None:
+        """What the hooks charge for one forward that ran compiled (static_draft.py: one
+        position per row kept), after it ran; `routes` [L, T, k] (static_decode.py): every MoE
+        layer's routing, for the experts the pre-hooks would have charged."""
+        for seconds in self.parts:
+            self.link.compute(seconds())
+        if routes is not None:
+            for tokens, per_expert in routed_counts(routes):
+                self._charge_counts(tokens, per_expert)
+
+    def _charge_counts(self, tokens: int, per_expert: list[int]) -> None:
+        self.router(tokens)
+        for n in per_expert:
+            self.expert(n)
+
+    def router(self, tokens: int) -> None:
+        self.link.compute(self.cost.router_s(tokens))
+
+    def offload_layer(self, tokens: int) -> None:
+        self.link.compute(self.cost.offload_layer_s(tokens))
+
+    def expert(self, tokens: int) -> None:
+        self.link.compute(self.cost.expert_s(tokens))
+
+    def grouped_experts(self, counts: list[int]) -> None:
+        self.link.compute(self.cost.grouped_experts_s(counts))
+
+    def _charge_hf_experts(self, module, args) -> None:
+        if torch.compiler.is_compiling():  # traced, not run: compiled_step charges it
+            return
+        _, top_k_index, _ = args
+        with charging_only():
+            counts = torch.bincount(top_k_index.flatten())  # tokens per expert
+            per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        self._charge_counts(self.tokens, per_expert)
+
+    def begin_forward(self, tokens: int, context: int, prefill: bool = False,
+                      rows: int = 1) -> None:
+        """The next forward: `rows` sequences of `tokens` positions each (padding included),
+        each attending over `context` positions (holes included: the kernel reads them)."""
+        self.tokens, self.context, self.rows = tokens * rows, context, rows
+        self.row_tokens = tokens
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
