@@ -10,16 +10,16 @@ tokens accepted. The records say which way it went (docs/host_experts.md).
 from __future__ import annotations
 
 from specter.budget import Footprint
-from specter.decoding.drafts import SelfInt4Draft
+from specter.decoding.draft import SelfInt4Draft
 from specter.decoding.engines import SpeculativeEngine, build_speculative
-from specter.quant.build import draft_for
+from specter.quant.build import int4_experts_for
 
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True, host_experts=True)  # the INT4 copy; no expert slots
 
 
 def build(job) -> SpeculativeEngine:
-    draft = draft_for(job)  # from the full-precision experts, before they move out
+    draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
         job, "host_experts_s",
         lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing),

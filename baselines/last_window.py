@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specter.config import SystemConfig
-from specter.decoding.drafts import SelfInt4Draft
+from specter.decoding.draft import SelfInt4Draft
 from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.errors import UserError
 from specter.offload.prefetch import WindowPrefetcher
-from specter.quant.build import draft_for
+from specter.quant.build import int4_experts_for
 
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
@@ -53,7 +53,7 @@ class LastWindowPrefetch(WindowPrefetcher):
 
 
 def build(job) -> SpeculativeEngine:
-    draft = draft_for(job)
+    draft = int4_experts_for(job)
     top_m = job.system.top_m or job.loaded.spec.top_k
     return build_speculative(
         job, "last_window",

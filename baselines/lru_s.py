@@ -9,16 +9,16 @@ hooks in both modes. Output: the target's greedy tokens (specter/decoding/loop.p
 
 from __future__ import annotations
 
-from specter.decoding.drafts import SelfInt4Draft
+from specter.decoding.draft import SelfInt4Draft
 from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine, build_speculative
-from specter.quant.build import draft_for
+from specter.quant.build import int4_experts_for
 
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)
 
 
 def build(job) -> SpeculativeEngine:
-    draft = draft_for(job)  # from the full-precision experts, before they move out
+    draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
         job, "lru_s", lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing))

@@ -4,7 +4,7 @@ The no-offload limit every other system is compared to, and the reference for lo
 its tokens must equal Hugging Face `generate` of the same model token for token. The experts
 stay Hugging Face's own; under the virtual clock each step is charged by the cost model.
 `system.compile` (batch 1; `auto` on a real clock, the CPU's or a GPU's): each decode step one
-compiled graph over a static cache (specter/decoding/static_decode.py), the fair baseline of a
+compiled graph over a static cache (specter/decoding/compiled_decode.py), the fair baseline of a
 compiled draft step; on CUDA the whole step is captured as one CUDA graph and replayed, as the
 draft's step is (the same `capture_graph`), in the runner's untimed warm-up request.
 """
@@ -40,9 +40,9 @@ def build(job) -> GreedyEngine:
 
 
 def decode_step(job, timing, clock):
-    """`system.compile`, decided with the engine's clock: (a `StaticDecode` charged through the
+    """`system.compile`, decided with the engine's clock: (a `CompiledDecode` charged through the
     engine's `clock` as a captured graph on a virtual clock, or None; its record columns)."""
-    from specter.decoding.static_decode import StaticDecode, resolve_system_compile
+    from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
 
     sc = job.system
     on, why = resolve_system_compile(sc.compile, job.rows, timing.clock)
@@ -51,7 +51,7 @@ def decode_step(job, timing, clock):
     if on:
         from specter.quant.kernels import capture_graph
 
-        static = StaticDecode(job.loaded.model, sc.compile_backend, positions=job.positions + 1,
+        static = CompiledDecode(job.loaded.model, sc.compile_backend, positions=job.positions + 1,
                               capture=capture_graph if cuda else None,
                               clock=clock)
     if on and cuda:

@@ -50,9 +50,9 @@ from torch import nn
 
 from specter.config import SystemConfig
 from specter.counting import charging_only
-from specter.decoding.drafts import DraftPart, charges_virtually
+from specter.decoding.draft import Draft, charges_virtually
 from specter.decoding.engines import SpeculativeEngine, build_speculative
-from specter.decoding.self_draft import SelfDraft
+from specter.decoding.draft_mode import DraftMode
 from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.clock.timing import Timing
@@ -110,7 +110,7 @@ def ranked_routing(top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> li
 
 class HostDraftExperts:
     """The draft's routed experts of one MoE layer, computed on the host from the store's
-    full-precision copy with the truncated routing; a `SelfDraft` draft layer."""
+    full-precision copy with the truncated routing; a `DraftMode` draft layer."""
 
     def __init__(self, owner: "HostDraft", layer: int, module: nn.Module):
         self.owner, self.layer, self.module = owner, layer, module
@@ -133,7 +133,7 @@ class HostDraftExperts:
         return final.to(hidden.device)  # ... and comes back
 
 
-class HostDraft(DraftPart):
+class HostDraft(Draft):
     """The draft part: the target's own instance in draft mode, every MoE layer's routed
     experts computed on the host (no quantized copy, no device bytes)."""
 
@@ -148,7 +148,7 @@ class HostDraft(DraftPart):
         self.listeners: list = []
         self.charge = self._charge_host_experts if charges_virtually(timing) else None
         self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
-        self.self_draft = SelfDraft(model, None, draft_layers=self.layers, draft_bytes=0)
+        self.draft_mode = DraftMode(model, None, draft_layers=self.layers, draft_bytes=0)
 
     def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
         cost, link = self.timing.cost, self.timing.link

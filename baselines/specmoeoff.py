@@ -15,10 +15,10 @@ import math
 import torch
 
 from specter.budget import Footprint
-from specter.decoding.drafts import SeparateInt4Draft, load_separate_draft_model
+from specter.decoding.draft import SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.offload.prefetch import WindowPrefetcher
-from specter.quant.build import draft_for
+from specter.quant.build import int4_experts_for
 
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True, second_instance=True)  # the INT4 copy, a second instance
@@ -83,7 +83,7 @@ class RouteFrequencyPrefetch(WindowPrefetcher):
 
 
 def build(job) -> SpeculativeEngine:
-    draft = draft_for(job)
+    draft = int4_experts_for(job)
     second = load_separate_draft_model(job)
     return build_speculative(
         job, "specmoeoff",

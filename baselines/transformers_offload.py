@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from specter.budget import Footprint
-from specter.engine import DeviceMemory, Generation, eos_ids, pad_id
+from specter.decoding.batch import DeviceMemory, Generation, eos_ids, pad_id
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.clock.timing import Timing, timing_for

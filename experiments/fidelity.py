@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import torch
 
-from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode
+from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode
 from specter.models.introspect import router_topk
 from specter.clock.timing import Timing
-from specter.quant.build import draft_for
-from specter.decoding.self_draft import SelfDraft
+from specter.quant.build import int4_experts_for
+from specter.decoding.draft_mode import DraftMode
 
 
 @torch.no_grad()
-def routing_fidelity(shared: SelfDraft, ids: torch.Tensor, start: int,
+def routing_fidelity(shared: DraftMode, ids: torch.Tensor, start: int,
                      with_matches: bool = False) -> dict:
     """Top-k agreement of draft and target over positions `start`.. of `ids` [1, S];
     `with_matches` adds `draft_token_matches`, per position whether the draft's greedy token
@@ -55,7 +55,7 @@ class FidelityEngine:
     compiled: dict = {}  # nothing compiled
     name = "fidelity"
 
-    def __init__(self, model, device: torch.device, shared: SelfDraft, draft_record: dict,
+    def __init__(self, model, device: torch.device, shared: DraftMode, draft_record: dict,
                  stop_on_eos: bool = True):
         self.model, self.device, self.shared = model, device, shared
         self.draft_record = draft_record
@@ -87,10 +87,10 @@ class FidelityEngine:
 
 
 def build(job) -> FidelityEngine:
-    from specter.decoding.self_draft import account_model
+    from specter.decoding.draft_mode import account_model
 
-    draft = draft_for(job)
-    shared = SelfDraft(job.loaded.model, draft.experts, draft.backend, job.device)
+    draft = int4_experts_for(job)
+    shared = DraftMode(job.loaded.model, draft.experts, draft.backend, job.device)
     memory = account_model(f"own:{job.clock.model}", job.loaded.spec, job.budget.slots,
                            job.positions, shared.draft_bytes)
     return FidelityEngine(job.loaded.model, job.device, shared,

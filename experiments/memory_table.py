@@ -7,7 +7,7 @@ GPTQ draft in groups of 128 with FP16 scales) at their high and low budgets: non
 weights, the INT4 draft experts, the target's resident expert slots and one KV cache at
 `--context` tokens. Shared = one instance (one copy of everything but the routed experts,
 one KV cache); separate = a draft model and a target model, each with its own non-expert
-weights and KV cache. The arithmetic is `specter.decoding.self_draft.MemoryAccount`. `--out DIR`
+weights and KV cache. The arithmetic is `specter.decoding.draft_mode.MemoryAccount`. `--out DIR`
 also writes the rows as parquet records (experiment "memory", one case per model, budget and
 context; a rerun skips recorded rows) for `python -m experiments.plots`.
 """
@@ -28,7 +28,7 @@ def rows(context: int) -> list[dict]:
     from specter.budget import fp16_spec, resolve_slots
     from specter.config import BudgetConfig, ModelConfig
     from specter.models.real_configs import PAPER_MODELS, REAL_CONFIGS
-    from specter.decoding.self_draft import account_model
+    from specter.decoding.draft_mode import account_model
 
     out = []
     conf = Path(__file__).resolve().parents[1] / "conf" / "model"

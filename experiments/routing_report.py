@@ -125,14 +125,14 @@ def draft_side(model, tokenizer, prompts: list[list[int]], outputs: list[torch.T
     from specter.models.zoo import default_cache_dir
     from specter.quant.build import resolve_backend, spec_of
     from specter.quant.calibrate import ensure_quantized
-    from specter.decoding.self_draft import SelfDraft
+    from specter.decoding.draft_mode import DraftMode
 
     spec = spec_of(QuantConfig())
     experts, path, _ = ensure_quantized(model, tokenizer, spec, default_cache_dir(), device)
     # the groups from the saved draft's layout, no layer read; the backend then reads the
     # layers one at a time into its own copy (the host never holds the whole draft)
     groups = experts.groups()
-    shared = SelfDraft(model, experts, resolve_backend("auto", spec.bits, device, groups)[0],
+    shared = DraftMode(model, experts, resolve_backend("auto", spec.bits, device, groups)[0],
                        device)
     fid, match, per_k = [], [], {k: [] for k in ACCEPT_KS}
     for ids, out in zip(prompts, outputs):

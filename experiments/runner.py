@@ -214,7 +214,7 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     case = case_of(cfg, budget.slots)
     if attn != "sdpa":  # sdpa: what every run before model.attn used
         case["attn_implementation"] = attn
-    if getattr(getattr(getattr(engine, "draft", None), "draft", None), "graphs", False):
+    if getattr(getattr(getattr(engine, "draft", None), "int4", None), "graphs", False):
         case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
     compiled = engine.compiled
     for kind, knob in (("draft", cfg.spec), ("decode", cfg.system)):

@@ -550,7 +550,7 @@ def time_layers(ctx: Ctx, real: dict, impl: str, K: int, ctx_tokens: int = 32) -
     experts one layer hit at T=K+1."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from specter.engine import forward_logits, new_cache
+    from specter.decoding.batch import forward_logits, new_cache
     from specter.models.introspect import experts_modules
 
     out: dict = {"impl": impl, "context": ctx_tokens}

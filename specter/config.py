@@ -203,7 +203,7 @@ class SpecConfig:
     # spec.k=auto profiles a system with its own K (SpecMoEOff, SpecMoE) too: a tuned-depth
     # baseline, a variant beside the one at its paper's depth
     tune_own_k: bool = False
-    # The draft step as one compiled graph over a static draft cache (decoding/static_draft.py):
+    # The draft step as one compiled graph over a static draft cache (decoding/compiled_draft.py):
     # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4; on
     # CUDA captured whole as one CUDA graph; quant.backend=auto takes gather_int4 for it on a
     # real clock: quant/build.py)

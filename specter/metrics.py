@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from specter.engine import Generation
+from specter.decoding.batch import Generation
 
 
 def timing(gen: Generation) -> dict[str, float]:

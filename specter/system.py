@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 from specter.budget import Footprint
 from specter.config import SystemConfig
-from specter.decoding.drafts import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
+from specter.decoding.draft import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.pio.elb import ExpertLookaheadBuffer
 from specter.pio.orchestrator import Orchestrator
 from specter.errors import UserError
-from specter.quant.build import draft_for
+from specter.quant.build import int4_experts_for
 
 ENGINE = SpeculativeEngine
 
@@ -111,7 +111,7 @@ def build_planned(job, name: str, plan_mode: str | None, sc: SpecterConfig) -> S
     """Specter's parts under settings `sc`: the INT4 self-draft (or, shared=false, a second
     instance), the orchestrator in `plan_mode` (None: on-demand loads only), expert-grouped
     verification."""
-    draft = draft_for(job)  # from the full-precision experts, before they move out
+    draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     if sc.shared:
         make_draft = lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing)  # noqa: E731
     else:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from specter.budget import Footprint
 from specter.config import RunConfig, SystemConfig
-from specter.engine import Engine
+from specter.decoding.batch import Engine
 from specter.errors import UserError
 from specter.specs import Job
 

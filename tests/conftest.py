@@ -58,7 +58,7 @@ def run_cli(*args: str, cwd: Path = REPO, timeout: int = 600) -> subprocess.Comp
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Plain Hugging Face `generate`, greedy, stopping at the model's EOS ids: the reference
     every decoding path must equal token for token."""
-    from specter.engine import eos_ids
+    from specter.decoding.batch import eos_ids
 
     eos = eos_ids(model)
     with torch.no_grad():

@@ -38,7 +38,7 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
     min(plan, proposals) tokens of each window. Returns request -> the accepted lengths the
     plan implies, filled as the run goes (a window that drafts nothing, the last of a row one
     token short of its limit, never reaches the draft: it accepts 0)."""
-    from specter.decoding import drafting
+    from specter.decoding import draft as drafting
 
     real = drafting.draft_steps
     expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
@@ -99,7 +99,7 @@ def forced_predictions(engine) -> None:
     so every plan has copies to issue."""
     window = engine.window
     cache = window.cache
-    listeners = (engine.draft.self_draft or engine.draft.instance).draft_listeners
+    listeners = (engine.draft.draft_mode or engine.draft.instance).draft_listeners
     real = window.on_draft_experts
 
     def forced(layer: int, top_k_index: torch.Tensor) -> None:

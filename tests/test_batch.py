@@ -20,7 +20,7 @@ from specter.compose import job_of
 from specter.systems import SYSTEMS, build_engine
 from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
-from specter.engine import BatchCache, pad_id
+from specter.decoding.batch import BatchCache, pad_id
 from specter.models import archs
 from specter.placement.loader import load_model
 

@@ -58,7 +58,7 @@ def test_real_clocks_observe_nothing(lm):
 def test_a_compiled_step_is_charged_as_its_hooks_would(lm):
     """`compiled_step` charges what the forward hooks charge for the same eager forward of one
     position (they do not run inside a compiled region), plus one launch in `captured_step`."""
-    from specter.engine import forward_logits, new_cache
+    from specter.decoding.batch import forward_logits, new_cache
 
     link, cost = _virtual(lm)
     clock = ComputeClock(link, cost, lm.model, charge_experts=False)

@@ -29,7 +29,7 @@ def test_resident_equals_generate_on_cuda(name):
 @pytest.mark.parametrize("name", TINY)
 def test_resident_batch_equals_generate_batch_on_cuda(name):
     """A left-padded batch of unequal prompts on the device: each row as `generate` pads it."""
-    from specter.engine import pad_id
+    from specter.decoding.batch import pad_id
 
     dev = torch.device("cuda")
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), dev, progress=False)

@@ -9,14 +9,14 @@ import torch
 
 from conftest import PROMPTS, TINY
 from specter.config import ModelConfig
-from specter.engine import DeviceMemory, eos_ids
+from specter.decoding.batch import DeviceMemory, eos_ids
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
 from specter.clock.timing import Timing
 from specter.quant import calibrate
 from specter.decoding.loop import speculative_greedy
-from specter.decoding.self_draft import SelfDraft
+from specter.decoding.draft_mode import DraftMode
 from steering import steered_draft
 from test_offload import A100
 
@@ -32,7 +32,7 @@ def _setup(name, bits=4):
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
     qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=bits, group=32),
                                     None, CPU)
-    return lm, SelfDraft(lm.model, qe, backend="reference")
+    return lm, DraftMode(lm.model, qe, backend="reference")
 
 
 def _hf(model, ids, n, eos):
@@ -105,7 +105,7 @@ def test_speculative_decoding_over_offloaded_experts_is_lossless():
                                         None, CPU)
         timing = timing_for(ctx)
         runtime = offload_model(ctx, timing)
-        sw = SelfDraft(lm.model, qe, backend="reference")
+        sw = DraftMode(lm.model, qe, backend="reference")
         for k in (2, 5):
             runtime.reset()
             gen = speculative_greedy(lm.model, sw, ids, 20, k, CPU, timing.link, stop,
@@ -211,7 +211,7 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
         calibrate.QuantSpec(method="rtn"),
         [[noisy(m.gate_up_proj[e].detach()) for e in range(m.gate_up_proj.shape[0])] for m in mods],
         [[noisy(m.down_proj[e].detach()) for e in range(m.down_proj.shape[0])] for m in mods])
-    sw = SelfDraft(lm.model, qe, backend="reference")
+    sw = DraftMode(lm.model, qe, backend="reference")
     ids = lm.tokenizer(PROMPTS[0])["input_ids"][:12]
     target_after: dict[tuple, torch.Tensor] = {}  # output prefix -> target's next-token probs
 
@@ -335,7 +335,7 @@ def test_verification_block_equals_token_by_token_within_fp32_rounding():
     """The verify forward groups the block's tokens by expert (one GEMM per expert over its
     tokens, scattered back) in the offload runtime: its logits equal K+1 single-token
     forwards within fp32 rounding."""
-    from specter.engine import forward_logits, new_cache
+    from specter.decoding.batch import forward_logits, new_cache
     from test_offload import make_engine
 
     lru, loaded = make_engine("tiny_deepseek", "lru", 6)
@@ -401,7 +401,7 @@ def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_
 
 @pytest.mark.parametrize("name", ["tiny_qwen", "tiny_deepseek", "tiny_phi"])
 def test_shared_instance_shares_everything_but_the_routed_experts(name):
-    from specter.decoding.self_draft import SelfDraft
+    from specter.decoding.draft_mode import DraftMode
 
     lm = _tiny(name)
     ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:16]])
@@ -410,7 +410,7 @@ def test_shared_instance_shares_everything_but_the_routed_experts(name):
     qe = calibrate.quantize_experts(lm.model, calibrate.QuantSpec(method="rtn", bits=4, group=32),
                                     None, torch.device("cpu"))
     tensors_before = {n: p.data_ptr() for n, p in lm.model.named_parameters()}
-    sw = SelfDraft(lm.model, qe, backend="reference")
+    sw = DraftMode(lm.model, qe, backend="reference")
     with torch.no_grad():
         target = lm.model(input_ids=ids).logits
         with sw.draft():
@@ -433,7 +433,7 @@ def test_shared_instance_shares_everything_but_the_routed_experts(name):
 
 def test_memory_account_of_the_shared_instance():
     from specter.models.introspect import moe_spec
-    from specter.decoding.self_draft import account_model
+    from specter.decoding.draft_mode import account_model
 
     lm = _tiny("tiny_qwen")
     acct = account_model("own:tiny_qwen", lm.spec, slots=15, context=512)

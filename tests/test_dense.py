@@ -8,7 +8,7 @@ import torch
 from conftest import PROMPTS
 from specter.budget import resolve_slots
 from specter.config import BudgetConfig, ModelConfig
-from specter.engine import eos_ids
+from specter.decoding.batch import eos_ids
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from test_offload import decode_all, make_engine

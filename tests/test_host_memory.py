@@ -2,7 +2,7 @@
 
 The draft is prepared as a run prepares it: the routed experts in the host store, the draft
 quantized (RTN) and saved by `ensure_quantized`, then built layer by layer on the device by
-`SelfDraft` (`cpu_int4`). On the CPU the device is the host, so the process's resident memory
+`DraftMode` (`cpu_int4`). On the CPU the device is the host, so the process's resident memory
 holds the draft's device copy too; that copy is the device's (budget.py counts it), and what
 the host holds beyond it is the host-only extra the bound is about. A draft imported from a
 GPTQ checkpoint (`quant.path`, gptq_import.py) is prepared and bounded the same way.
@@ -98,7 +98,7 @@ def _child(layers: int, experts: int, cache: str, source: str = "rtn") -> dict:
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 
-    from specter.decoding.self_draft import SelfDraft
+    from specter.decoding.draft_mode import DraftMode
     from specter.offload.store import HostExpertStore
     from specter.quant import calibrate
     from specter.quant.gptq_import import import_gptq
@@ -137,7 +137,7 @@ def _child(layers: int, experts: int, cache: str, source: str = "rtn") -> dict:
             assert not reused
     after_quant = _rss()
     with torch.no_grad(), _Peak() as build:
-        sw = SelfDraft(model, qe, "cpu_int4", cpu)
+        sw = DraftMode(model, qe, "cpu_int4", cpu)
     return {"layers": layers, "experts": experts, "expert_bytes": expert_bytes, "base": base,
             "quant_peak": quant.peak, "after_quant": after_quant, "build_peak": build.peak,
             "after_build": _rss(), "device_bytes": sw.draft_bytes}

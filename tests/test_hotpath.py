@@ -95,8 +95,8 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
     window instead of once per step."""
     import torch
 
-    from specter.decoding.drafting import draft_steps
-    from specter.engine import BatchCache
+    from specter.decoding.draft import draft_steps
+    from specter.decoding.batch import BatchCache
 
     lm = tiny_models("tiny_deepseek")
     prompts = [lm.tokenizer(t)["input_ids"][:8] for t in ("def f(x):", "The cat sat on")]

@@ -206,7 +206,7 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
         rt.host_weights = HostWeights(rt.cache.store, torch.float64, capacity=64)
         # a draft that routes as verification will: its predictions are the experts the host
         # is then asked for, whatever the trained weights
-        engine.draft.self_draft.draft_layers = exact_draft_layers(lm.model, rt.cache.store)
+        engine.draft.draft_mode.draft_layers = exact_draft_layers(lm.model, rt.cache.store)
         if not lookahead:
             rt.prepare_host = lambda l, experts: 0
         engine.reset()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from specter.engine import Generation
+from specter.decoding.batch import Generation
 from specter.metrics import distinct_n, timing
 
 

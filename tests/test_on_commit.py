@@ -1,8 +1,8 @@
 """`Engine.generate(..., on_commit=)`: every engine streams a request's tokens as it commits
-them (specter/engine.py's `Engine` contract).
+them (specter/decoding/batch.py's `Engine` contract).
 
 On tiny_deepseek, for the eager greedy loop (resident), the compiled greedy step (resident
-with system.compile=on: static_decode.py), greedy offloading (lru), speculative decoding
+with system.compile=on: compiled_decode.py), greedy offloading (lru), speculative decoding
 (specter: decoding/loop.py) and Hugging Face `generate` (transformers): the listener's chunks
 add up to `Generation.tokens` exactly, the greedy paths send one token per step, the
 speculative one the prefill's token and then each window's accepted proposals plus the

@@ -5,7 +5,7 @@ stand-in, tests/fake_cuda.py: clock "cuda"), with the backend whose draft step c
 offloading ones must verify (or decode) through the same `OffloadRuntime` and the same
 fixed-launch kernel, and every system with an INT4 draft on the device must take the same
 draft-step decision (`compile_draft`: compiled, and on CUDA captured as one graph). Resident's
-decode step compiles too (on CUDA: captured the same way, tests/test_static_decode.py). The
+decode step compiles too (on CUDA: captured the same way, tests/test_compiled_decode.py). The
 systems outside the shared engine are named, each with the reason its design gives.
 """
 

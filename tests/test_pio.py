@@ -148,7 +148,7 @@ def test_staging_buffers_take_prefetches_beyond_the_slots_losslessly():
     # A draft that routes as verification will: the staged copies are experts verification
     # needs, whatever the weights.
     for eng in (plain, staged):
-        eng.draft.self_draft.draft_layers = exact_draft_layers(eng.model, eng.runtime.cache.store)
+        eng.draft.draft_mode.draft_layers = exact_draft_layers(eng.model, eng.runtime.cache.store)
     a, b = decode_all(plain, loaded.tokenizer), decode_all(staged, loaded.tokenizer)
     assert [g.tokens for g in b] == ref
     assert sum(g.stats["staged_loads"] for g in a) == 0 < sum(g.stats["staged_loads"] for g in b)
@@ -240,7 +240,7 @@ def test_orchestrator_raises_hit_rate_over_on_demand_loading():
                           ("pio", {"name": "specter"}),
                           ("noisy", {"name": "specter", "prefetch_noise": 0.75})):
         eng, loaded = make_engine("tiny_deepseek", system, 8, spec={"k": 8})
-        eng.draft.self_draft.draft_layers = exact_draft_layers(loaded.model,
+        eng.draft.draft_mode.draft_layers = exact_draft_layers(loaded.model,
                                                                eng.runtime.cache.store)
         stats[label] = decode_all(eng, loaded.tokenizer, n=24)
     mean = lambda label, key: sum(g.stats[key] for g in stats[label]) / len(stats[label])  # noqa: E731

@@ -496,9 +496,9 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
         "system": {"name": "specter"}, "dataset": {"name": "gsm8k"}, "hardware": A100,
         "workload": {}, "quant": {"path": str(folder), "backend": "reference"},
         "spec": {"k": 3}, "progress": False})
-    from specter.quant.build import draft_for
+    from specter.quant.build import int4_experts_for
 
-    draft = draft_for(job_of(run, lm, ResolvedBudget("high", 8, "test"), torch.device("cpu")))
+    draft = int4_experts_for(job_of(run, lm, ResolvedBudget("high", 8, "test"), torch.device("cpu")))
     assert not called and draft.reused and draft.path == folder
     for l, (layer, mod) in enumerate(experts_modules(lm.model)):
         for e in (0, 5):

@@ -236,16 +236,16 @@ def test_each_backend_reports_what_it_holds_on_the_cpu(backend, dtype):
 
 
 def test_self_draft_device_bytes_are_the_backends():
-    """The engine's draft device bytes (`SelfDraft.draft_bytes`, a draft part's
+    """The engine's draft device bytes (`DraftMode.draft_bytes`, a draft part's
     `device_bytes`) are what the backend layers hold: cpu_int4's fp32 scales and zeros
     included, more than the quantized format's packed size."""
-    from specter.decoding.self_draft import SelfDraft
+    from specter.decoding.draft_mode import DraftMode
 
     model = _deepseek(64, 64, 4, layers=2, dtype=torch.float32)
     spec = calibrate.QuantSpec(method="rtn", bits=4, group=32)
     qe = calibrate.quantize_experts(model, spec, None, torch.device("cpu"))
     for backend in ("reference", "cpu_int4", "gather_int4"):
-        sw = SelfDraft(model, qe, backend)
+        sw = DraftMode(model, qe, backend)
         assert sw.draft_bytes == sum(_reachable_bytes(layer) for layer in sw.draft_layers)
         if backend == "reference":
             assert sw.draft_bytes == qe.packed_bytes()

@@ -19,7 +19,7 @@ REQUIRED = ["run_id", "system", "model", "budget", "dataset", "hardware", "reque
 
 def smoke_cfg(out_dir, **over) -> RunConfig:
     d = {"model": {"name": "tiny_deepseek", "source": "project", "budget_slots": {"high": 16}},
-         # eager: the runner's mechanics, not the compiled step (tests/test_static_decode.py)
+         # eager: the runner's mechanics, not the compiled step (tests/test_compiled_decode.py)
          "budget": {"name": "high"}, "system": {"name": "resident", "compile": "off"},
          "dataset": {"name": "gsm8k"}, "hardware": {"name": "cpu", "device": "cpu"},
          "workload": {"items": 2, "max_new_tokens": 6, "repeats": 2},

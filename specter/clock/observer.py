@@ -125,8 +125,8 @@ class ComputeClock(NullClock):
         self.link.compute(hw.launch_overhead_s)  # the replay: one launch
 
     def compiled_step(self, routes: torch.Tensor | None = None) -> None:
-        """What the hooks charge for one forward that ran compiled (static_draft.py: one
-        position per row kept), after it ran; `routes` [L, T, k] (static_decode.py): every MoE
+        """What the hooks charge for one forward that ran compiled (compiled_draft.py: one
+        position per row kept), after it ran; `routes` [L, T, k] (compiled_decode.py): every MoE
         layer's routing, for the experts the pre-hooks would have charged."""
         for seconds in self.parts:
             self.link.compute(seconds())

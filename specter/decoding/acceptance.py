@@ -6,7 +6,7 @@ prefix equal to the target's own argmax choices, then the target's token, so the
 target's greedy output token for token; its draft choices stay on the device. `Sampled`:
 speculative sampling (`accept_sampled`), every committed token distributed as the target's
 sampling at temperature T, one generator per request.
-Does not own: the window loop (loop.py), the draft (drafting.py).
+Does not own: the window loop (loop.py), the draft (draft.py).
 """
 
 from __future__ import annotations

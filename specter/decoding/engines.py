@@ -6,7 +6,7 @@ An engine is a decoding loop x a draft x a prefetcher x an eviction policy:
   offloaded through an `OffloadRuntime` (its eviction policy and any per-layer
   `LayerPrefetcher` are the runtime's).
 - `SpeculativeEngine`: draft -> verify -> accept (`decoding/loop.py`) over offloaded experts,
-  with a draft part (`decoding/drafts.py`, or a system's own) and an optional
+  with a draft part (`decoding/draft.py`, or a system's own) and an optional
   `WindowPrefetcher` told of the draft's routing and steps.
 
 Systems are recipes choosing the parts and their knobs (`specter/system.py`, `baselines/`);
@@ -23,8 +23,8 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.loop import speculative_batch
-from specter.decoding.static_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
-from specter.engine import DeviceMemory, Generation, eos_ids, greedy_decode_batch
+from specter.decoding.compiled_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
+from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.clock.timing import Timing, timing_for
@@ -51,7 +51,7 @@ class GreedyEngine:
         self.memory = DeviceMemory(model, device, extra_bytes=slots)
         self.clock = timing.observer(model, charge_experts=runtime is None)
         self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
-        # resident's system.compile, `static(timing, clock)` -> (a StaticDecode, batch-1
+        # resident's system.compile, `static(timing, clock)` -> (a CompiledDecode, batch-1
         # decode steps compiled, or None; its record columns)
         self.static, self.compiled = static(timing, self.clock) if static else (None, {})
 
@@ -187,7 +187,7 @@ class SpeculativeEngine:
         """`generate_batch`, with a listener per request or None (`generate`'s)."""
         sampling = {"temperature": self.temperature, "generators": self.generators} \
             if self.temperature > 0 else {}
-        gens = speculative_batch(self.model, self.draft.self_draft, prompts, max_new_tokens,
+        gens = speculative_batch(self.model, self.draft.draft_mode, prompts, max_new_tokens,
                                  self.k, self.device, self.timing.link, self.stop, self.memory,
                                  self._before_forward, prefetcher=self.window,
                                  layout=self.draft.layout, depth=self.adaptive,
@@ -234,7 +234,7 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
                       host_all: bool = False) -> SpeculativeEngine:
     """A speculative engine for `job` (specs.py). `make_draft(timing, runtime)` builds the draft part
     once the target's experts are offloaded (quantize before, from the full-precision
-    experts: `specter.quant.build.draft_for`); `window(runtime, timing, draft)` builds the
+    experts: `specter.quant.build.int4_experts_for`); `window(runtime, timing, draft)` builds the
     window prefetcher, or None. `host_all`: verification's experts all on the host (no slots).
     `reorder=False` verifies token by token, `overlap=False` loads
     verification's misses serially (the runtime's ablations). K: `job.draft.depth`, settled once by
@@ -259,14 +259,14 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
 
 def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NULL_CLOCK) -> dict:
     """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
-    (static_draft.py), where its shapes are static; on CUDA the whole step is captured as one
+    (compiled_draft.py), where its shapes are static; on CUDA the whole step is captured as one
     CUDA graph (`kernels.capture_graph`: at its first step, the runner's untimed warm-up
     request) and each step is one replay. The record says whether and why (`draft_compile`);
     every fallback of `auto` is said there, and `on` refuses it in one sentence. The
     buffers hold the longest request: its prompt, its new tokens and the deepest window
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     spec = job.draft
-    backend = getattr(getattr(draft, "draft", None), "backend", None)
+    backend = getattr(getattr(draft, "int4", None), "backend", None)
     if spec.compile not in COMPILE_MODES:
         raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
                         f"(got '{spec.compile}').")
@@ -279,7 +279,7 @@ def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NUL
                 "draft_captured": False}
     cuda = job.device.type == "cuda"
     on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
-    if on and getattr(draft.draft, "graphs", False):  # quant.graphs=on asked per-layer graphs
+    if on and draft.int4.graphs:  # quant.graphs=on asked per-layer graphs
         if spec.compile == "on":
             raise UserError(GRAPHS_AND_STEP)
         on, why = False, ("eager: quant.graphs=on replays each draft layer as its own CUDA "

@@ -2,7 +2,7 @@
 
 Owns: `speculative_batch`, one window after another: draft K tokens -> plan and issue the
 prefetches -> verify -> accept -> commit. The draft proposes K tokens one forward at a time
-(drafting.py: the target's own instance in draft mode over the target's cache, or a second
+(draft.py: the target's own instance in draft mode over the target's cache, or a second
 model); between the draft's steps the window prefetcher plans and issues the copies of the
 experts verification will need; the target verifies the pending token and the K proposals in
 one forward of K+1 positions; each row keeps the longest prefix of proposals the target agrees
@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.decoding.acceptance import Greedy, Sampled
-from specter.decoding.drafting import SharedDraft
-from specter.engine import BatchCache, Generation
+from specter.decoding.draft import SharedKV
+from specter.decoding.batch import BatchCache, Generation
 from specter.offload.prefetch import WindowPrefetcher
 
 
@@ -45,8 +45,8 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     `before_forward(tokens, context, phase, rows)` is told of every forward (phase: "prefill" |
     "draft" | "verify"); `prefetcher` plans and issues copies between draft steps and hears
     each window's end; `temperature` > 0 samples (one generator per request); `layout` is
-    where and how the draft runs (drafting.py: a second model, or static_draft.py's compiled
-    step; else `SharedDraft(shared)`, the target's own instance in draft mode over its cache);
+    where and how the draft runs (draft.py: a second model, or compiled_draft.py's compiled
+    step; else `SharedKV(shared)`, the target's own instance in draft mode over its cache);
     `depth` (an `AdaptiveDepth`) chooses each window's K instead of `k`; `on_commit`: per
     request a listener or None (`Engine.generate`'s), called with each commit's new tokens
     (`Rows._commit`); None: no listener at all."""
@@ -54,7 +54,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     tell = before_forward or (lambda *a, **kw: None)
     prefetch = prefetcher or WindowPrefetcher()
     accept = Sampled(temperature, generators) if temperature > 0 else Greedy()
-    draft = layout or SharedDraft(shared)
+    draft = layout or SharedKV(shared)
     depths = WindowDepth(k, depth, clock)
     memory.start()
     kv = BatchCache(model, device, len(prompts))

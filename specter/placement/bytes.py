@@ -223,7 +223,7 @@ def run_extras(b: CheckpointBytes, num_experts: int, hidden: int, element_size: 
     quantized experts at a time, while it is made (calibrate.py saves each layer and drops
     it) or read back from its file (calibrate.py `SavedLayers`; a GPTQ checkpoint's,
     gptq_import.py `GptqLayers`), and the backend makes its own copy on the device layer by
-    layer (self_draft.py; budget.py counts it there); on the CPU the device is the host, so
+    layer (draft_mode.py; budget.py counts it there); on the CPU the device is the host, so
     the host holds that copy too. `gptq` (the draft is quantized in this run with GPTQ; a
     reused saved draft needs none): one MoE layer's Hessians at a time, E x (H^2 + I^2)
     float64, made on the run's device (calibrate.py `layer_hessians`)."""

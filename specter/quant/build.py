@@ -1,5 +1,5 @@
 """Assembly of the INT4 self-draft for a run: the quantized experts (made, reused or imported
-from gptqmodel) and the backend that executes them. Systems call `draft_for(job)` (specs.py `Job`)."""
+from gptqmodel) and the backend that executes them. Systems call `int4_experts_for(job)` (specs.py `Job`)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from specter.quant.kernels import BACKENDS, FIXED_SHAPE, triton_available
 
 
 @dataclass
-class Draft:
+class Int4Experts:
     experts: QuantizedExperts
     path: Path
     reused: bool
@@ -120,7 +120,7 @@ def draft_compiles(job) -> bool:
     (cpu_int4, triton), as the paper's systems run: the modelled step's time does not depend
     on the backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
     (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
-    (static_draft.resolve_compile)."""
+    (compiled_draft.resolve_compile)."""
     mode, hw, device = job.draft.compile, job.clock.hardware, job.device
     if mode == "on":
         return True
@@ -143,10 +143,10 @@ GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA gra
 
 def step_captured(job, backend: str) -> bool:
     """Whether `spec.compile` will capture the whole draft step as one CUDA graph
-    (static_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
+    (compiled_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
     quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
     spec.compile=auto leaves the step eager."""
-    from specter.decoding.static_draft import resolve_compile
+    from specter.decoding.compiled_draft import resolve_compile
 
     if job.device.type != "cuda" or job.draft.quant.graphs == "on":
         return False
@@ -181,7 +181,7 @@ def resolve_graphs(name: str, backend: str, device: torch.device,
     return True, "quant.graphs=on" if name == "on" else f"auto: CUDA and {backend}"
 
 
-def draft_for(job) -> Draft:
+def int4_experts_for(job) -> Int4Experts:
     """The quantized routed experts of `job.loaded.model` under the job's `DraftSpec`."""
     q, model, device = job.draft.quant, job.loaded.model, job.device
     if q.graphs == "on" and job.draft.compile == "on":
@@ -212,7 +212,7 @@ def draft_for(job) -> Draft:
         path = quantize_with_gptqmodel(job.loaded.checkpoint, windows, 4, group, out)
         experts = import_gptq(path, model)
     else:  # made or reused: its layers stay in their files until the backend reads them,
-        # one at a time, into its own copy on the device (self_draft.py): the host never
+        # one at a time, into its own copy on the device (draft_mode.py): the host never
         # holds the whole draft
         experts, path, reused = calibrate.ensure_quantized(
             model, job.loaded.tokenizer, spec, cache_dir, device, data_dir, job.files.progress)
@@ -221,4 +221,4 @@ def draft_for(job) -> Draft:
     backend, why = resolve_backend(q.backend, q.bits, device, groups, cache_dir, counted,
                                    draft_compiles(job))
     graphs, graphs_why = resolve_graphs(q.graphs, backend, device, step_captured(job, backend))
-    return Draft(experts, path, reused, backend, why, graphs, graphs_why)
+    return Int4Experts(experts, path, reused, backend, why, graphs, graphs_why)

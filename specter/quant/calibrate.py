@@ -77,7 +77,7 @@ class QuantizedExperts:
     `gate_up[l]` / `down[l]` are lists of the layer's experts; each layer's matrices are views
     of two tensors per projection (codes [E, ...], scales [E, ...]). A draft read from its
     saved folder (`load`) holds no layer in memory: `SavedLayers` reads layer l from its file
-    when asked, so a backend built layer by layer (self_draft.py) holds one layer on the host
+    when asked, so a backend built layer by layer (draft_mode.py) holds one layer on the host
     at a time besides its own copy, never the whole draft."""
 
     spec: QuantSpec

@@ -445,7 +445,7 @@ class GraphedExperts:
     replayed: the inputs are copied into the graph's own buffers, one replay runs the layer's
     kernels, the output is copied out. Calls with more than `max_tokens` tokens (a prefill)
     run eagerly. CUDA only. Each capture synchronizes the device, so the engine captures the
-    shapes a draft forward takes at build time (`SelfDraft.warm_graphs`), not while decoding."""
+    shapes a draft forward takes at build time (`DraftMode.warm_graphs`), not while decoding."""
 
     def __init__(self, inner, max_tokens: int = 16):
         self.inner, self.max_tokens = inner, max_tokens

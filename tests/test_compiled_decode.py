@@ -1,5 +1,5 @@
 """Resident's decode step as one compiled graph over a static cache
-(specter/decoding/static_decode.py): a graph with no break (fullgraph=True fails on any), the
+(specter/decoding/compiled_decode.py): a graph with no break (fullgraph=True fails on any), the
 tokens of plain `generate` on every tiny architecture, and the knob through the runner."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
-from specter.decoding.static_decode import StaticDecode, resolve_system_compile
-from specter.engine import DeviceMemory, eos_ids, greedy_decode_batch
+from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
+from specter.decoding.batch import DeviceMemory, eos_ids, greedy_decode_batch
 from specter.errors import UserError
 from specter.clock.timing import Timing
 from specter.placement.loader import load_model
@@ -27,7 +27,7 @@ _hf = hf_greedy
 def test_a_compiled_resident_step_is_the_target_token_for_token(name):
     lm = load_model(ModelConfig(name=name, source="project", dtype="float32"), CPU, progress=False)
     want = [_hf(lm.model, lm.tokenizer(p)["input_ids"][:16], 12) for p in PROMPTS]
-    static = StaticDecode(lm.model, compiler="eager", positions=40)
+    static = CompiledDecode(lm.model, compiler="eager", positions=40)
     link = Timing.wall(CPU).link
     for p, expect in zip(PROMPTS, want):
         ids = lm.tokenizer(p)["input_ids"][:16]
@@ -52,7 +52,7 @@ def test_a_captured_resident_step_replays_one_graph_per_step():
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project", dtype="float32"), CPU,
                     progress=False)
     fake = FakeCuda()
-    static = StaticDecode(lm.model, compiler="eager", positions=40, capture=fake.capture_graph)
+    static = CompiledDecode(lm.model, compiler="eager", positions=40, capture=fake.capture_graph)
     link = Timing.wall(CPU).link
     for i, p in enumerate(PROMPTS):
         ids = lm.tokenizer(p)["input_ids"][:16]

@@ -1,6 +1,6 @@
 """The shared instance's draft step as one compiled graph, over a static draft cache.
 
-Owns: `StaticDraft`, the draft layout `spec.compile` switches in for the target's own instance
+Owns: `StaticKV`, the draft layout `spec.compile` switches in for the target's own instance
 (Specter, LRU-S, SP-E/SP-L), and `resolve_compile` (`spec.compile=auto|on|off`). The draft
 writes its keys and values into preallocated buffers of fixed length (transformers'
 `StaticCache`, whose write index is a device tensor), so one draft step (a token id on the
@@ -28,8 +28,8 @@ and each step is then one replay; the window's proposals are read once, after it
 Hooks in the compiled region (the virtual clock's charges, the draft's routing listeners) do
 not run inside it: the step records each draft layer's routing as an output, and after the
 step the charges and listeners are replayed in the order the eager forward makes them.
-Does not own: the window loop (loop.py), the eager layouts (drafting.py), the experts
-(self_draft.py), what a forward costs (clock/observer.py `ComputeClock`).
+Does not own: the window loop (loop.py), the eager layouts (draft.py), the experts
+(draft_mode.py), what a forward costs (clock/observer.py `ComputeClock`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import torch
 
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
-from specter.engine import BatchCache, cache_bytes
+from specter.decoding.batch import BatchCache, cache_bytes
 from specter.errors import UserError
 
 MODES = ("auto", "on", "off")
@@ -84,7 +84,7 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tu
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
     no data-dependent shape: `gather_int4`), else stays eager and says why. On CUDA a
-    compiled step is captured as one CUDA graph (`StaticDraft(capture=...)`)."""
+    compiled step is captured as one CUDA graph (`StaticKV(capture=...)`)."""
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
@@ -100,8 +100,8 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tu
     return settle_compile("spec.compile", setting, "the draft step", reasons)
 
 
-class StaticDraft:
-    """The target's own instance (`shared`, a `SelfDraft`) drafting in a static cache, one
+class StaticKV:
+    """The target's own instance (`shared`, a `DraftMode`) drafting in a static cache, one
     compiled graph per step (see the module's docstring). One row at a time.
     `compiler`: torch.compile's backend ("inductor"; "eager" checks the graph without code
     generation, as the tests do); `mode`: its mode (None).
@@ -132,7 +132,7 @@ class StaticDraft:
         self.positions = positions
         self.synced = 0  # positions of the target's cache copied in
         self._held = self._per_position = 0  # the buffers' bytes, and per position (`_ensure`)
-        # Dynamo keeps compiled graphs per code object, guarded on `self`: every StaticDraft
+        # Dynamo keeps compiled graphs per code object, guarded on `self`: every StaticKV
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
         torch._dynamo.reset()
@@ -178,7 +178,7 @@ class StaticDraft:
         self.compile_s += time.perf_counter() - began
         self.compiles, self._fresh = self.compiles + 1, False
 
-    # -- the layout's interface (drafting.py) --------------------------------------------------
+    # -- the layout's interface (draft.py) --------------------------------------------------
     def start(self, rows: int, device) -> None:
         """After the prefill: nothing copied yet (the first window copies the prompt's KV)."""
         if rows != 1:

@@ -1,7 +1,7 @@
 """Resident's decode step as one compiled graph, over a static cache: the fair baseline of a
 compiled draft step (every system that decodes one token at a time may compile that step).
 
-Owns: `StaticDecode`, batch-1 greedy decoding whose decode steps (a token id on the device ->
+Owns: `CompiledDecode`, batch-1 greedy decoding whose decode steps (a token id on the device ->
 every layer with every routed expert resident -> logits -> the greedy token, left on the
 device) run as one graph under `torch.compile(fullgraph=True, dynamic=False)`, and the
 fixed-shape experts function that makes the step one graph: Hugging Face's experts loop reads
@@ -9,13 +9,13 @@ the routing on the host (which experts have tokens), a graph break. At one token
 k experts are its k chosen ones, so the function runs exactly k expert MLPs in expert-id
 order (the k ids sorted on the device), each on the weights indexed by a device tensor, each
 weighted and added as HF's loop adds them: the same operations in the same order, so the
-tokens are the resident model's (tests/test_static_decode.py checks them against
+tokens are the resident model's (tests/test_compiled_decode.py checks them against
 `generate`). `resolve_system_compile` (`system.compile=auto|on|off`).
 
 The prompt is prefilled eagerly (HF's own experts; its length varies) into a dynamic cache
 whose keys and values are then copied into the static buffers, sized once for the run
 (`positions`) so that one compilation serves every request.
-Does not own: the eager greedy loop (engine.py), the draft's compiled step (static_draft.py).
+Does not own: the eager greedy loop (batch.py), the draft's compiled step (compiled_draft.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from torch import nn
 
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
-from specter.engine import BatchCache, Generation, cache_bytes
-from specter.decoding.static_draft import MODES, index_kept, settle_compile
+from specter.decoding.batch import BatchCache, Generation, cache_bytes
+from specter.decoding.compiled_draft import MODES, index_kept, settle_compile
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_mlp
 
@@ -80,7 +80,7 @@ def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, s
     return settle_compile("system.compile", setting, "resident's decode step", reasons)
 
 
-class StaticDecode:
+class CompiledDecode:
     """Batch-1 greedy decoding with each decode step one compiled graph (module docstring).
     `compiler`: torch.compile's backend ("eager": the graph checked, no code generated);
     `positions`: the longest context a request reaches (prompt and new tokens), so one set of
@@ -92,7 +92,7 @@ class StaticDecode:
         self.model, self.compiler = model, compiler
         self.positions = positions
         # capture(fn, warm) -> replay(): on CUDA `quant.kernels.capture_graph`, the draft's
-        # (static_draft.py): the whole step (the compiled forward, the argmax, the token fed
+        # (compiled_draft.py): the whole step (the compiled forward, the argmax, the token fed
         # back) one CUDA graph, captured at the first step with these buffers (the runner's
         # untimed warm-up request) and replayed per step; None: the compiled step called
         self.capture = capture
@@ -101,7 +101,7 @@ class StaticDecode:
         self._tok: torch.Tensor | None = None  # the captured step's token buffer [1, 1]
         self.active = False
         mods = [m for _, m in experts_modules(model)]
-        from specter.decoding.self_draft import _target_function
+        from specter.decoding.draft_mode import _target_function
 
         self.eager = _target_function(model, mods[0])  # HF's loop (the prefill's)
         for m in mods:
@@ -113,7 +113,7 @@ class StaticDecode:
         # the engine's clock (clock/observer.py): each compiled step charged after it runs, as
         # a captured graph's replay (a no-op on real clocks)
         self.clock = clock
-        torch._dynamo.reset()  # one compiled decoder at a time (see StaticDraft)
+        torch._dynamo.reset()  # one compiled decoder at a time (see StaticKV)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler)
         self.steps_run = self.compiles = 0
         self.compile_s = 0.0

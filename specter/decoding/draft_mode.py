@@ -10,8 +10,8 @@ Everything but the routed experts (embeddings, attention, norms, routers, shared
 head) is the same tensors in both modes: there is one model object and no copy.
 Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (decoding/loop.py).
 
-Use: `sw = SelfDraft(model, quantized, backend)`; `with sw.draft(): model(...)`.
-Attach an `OffloadRuntime` before the `SelfDraft` so target mode goes through it.
+Use: `sw = DraftMode(model, quantized, backend)`; `with sw.draft(): model(...)`.
+Attach an `OffloadRuntime` before the `DraftMode` so target mode goes through it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ IMPL_NAME = "specter_self_draft"
 
 
 def _self_draft_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    sd: SelfDraft = self._specter_self_draft
+    sd: DraftMode = self._specter_self_draft
     if sd.mode == "draft":
         layer = self._specter_self_draft_layer
         if sd.capture:  # a compiled step: its listeners hear it after the step (`replay`)
@@ -59,9 +59,9 @@ def _target_function(model: nn.Module, module: nn.Module):
     return ALL_EXPERTS_FUNCTIONS.get_interface(name, eager) if name != "eager" else eager
 
 
-class SelfDraft:
+class DraftMode:
     """Switches one model between its target experts and their draft (the INT4 copy, or any
-    other per-layer draft experts): `with self_draft.draft(): model(...)` drafts."""
+    other per-layer draft experts): `with draft_mode.draft(): model(...)` drafts."""
 
     def __init__(self, model: nn.Module, quantized: QuantizedExperts | None,
                  backend: str = "reference", device: torch.device | None = None,
@@ -103,7 +103,7 @@ class SelfDraft:
         # lookahead buffer's scatter): a step captured as a CUDA graph runs them inside it
         # (`in_graph`), and `replay(captured=True)` leaves them out.
         self.graph_safe: list = []
-        # Inside a compiled draft step (static_draft.py) the listeners do not run: each layer's
+        # Inside a compiled draft step (compiled_draft.py) the listeners do not run: each layer's
         # routing is kept in `routes` and `replay` tells them after the step.
         self.capture = False
         self.routes: list = []

@@ -1,4 +1,4 @@
-"""The draft step as one compiled graph over a static draft cache (specter/decoding/static_draft.py).
+"""The draft step as one compiled graph over a static draft cache (specter/decoding/compiled_draft.py).
 
 torch.compile(fullgraph=True) raises on any graph break, host read or data-dependent shape:
 the conditions a CUDA graph capture needs, checked by the compiler on the CPU. The tests
@@ -14,9 +14,9 @@ import torch
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
 from specter.decoding.loop import speculative_greedy
-from specter.decoding.self_draft import SelfDraft
-from specter.decoding.static_draft import StaticDraft, resolve_compile
-from specter.engine import DeviceMemory, eos_ids
+from specter.decoding.draft_mode import DraftMode
+from specter.decoding.compiled_draft import StaticKV, resolve_compile
+from specter.decoding.batch import DeviceMemory, eos_ids
 from specter.errors import UserError
 from specter.clock.timing import Timing
 from specter.placement.loader import load_model
@@ -37,7 +37,7 @@ def _setup(name: str, noise: float = 0.0):
     for layer in qe.gate_up + qe.down:
         for qm in layer:
             qm.scales.mul_(1 + noise * (2 * torch.rand(qm.scales.shape, generator=g) - 1))
-    return lm, SelfDraft(lm.model, qe, backend="gather_int4")
+    return lm, DraftMode(lm.model, qe, backend="gather_int4")
 
 
 def _run(lm, sw, ids, n, k, layout=None):
@@ -55,7 +55,7 @@ def test_a_compiled_draft_step_is_lossless_on_every_architecture(name):
     lm, sw = _setup(name)
     ids = lm.tokenizer(PROMPT)["input_ids"][:16]
     ref = _hf(lm.model, ids, 20)
-    static = StaticDraft(sw, compiler="eager")
+    static = StaticKV(sw, compiler="eager")
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     for k in (1, 3, 6):
         assert _run(lm, sw, ids, 20, k, static).tokens == ref, (name, k)
@@ -72,7 +72,7 @@ def test_the_compiled_draft_proposes_what_the_eager_draft_proposes(name):
     lm, sw = _setup(name, noise=0.9)
     ids = lm.tokenizer(PROMPT)["input_ids"][:16]
     eager = _run(lm, sw, ids, 24, 4)
-    compiled = _run(lm, sw, ids, 24, 4, StaticDraft(sw, compiler="eager"))
+    compiled = _run(lm, sw, ids, 24, 4, StaticKV(sw, compiler="eager"))
     assert compiled.tokens == eager.tokens
     assert compiled.stats["accepted_lens"] == eager.stats["accepted_lens"]
     assert min(eager.stats["accepted_lens"]) < 4  # rejections happened
@@ -93,7 +93,7 @@ def test_a_host_read_inside_the_draft_step_is_a_graph_break_and_fails(monkeypatc
     monkeypatch.setattr(type(layer), "__call__", reads_host)
     ids = lm.tokenizer(PROMPT)["input_ids"][:16]
     with pytest.raises(Exception, match="(?i)graph break|data-dependent|Unsupported|item"):
-        _run(lm, sw, ids, 8, 3, StaticDraft(sw, compiler="eager"))
+        _run(lm, sw, ids, 8, 3, StaticKV(sw, compiler="eager"))
 
 
 def test_listeners_hear_every_draft_layer_after_a_compiled_step():
@@ -106,7 +106,7 @@ def test_listeners_hear_every_draft_layer_after_a_compiled_step():
     _run(lm, sw, ids, 12, 4)
     eager = list(heard)
     heard.clear()
-    _run(lm, sw, ids, 12, 4, StaticDraft(sw, compiler="eager"))
+    _run(lm, sw, ids, 12, 4, StaticKV(sw, compiler="eager"))
     assert heard == eager and len(eager) > 0
 
 
@@ -116,7 +116,7 @@ def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerl
     virtual clock's every-layer charge charges what its per-layer form charges."""
     from types import SimpleNamespace
 
-    from specter.decoding.drafts import draft_experts_charge
+    from specter.decoding.draft import draft_experts_charge
     from specter.pio.elb import ExpertLookaheadBuffer
 
     lm, sw = _setup("tiny_qwen")
@@ -128,7 +128,7 @@ def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerl
     _run(lm, sw, ids, 12, 4)
     sw.draft_listeners.clear()
     sw.listen(compiled.add, lambda routes: (heard.append(routes.tolist()), compiled.add_all(routes)))
-    _run(lm, sw, ids, 12, 4, StaticDraft(sw, compiler="eager"))
+    _run(lm, sw, ids, 12, 4, StaticKV(sw, compiler="eager"))
     assert torch.equal(eager.counts, compiled.counts) and eager.counts.sum() > 0
     steps = len(heard)
     assert steps > 0 and all(len(r) == layers for r in heard)  # one call per step, every layer
@@ -267,7 +267,7 @@ def test_the_hot_path_counter_counts_a_compiled_step_as_one_graph_replay():
 
     lm, sw = _setup("tiny_qwen")
     ids = lm.tokenizer(PROMPT)["input_ids"][:16]
-    static = StaticDraft(sw, compiler="eager")
+    static = StaticKV(sw, compiler="eager")
     ref = _run(lm, sw, ids, 12, 4, static).tokens  # compiled outside the counter
     before = static.steps_run
     eager_counter, counter = OpCounter(), OpCounter()
@@ -334,7 +334,7 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     assert resolve_graphs("on", "gather_int4", cuda, whole_step=True)[0]
 
     timing = NS(cost=None, clock="cuda")
-    graphed = NS(draft=NS(backend="gather_int4", graphs=True), use_static=None)
+    graphed = NS(int4=NS(backend="gather_int4", graphs=True), use_static=None)
     with pytest.raises(UserError, match="choose one"):
         compile_draft(job(compile="on", graphs="on"), graphed, timing, 4)
     rec = compile_draft(job(graphs="on"), graphed, timing, 4)
@@ -342,7 +342,7 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     assert "choose one" in GRAPHS_AND_STEP
 
     made = {}
-    plain = NS(draft=NS(backend="gather_int4", graphs=False),
+    plain = NS(int4=NS(backend="gather_int4", graphs=False),
                use_static=lambda *a, **kw: made.update(kw))
     rec = compile_draft(job(), plain, timing, 4)
     from specter.quant.kernels import capture_graph
@@ -352,7 +352,7 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     # a layout that cannot compile (system.shared=false: a per-window KV copy) under auto:
     # eager, said, and its layers graphed instead (quant.graphs=auto was off for the step)
     graphed_now = []
-    copied = NS(draft=NS(backend="gather_int4", graphs=False),
+    copied = NS(int4=NS(backend="gather_int4", graphs=False),
                 use_static=lambda *a, **kw: "eager: a per-window copy of the target's KV",
                 graph_layers=graphed_now.append)
     rec = compile_draft(job(), copied, timing, 4)
@@ -382,7 +382,7 @@ def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():
     sw.listen(captured.add, captured.add_all, in_graph=True)
     sw.listen(lambda l, t: None, lambda routes: outside.append(routes.shape))
     fake = FakeCuda()
-    static = StaticDraft(sw, compiler="eager", capture=fake.capture_graph)
+    static = StaticKV(sw, compiler="eager", capture=fake.capture_graph)
     from collections import Counter
 
     from specter.counting import OpCounter
@@ -408,16 +408,16 @@ def test_a_second_instance_captures_its_steps_after_an_eager_first_one():
     graph's buffers, the other steps replays; the tokens are plain generate's and the
     proposals the eager separate draft's (the same acceptance)."""
     from fake_cuda import FakeCuda
-    from specter.decoding.drafting import SeparateDraft
+    from specter.decoding.draft import OwnKV
 
     lm, _ = _setup("tiny_deepseek", noise=0.9)  # rejections: windows catch up on corrections
     second, sw2 = _setup("tiny_deepseek", noise=0.9)
     sw2.mode = "draft"
     ids = lm.tokenizer(PROMPT)["input_ids"][:16]
     ref = _hf(lm.model, ids, 24)
-    eager = _run(lm, None, ids, 24, 4, SeparateDraft(second.model))
+    eager = _run(lm, None, ids, 24, 4, OwnKV(second.model))
     fake = FakeCuda()
-    static = StaticDraft(sw2, compiler="eager", own_kv=True, capture=fake.capture_graph)
+    static = StaticKV(sw2, compiler="eager", own_kv=True, capture=fake.capture_graph)
     got = _run(lm, None, ids, 24, 4, static)
     assert got.tokens == eager.tokens == ref
     assert got.stats["accepted_lens"] == eager.stats["accepted_lens"]

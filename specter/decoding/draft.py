@@ -1,0 +1,402 @@
+"""The draft: what proposes K tokens in a window, where its KV lives, and its steps.
+
+A speculative engine's draft is one part with the small interface of `Draft`:
+- `SelfInt4Draft`: the target's own instance drafts with the INT4 copy of its routed experts
+  (Specter's SIC, LRU-S, SP-E/SP-L): one model, one KV cache, the draft mode (draft_mode.py)
+  switched in.
+- `SeparateInt4Draft`: a second instance of the same checkpoint whose routed experts are the
+  INT4 copy only, with its own KV cache (SpecMoEOff) or a per-window copy of the target's
+  (Specter's no-sharing ablation, the artifact's "SIC off").
+- A draft that computes its experts elsewhere supplies the same interface (SpecMoE's host
+  draft, baselines/specmoe.py).
+
+Where a draft's KV lives is its layout, with `steps(...)` (propose K tokens over a cache, one
+forward per step: `draft_steps`, a generator, so the window loop plans its prefetches between
+the steps) and `commit`: `SharedKV` (the target's own instance in draft mode over the target's
+cache, Specter's layout: the proposals' KV is cropped after the window), `OwnKV` (a second model
+with its own cache, SpecMoEOff's), `CopiedKV` (a second model reading a per-window copy of the
+target's KV) and the compiled step's `StaticKV` (compiled_draft.py).
+
+Each draft: `draft_mode` (the target's `DraftMode` whose draft mode the loop switches in; None
+when the draft is a second model), `layout` (None: `SharedKV` over the target's cache),
+`listen(fn, all_layers)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call:
+the clock's charge, a window prefetcher; `all_layers(routes [L, T, k])` its form for a compiled
+step's every layer at once), `device_bytes` (device memory beyond the target's own
+parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `reset()` and
+`as_record()`.
+Does not own: the INT4 experts themselves (quant/), acceptance, the window loop (loop.py).
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from specter.counting import charging_only, host_side, routed_counts, to_device
+from specter.decoding.draft_mode import DraftMode
+from specter.decoding.batch import BatchCache, cache_bytes
+from specter.models.introspect import experts_modules
+from specter.placement.loader import load_model
+from specter.placement.plan import PlacementPlan
+from specter.clock.observer import NULL_CLOCK, NullClock
+from specter.clock.timing import Timing
+from specter.offload.store import release_fused
+from specter.quant.build import Int4Experts
+
+
+def charges_virtually(timing: Timing) -> bool:
+    """Whether compute steps are charged by the cost model (the virtual clock)."""
+    return timing.cost is not None and timing.clock == "virtual"
+
+
+class Draft:
+    """The interface above, with its no-op defaults: a draft subclasses it and sets
+    `draft_mode` or `layout`."""
+
+    draft_mode: DraftMode | None = None
+    timing: Timing | None = None
+    target_model = None
+    kv_copy_bytes = kv_copies = 0
+    layout = None  # where and how it drafts (draft.py, compiled_draft.py); None: SharedKV
+    device_bytes = 0
+
+    def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
+        self.draft_mode.listen(fn, all_layers, in_graph)
+
+    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
+        pass
+
+    def graph_layers(self, why: str) -> None:
+        """Replay each draft layer as a CUDA graph from now on (`GraphedExperts`, as
+        quant.graphs=on builds them): where quant.graphs=auto was off for a step to be
+        captured whole and the step stays eager after all; `why` goes to the record."""
+        from specter.quant.kernels import GraphedExperts
+
+        instance = self.draft_mode or getattr(self, "instance", None)
+        instance.draft_layers = [layer if isinstance(layer, GraphedExperts)
+                                 else GraphedExperts(layer) for layer in instance.draft_layers]
+        self.int4.graphs, self.int4.graphs_choice = True, why
+
+    def warm_graphs(self, rows: int, k_max: int) -> int:
+        """Capture the draft layers' per-layer CUDA graphs (quant.graphs) for the forwards a
+        window of up to `rows` rows and `k_max` steps makes, now, at build time
+        (`DraftMode.warm_graphs`); the captures made. The target's own instance feeds one
+        token a row per step; a second instance also catches up on unseen tokens."""
+        if self.draft_mode is not None:
+            return self.draft_mode.warm_graphs(range(1, rows + 1))
+        instance = getattr(self, "instance", None)
+        return instance.warm_graphs(range(1, (k_max + 1) * rows + 1)) if instance else 0
+
+    def reset(self) -> None:
+        self.kv_copy_bytes = self.kv_copies = 0
+        if hasattr(self.layout, "compiles"):  # what compiles during the next request
+            self._compiled_before = (self.layout.compiles, self.layout.compile_s)
+
+    def compile_record(self) -> dict:
+        """A compiled layout's compilations during the request (none: no columns)."""
+        if not hasattr(self.layout, "compiles"):
+            return {}
+        n, seconds = getattr(self, "_compiled_before", (0, 0.0))
+        return {"draft_compiles": self.layout.compiles - n,
+                "draft_compile_s": self.layout.compile_s - seconds}
+
+    def as_record(self) -> dict:
+        return {}
+
+    def _charge_kv_copy(self, tokens: int, rows: int, cache, nbytes: int | None = None) -> None:
+        """One per-window copy of the committed KV (`tokens` positions of `rows` sequences,
+        holes included: the copy is the whole rectangle; `nbytes` when the caller measured
+        them), device to device: on
+        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
+        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
+        real clocks measure the copy itself."""
+        cost = self.timing.cost
+        if charges_virtually(self.timing):
+            s = cost.sizes
+            layers = len(self.target_model.model.layers) * s.attn_multiplier
+            nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
+            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
+                                     + 2 * layers * cost.hw.launch_overhead_s)
+        elif nbytes is None:
+            nbytes = cache_bytes(cache)
+        self.kv_copy_bytes += nbytes
+        self.kv_copies += 1
+
+
+def draft_experts_charge(timing: Timing, int4: Int4Experts):
+    """A draft listener charging the router and the fused INT4 experts of one draft layer to
+    the virtual clock (one kernel over every routed expert the layer's tokens chose), and its
+    every-layer form for a compiled step (one read of the step's routes, counted on the host).
+    Returns `(per_layer, all_layers)`, the two arguments of `listen`."""
+    cost, link, spec = timing.cost, timing.link, int4.experts.spec
+
+    def charge_counts(tokens: int, per_expert: list[int]) -> None:
+        link.compute(cost.router_s(tokens))
+        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
+
+    def charge(layer: int, top_k_index: torch.Tensor) -> None:
+        with charging_only():
+            counts = torch.bincount(top_k_index.flatten())
+            per_expert = counts[counts > 0].tolist()  # host sync: charging only
+        charge_counts(top_k_index.shape[0], per_expert)
+
+    def charge_all(routes: torch.Tensor) -> None:
+        for tokens, per_expert in routed_counts(routes):
+            charge_counts(tokens, per_expert)
+    return charge, charge_all
+
+
+class SelfInt4Draft(Draft):
+    """The target's own instance in draft mode: its routed experts from their INT4 copy."""
+
+    def __init__(self, model, int4: Int4Experts, device: torch.device, timing: Timing):
+        self.int4, self.timing, self.target_model = int4, timing, model
+        self.draft_mode = DraftMode(model, int4.experts, int4.backend, device,
+                                    graphs=int4.graphs)
+        self.device_bytes = self.draft_mode.draft_bytes
+        if charges_virtually(timing):
+            self.listen(*draft_experts_charge(timing, int4))
+
+    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
+                   capture=None, clock: NullClock = NULL_CLOCK) -> None:
+        """Draft in a static cache, each step one compiled graph (compiled_draft.py; `capture`:
+        captured as one CUDA graph), charged after it by `clock`, the target's (its hooks do
+        not run inside the compiled step); each window's copy of newly committed KV is charged
+        as a device copy."""
+        from specter.decoding.compiled_draft import StaticKV
+
+        self.layout = StaticKV(self.draft_mode, compiler, mode, on_copy=self._charge_kv_copy,
+                              positions=positions, capture=capture, clock=clock)
+
+    def as_record(self) -> dict:
+        static = self.layout is not None
+        return {**self.int4.as_record(), "shared_instance": True, **self.compile_record(),
+                "draft_kv": "static" if static else "shared",
+                "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
+
+
+def load_separate_draft_model(job):
+    """The same checkpoint loaded a second time as a stand-alone draft: its routed experts
+    will be the INT4 copy only (their full-precision tensors are never read)."""
+    files = job.files
+    second = load_model(files.model, job.device, files.cache_dir, files.model_seed,
+                        progress=False, plan=PlacementPlan("none")).model
+    for _, m in experts_modules(second):
+        release_fused(m, -1)  # still an experts module for introspection
+    return second
+
+
+class SeparateInt4Draft(Draft):
+    """A second instance drafting with the INT4 copy: its own non-expert weights, and its own
+    KV cache (`kv_copy=False`, SpecMoEOff's layout, catching up on the tokens it has not seen)
+    or the target's committed KV copied to it at every window's start (`kv_copy=True`,
+    charged as a device copy)."""
+
+    def __init__(self, target_model, draft_model, int4: Int4Experts, device: torch.device,
+                 timing: Timing, kv_copy: bool = False):
+        self.int4, self.timing, self.target_model = int4, timing, target_model
+        self.layout = CopiedKV(draft_model, self._charge_kv_copy) if kv_copy \
+            else OwnKV(draft_model)
+        self.instance = DraftMode(draft_model, int4.experts, int4.backend, device,
+                                  graphs=int4.graphs)
+        self.instance.mode = "draft"  # this instance is only ever the draft
+        self.clock = timing.observer(draft_model, charge_experts=False)
+        if charges_virtually(timing):
+            self.listen(*draft_experts_charge(timing, int4))
+        # the INT4 copy (counted once) and the second instance's non-expert weights
+        self.device_bytes = self.instance.draft_bytes + sum(
+            p.numel() * p.element_size() for p in draft_model.parameters())
+        self.kv_copy_bytes = self.kv_copies = 0
+
+    def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
+        self.instance.listen(fn, all_layers, in_graph)
+
+    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
+                   capture=None, clock: NullClock = NULL_CLOCK) -> str | None:
+        """Draft in a static cache of its own, each step one compiled graph (compiled_draft.py
+        `own_kv`; `capture`: captured as one CUDA graph), charged by this instance's own clock
+        after each step (not the target's `clock`); None, or why not."""
+        if isinstance(self.layout, CopiedKV):
+            return "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
+        from specter.decoding.compiled_draft import StaticKV
+
+        self.layout = StaticKV(self.instance, compiler, mode, positions=positions,
+                                  clock=self.clock,
+                                  own_kv=True, capture=capture)
+        return None
+
+    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
+        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
+
+    def as_record(self) -> dict:
+        copied = isinstance(self.layout, CopiedKV)
+        return {**self.int4.as_record(), "shared_instance": False,
+                "draft_kv": "copied" if copied else "own", **self.compile_record(),
+                "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
+
+
+def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick, tell,
+                stop: set[int], out: list[list[int]], on_device: bool = False):
+    """Up to `k_effs[r]` proposals for each row r of `kv` into `out[r]`, one draft forward per
+    step: row r feeds `feeds[r]` first (its tokens the draft has not seen, ending with the
+    pending one), then its last proposal; a row that has drafted a stop token or its quota feeds
+    its last token as a hole. `pick(r, logits_row)` chooses row r's token. Yields `(i, k_eff)`
+    after each step i (1-based; k_eff is the window's last step, early once no row drafts).
+
+    `on_device` (greedy): each step's choice (the argmax) stays on the device and is the next
+    step's input; the window's proposals are read once, after its last step, and each row's
+    are cut after its first stop token. A row so drafts its whole quota even past a stop token
+    (those steps' KV is discarded with the window's, their tokens never proposed): the draft
+    step waits for the host only at the window's end."""
+    if on_device:
+        yield from _draft_steps_on_device(kv, feeds, k_effs, tell, stop, out)
+        return
+    drafting = [k > 0 for k in k_effs]
+    k_max = max(k_effs)
+    for i in range(k_max):
+        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
+        width = max(len(b) for b in blocks)
+        tell(width, kv.length + width, "draft", rows=kv.rows)
+        logits = kv.forward(blocks, live=drafting)
+        for r in range(len(feeds)):
+            if drafting[r]:
+                tok = pick(r, logits[r, -1])
+                out[r].append(tok)
+                feeds[r] = [tok]
+                drafting[r] = tok not in stop and len(out[r]) < k_effs[r]
+        last = not any(drafting)
+        yield i + 1, (i + 1 if last else k_max)  # a window ends early once no row drafts
+        if last:
+            break
+
+
+def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], tell,
+                           stop: set[int], out: list[list[int]]):
+    """`draft_steps` with the greedy choices kept on the device (see there)."""
+    drafting = [k > 0 for k in k_effs]
+    drafted = [0] * len(feeds)
+    chosen: list[torch.Tensor] = []  # per step, every row's argmax [B] (on the device)
+    k_max = max(k_effs)
+    # Each row's next input: its last proposal, or (a row that no longer drafts: a hole) the
+    # last token it fed, as the host path feeds it.
+    with host_side():
+        feed = torch.tensor([f[-1] for f in feeds])
+    feed = to_device(feed, kv.device)
+    for i in range(k_max):
+        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
+            else [[0]] * len(feeds)
+        width = max(len(b) for b in blocks)
+        tell(width, kv.length + width, "draft", rows=kv.rows)
+        logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
+        tok = logits[:, -1].argmax(dim=-1)
+        chosen.append(tok)
+        if not all(drafting):
+            with host_side():
+                live = torch.tensor(drafting)
+            feed = torch.where(to_device(live, kv.device), tok, feed)
+        else:
+            feed = tok
+        for r in range(len(feeds)):
+            if drafting[r]:
+                drafted[r] += 1
+                drafting[r] = drafted[r] < k_effs[r]
+        last = not any(drafting)
+        yield i + 1, (i + 1 if last else k_max)
+        if last:
+            break
+    table = torch.stack(chosen, dim=1).tolist()  # the window's one read of its proposals
+    for r in range(len(feeds)):
+        row = table[r][:drafted[r]]
+        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+        out[r].extend(row[:cut])
+
+
+class SharedKV:
+    """The target's own instance (`shared`, a `DraftMode`) drafts over the target's cache with
+    its draft mode switched in; the proposals' KV is cropped once the window has drafted."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def start(self, rows: int, device) -> None:
+        """After the prefill (the target's cache is the draft's: nothing to make)."""
+
+    def held_bytes(self) -> int:
+        """No KV of its own: the target's cache is counted as the target's."""
+        return 0
+
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+              stop: set[int], out: list[list[int]], on_device: bool = False):
+        """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
+        token, the last of its sequence)."""
+        base = kv.length
+        with self.shared.draft():
+            yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, tell, stop, out,
+                                   on_device)
+        kv.crop(base)
+
+    def commit(self, n_valid: list[int]) -> None:
+        """After verification (nothing of the draft's own to keep)."""
+
+    def select(self, rows: list[int]) -> None:
+        """Finished rows left the target's cache, which is the draft's."""
+
+
+class OwnKV:
+    """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
+    the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
+    committed tokens; tokens it has not seen (the target's corrections) are fed in one block
+    at the start of the next window (a batch's rows right-aligned, as `BatchCache` feeds)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.kv: BatchCache | None = None
+
+    def start(self, rows: int, device) -> None:
+        self.kv = BatchCache(self.model, device, rows)
+
+    def held_bytes(self) -> int:
+        """Device bytes of its own KV cache (the second cache a shared instance saves)."""
+        return 0 if self.kv is None else cache_bytes(self.kv.cache)
+
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+              stop: set[int], out: list[list[int]], on_device: bool = False):
+        """`draft_steps` in its own cache for rows whose committed tokens are `seqs` (the
+        target's cache `kv` is read only by a copying draft: `sync`)."""
+        self.sync(kv)
+        feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
+        yield from draft_steps(self.kv, feeds, k_effs, pick, tell, stop, out, on_device)
+
+    def sync(self, target: BatchCache) -> None:
+        """At a window's start, before drafting (own KV: nothing to do)."""
+
+    def commit(self, n_valid: list[int]) -> None:
+        """Row r keeps the draft's KV of its first `n_valid[r]` tokens only."""
+        for r, n in enumerate(n_valid):
+            self.kv.keep(r, n)
+        self.kv.trim()
+
+    def select(self, rows: list[int]) -> None:
+        if self.kv is not None:
+            self.kv.select(rows)
+
+
+class CopiedKV(OwnKV):
+    """A second model whose KV is a copy of the target's committed KV, made at the start of
+    every window (the authors' artifact's "SIC off": weights apart, KV copied per window, not
+    shared). The draft so reads exactly the target's KV, as the shared instance does: the
+    same proposals, the same acceptance; what it costs is the copy (`on_copy(positions,
+    rows, cache)` is told of each, to charge it) and the copy's memory."""
+
+    def __init__(self, model, on_copy=None):
+        super().__init__(model)
+        self.on_copy = on_copy
+
+    def sync(self, target: BatchCache) -> None:
+        self.kv = target.copy_for(self.model)  # every layer's K and V, device to device
+        if self.on_copy is not None:
+            self.on_copy(self.kv.length, self.kv.rows, self.kv.cache)
+
+    def commit(self, n_valid: list[int]) -> None:
+        """Nothing kept: the next window copies the target's KV afresh."""
+        self.kv = None
