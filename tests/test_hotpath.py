@@ -103,12 +103,12 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
 
     def run(on_device, stop, k_effs):
         kv = BatchCache(lm.model, torch.device("cpu"), len(prompts))
-        logits = kv.forward([list(p) for p in prompts])
+        logits = kv.forward([list(p) for p in prompts], "prefill")
         feeds = [[int(logits[r, -1].argmax())] for r in range(len(prompts))]
         with torch.no_grad(), hotpath.OpCounter() as counter:
             out = [[] for _ in feeds]
             for _ in draft_steps(kv, feeds, k_effs, lambda r, row: int(row.argmax()),
-                                 lambda *a, **k: None, stop, out, on_device=on_device):
+                                 stop, out, on_device=on_device):
                 pass
         return out, counter.counts["bookkeeping"]["host_reads"], counter.counts["bookkeeping"]
 

@@ -112,6 +112,10 @@ def pad_id(model) -> int:
     return eos[0] if eos else 0
 
 
+def _unheard(tokens: int, context: int, phase: str, rows: int = 1) -> None:
+    """No one subscribed to a cache's forwards."""
+
+
 class BatchCache:
     """A rectangular KV cache of B sequences, each with its own real positions.
 
@@ -120,10 +124,18 @@ class BatchCache:
     (`keep`), are holes. Holes are masked out of attention, and each real token's position id
     counts only its row's real tokens before it, so every row computes what it would alone.
     While there is no hole the model is called exactly as for one sequence (no mask, no
-    position ids). `select` drops finished rows; `crop` and `trim` shorten every row."""
+    position ids). `select` drops finished rows; `crop` and `trim` shorten every row.
 
-    def __init__(self, model, device: torch.device, rows: int):
+    `announce(tokens, context, phase, rows)` hears of every forward before it runs (the
+    engine's clock, demand recording and window prefetcher subscribe through it): `rows`
+    sequences of `tokens` positions each (padding included), attending over `context`
+    positions (holes included); phase: "prefill" | "decode" | "draft" | "verify". A forward
+    made outside the cache (a compiled step over its own static buffers) announces itself
+    through the same call."""
+
+    def __init__(self, model, device: torch.device, rows: int, announce=None):
         self.model, self.device = model, device
+        self.announce = announce or _unheard
         self.cache = new_cache(model)
         self.mask = torch.ones(rows, 0, dtype=torch.bool)  # [B, columns]: real positions
         self.valid = [0] * rows  # real tokens per row (the next token's position id)
@@ -138,14 +150,15 @@ class BatchCache:
         """Columns of the cache (what attention reads, holes included)."""
         return self.mask.shape[1]
 
-    def forward(self, blocks: list[list[int]], live: list[bool] | None = None,
+    def forward(self, blocks: list[list[int]], phase: str, live: list[bool] | None = None,
                 logits_to_keep: int = 1, device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One forward of `blocks[b]` appended to row b (right-aligned; `live[b]` False:
+        """One `phase` forward of `blocks[b]` appended to row b (announced first; `live[b]` False:
         the row's block is all holes, computed but never kept); returns logits
         [B, logits_to_keep, V] of the block's last positions. `device_ids` [B, width]: the
         blocks' token ids already on the device (the draft's own last choice, never read to
         the host); `blocks` then only give each row's length."""
         width = max(len(b) for b in blocks)
+        self.announce(width, self.length + width, phase, rows=self.rows)
         with host_side():  # built on the host, copied over below
             ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
             real = torch.zeros(self.rows, width, dtype=torch.bool)
@@ -174,7 +187,7 @@ class BatchCache:
 
     def copy_for(self, model) -> "BatchCache":
         """A copy of this cache (every layer's K and V) that `model` continues."""
-        twin = BatchCache(model, self.device, 0)
+        twin = BatchCache(model, self.device, 0, self.announce)
         twin.cache = copy.deepcopy(self.cache)
         twin.mask, twin.valid, twin.pad = self.mask.clone(), list(self.valid), self.pad
         return twin
@@ -241,16 +254,13 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
     memory.start()
-    kv = BatchCache(model, device, len(prompts))
-    tell = before_forward or (lambda *a, **k: None)
+    kv = BatchCache(model, device, len(prompts), announce=before_forward)
     start = clock.mark()  # marks: read as seconds after the last token (no device wait)
     tokens: list[list[int]] = [[] for _ in prompts]
     times: list[list] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the request of each cache row
     # 1. Prefill the prompts; their last logits give the first tokens.
-    width = max(len(p) for p in prompts)
-    tell(width, width, "prefill", rows=len(prompts))
-    logits = kv.forward([list(p) for p in prompts])  # [B, 1, V]
+    logits = kv.forward([list(p) for p in prompts], "prefill")  # [B, 1, V]
     while True:
         # 2. Commit each row's greedy token.
         picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
@@ -269,8 +279,7 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
         kv.select(going)
         live = [live[r] for r in going]
         # 3. Decode one step of every unfinished row.
-        tell(1, kv.length + 1, "decode", rows=len(live))
-        logits = kv.forward([[tokens[b][-1]] for b in live])
+        logits = kv.forward([[tokens[b][-1]] for b in live], "decode")
     peak, source = memory.peak()
     return [Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
                        start_time_s=clock.timestamp(start), peak_mem_bytes=peak,

@@ -192,16 +192,14 @@ class CompiledDecode:
         if not prompt:
             raise ValueError("every request needs at least one prompt token")
         memory.start()
-        tell = before_forward or (lambda *a, **k: None)
-        kv = BatchCache(self.model, device, 1)
+        kv = BatchCache(self.model, device, 1, announce=before_forward)
         start = clock.mark()
-        tell(len(prompt), len(prompt), "prefill", rows=1)
-        logits = kv.forward([list(prompt)])
+        logits = kv.forward([list(prompt)], "prefill")
         tok = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1] on the device
         tokens, times = [], []
         n = len(prompt)
         self._load(kv.cache, n + max_new_tokens)
-        kv = None  # the dynamic cache is not read again
+        announce, kv = kv.announce, None  # the dynamic cache is not read again
         while True:
             picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
             tokens.append(picked)
@@ -211,7 +209,7 @@ class CompiledDecode:
             memory.observe_cache(None, cache_bytes(self.cache))
             if len(tokens) >= max_new_tokens or picked in stop:
                 break
-            tell(1, n + 1, "decode", rows=1)
+            announce(1, n + 1, "decode", rows=1)  # a step outside the cache
             began = time.perf_counter()
             tok, routes = self._run_step(tok)
             with self.clock.captured_step():

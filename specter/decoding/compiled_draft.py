@@ -179,9 +179,9 @@ class StaticKV:
         self.compiles, self._fresh = self.compiles + 1, False
 
     # -- the layout's interface (draft.py) --------------------------------------------------
-    def start(self, rows: int, device) -> None:
+    def start(self, target: BatchCache) -> None:
         """After the prefill: nothing copied yet (the first window copies the prompt's KV)."""
-        if rows != 1:
+        if target.rows != 1:
             raise ValueError("the static draft step decodes one row (spec.compile=auto keeps a "
                              "batch eager)")
         self.synced = 0
@@ -231,7 +231,7 @@ class StaticKV:
             dst.cumulative_length.fill_(n)
         self.synced = n
 
-    def _catch_up(self, kv: BatchCache, seq: list[int], k: int, tell):
+    def _catch_up(self, kv: BatchCache, seq: list[int], k: int):
         """own_kv: the window's first step, eager, as the eager layout takes it: the committed
         tokens the draft has not seen (the target's corrections; the whole prompt at the first
         window) and the pending token in one forward into the buffers. Returns the first
@@ -246,14 +246,14 @@ class StaticKV:
             return None
         with host_side():
             ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
-        tell(n + 1 - s, n + 1, "draft", rows=1)
+        kv.announce(n + 1 - s, n + 1, "draft", rows=1)  # a forward outside the cache
         with self.shared.draft():
             logits = self.model(input_ids=to_device(ids, kv.device), cache=self.cache,
                                 use_cache=True).logits
         self.synced = n
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
-    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`drafting.draft_steps` for one row in the static cache: the pending token first, then
         each proposal. Greedy only (`resolve_compile` keeps sampling eager): the choices stay on
@@ -265,11 +265,11 @@ class StaticKV:
         k = k_effs[0]
         chosen, first = [], None
         if self.own_kv:
-            first = self._catch_up(kv, seqs[0], k, tell)
+            first = self._catch_up(kv, seqs[0], k)
         else:
             self._sync(kv, k)
         if self.capture is not None:
-            yield from self._replayed(kv, seqs[0], k, first, tell, stop, out)
+            yield from self._replayed(kv, seqs[0], k, first, stop, out)
             return
         if first is not None:  # the window's first step ran eagerly
             chosen.append(first)
@@ -281,7 +281,7 @@ class StaticKV:
             tok = to_device(tok, kv.device)
         with self.shared.draft(), self.shared.capturing():
             for i in range(len(chosen), k):
-                tell(1, kv.length + i + 1, "draft", rows=1)
+                kv.announce(1, kv.length + i + 1, "draft", rows=1)
                 began = time.perf_counter()
                 with compiled_region():  # counted as one graph replay (experiments/hotpath.py)
                     nxt, routes = self.step(tok)
@@ -299,7 +299,7 @@ class StaticKV:
         cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
         out[0].extend(row[:cut])
 
-    def _replayed(self, kv: BatchCache, seq: list[int], k: int, first, tell, stop: set[int],
+    def _replayed(self, kv: BatchCache, seq: list[int], k: int, first, stop: set[int],
                   out: list[list[int]]):
         """`steps` with each step one replay of the captured graph (`capture`): the window's
         first input written into the graph's token buffer (the pending token by a fill, no
@@ -319,7 +319,7 @@ class StaticKV:
             if self.replay is None and done < k:  # the first window with these buffers:
                 self._capture_step()  # captured before its first step (no step's time holds it)
             for i in range(done, k):
-                tell(1, kv.length + i + 1, "draft", rows=1)
+                kv.announce(1, kv.length + i + 1, "draft", rows=1)
                 with compiled_region():  # one graph replay (experiments/hotpath.py)
                     routes = self.replay()
                 self.steps_run += 1

@@ -235,7 +235,7 @@ class SeparateInt4Draft(Draft):
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
 
 
-def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick, tell,
+def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
                 stop: set[int], out: list[list[int]], on_device: bool = False):
     """Up to `k_effs[r]` proposals for each row r of `kv` into `out[r]`, one draft forward per
     step: row r feeds `feeds[r]` first (its tokens the draft has not seen, ending with the
@@ -249,15 +249,13 @@ def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
     (those steps' KV is discarded with the window's, their tokens never proposed): the draft
     step waits for the host only at the window's end."""
     if on_device:
-        yield from _draft_steps_on_device(kv, feeds, k_effs, tell, stop, out)
+        yield from _draft_steps_on_device(kv, feeds, k_effs, stop, out)
         return
     drafting = [k > 0 for k in k_effs]
     k_max = max(k_effs)
     for i in range(k_max):
         blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
-        width = max(len(b) for b in blocks)
-        tell(width, kv.length + width, "draft", rows=kv.rows)
-        logits = kv.forward(blocks, live=drafting)
+        logits = kv.forward(blocks, "draft", live=drafting)
         for r in range(len(feeds)):
             if drafting[r]:
                 tok = pick(r, logits[r, -1])
@@ -270,7 +268,7 @@ def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
             break
 
 
-def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], tell,
+def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int],
                            stop: set[int], out: list[list[int]]):
     """`draft_steps` with the greedy choices kept on the device (see there)."""
     drafting = [k > 0 for k in k_effs]
@@ -285,9 +283,8 @@ def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[
     for i in range(k_max):
         blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
             else [[0]] * len(feeds)
-        width = max(len(b) for b in blocks)
-        tell(width, kv.length + width, "draft", rows=kv.rows)
-        logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
+        logits = kv.forward(blocks, "draft", live=drafting,
+                            device_ids=None if i == 0 else feed[:, None])
         tok = logits[:, -1].argmax(dim=-1)
         chosen.append(tok)
         if not all(drafting):
@@ -318,20 +315,20 @@ class SharedKV:
     def __init__(self, shared):
         self.shared = shared
 
-    def start(self, rows: int, device) -> None:
+    def start(self, target: BatchCache) -> None:
         """After the prefill (the target's cache is the draft's: nothing to make)."""
 
     def held_bytes(self) -> int:
         """No KV of its own: the target's cache is counted as the target's."""
         return 0
 
-    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
         token, the last of its sequence)."""
         base = kv.length
         with self.shared.draft():
-            yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, tell, stop, out,
+            yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, stop, out,
                                    on_device)
         kv.crop(base)
 
@@ -352,20 +349,22 @@ class OwnKV:
         self.model = model
         self.kv: BatchCache | None = None
 
-    def start(self, rows: int, device) -> None:
-        self.kv = BatchCache(self.model, device, rows)
+    def start(self, target: BatchCache) -> None:
+        """After the target's prefill: its own cache of as many rows, whose forwards are
+        announced to the target's subscriber."""
+        self.kv = BatchCache(self.model, target.device, target.rows, target.announce)
 
     def held_bytes(self) -> int:
         """Device bytes of its own KV cache (the second cache a shared instance saves)."""
         return 0 if self.kv is None else cache_bytes(self.kv.cache)
 
-    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick, tell,
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], on_device: bool = False):
         """`draft_steps` in its own cache for rows whose committed tokens are `seqs` (the
         target's cache `kv` is read only by a copying draft: `sync`)."""
         self.sync(kv)
         feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
-        yield from draft_steps(self.kv, feeds, k_effs, pick, tell, stop, out, on_device)
+        yield from draft_steps(self.kv, feeds, k_effs, pick, stop, out, on_device)
 
     def sync(self, target: BatchCache) -> None:
         """At a window's start, before drafting (own KV: nothing to do)."""

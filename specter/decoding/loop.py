@@ -43,7 +43,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
                       layout=None, depth=None, on_commit: list | None = None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
     `before_forward(tokens, context, phase, rows)` is told of every forward (phase: "prefill" |
-    "draft" | "verify"); `prefetcher` plans and issues copies between draft steps and hears
+    "draft" | "verify"), as the cache's subscriber (`BatchCache.announce`); `prefetcher` plans and issues copies between draft steps and hears
     each window's end; `temperature` > 0 samples (one generator per request); `layout` is
     where and how the draft runs (draft.py: a second model, or compiled_draft.py's compiled
     step; else `SharedKV(shared)`, the target's own instance in draft mode over its cache);
@@ -51,24 +51,21 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
     request a listener or None (`Engine.generate`'s), called with each commit's new tokens
     (`Rows._commit`); None: no listener at all."""
     _check(prompts, k, temperature, generators)
-    tell = before_forward or (lambda *a, **kw: None)
     prefetch = prefetcher or WindowPrefetcher()
     accept = Sampled(temperature, generators) if temperature > 0 else Greedy()
     draft = layout or SharedKV(shared)
     depths = WindowDepth(k, depth, clock)
     memory.start()
-    kv = BatchCache(model, device, len(prompts))
+    kv = BatchCache(model, device, len(prompts), announce=before_forward)
     rows = Rows(prompts, max_new_tokens, k, stop, clock.mark(), on_commit)
 
     # 0. Prefill: each row's last logits give the target's first token, committed at once
     #    (as in autoregressive decoding: TTFT and TPOT mean the same for every system).
-    width = max(len(p) for p in prompts)
-    tell(width, width, "prefill", rows=len(prompts))
-    logits = kv.forward([list(p) for p in prompts])  # [B, 1, V]
+    logits = kv.forward([list(p) for p in prompts], "prefill")  # [B, 1, V]
     first = [accept.pick(b, logits[b, -1]) for b in range(len(prompts))]
     now = clock.mark()
     memory.observe_cache(kv.cache)
-    draft.start(len(prompts), device)
+    draft.start(kv)
     rows.leave(rows.commit_first(first, now), kv, draft)
 
     while rows.live:
@@ -80,7 +77,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         if max(quotas) > 0:
             # 1. Draft: one forward per step over every live row ...
             for step, last in draft.steps(kv, rows.live_seqs(), quotas, rows.pick(accept.pick),
-                                          tell, stop, proposals, on_device=accept.on_device):
+                                          stop, proposals, on_device=accept.on_device):
                 # 2. ... and between the steps, plan and issue the prefetches of the experts
                 #    verification will need (their copies overlap the rest of the draft).
                 prefetch.after_draft_step(step, last)
@@ -88,8 +85,7 @@ def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: i
         # 3. Verify: every row's pending token and its proposals in one target forward.
         blocks = [seq[-1:] + props for seq, props in zip(rows.live_seqs(), proposals)]
         width = max(len(block) for block in blocks)
-        tell(width, kv.length + width, "verify", rows=len(blocks))
-        logits = kv.forward(blocks, logits_to_keep=width)  # [B, width, V], right-aligned
+        logits = kv.forward(blocks, "verify", logits_to_keep=width)  # [B, width, V], right-aligned
         accept.read(logits)
         now = clock.mark()
         # 4. Accept: each row's longest agreeing prefix, then the target's own next token.
