@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from baselines.resident import Config as ResidentConfig
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
 from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
@@ -77,8 +78,8 @@ def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
         resolve_system_compile("on", 1, "emulated")
     with pytest.raises(UserError, match="system.compile=on cannot compile"):
         resolve_system_compile("on", 4, "wall")
-    with pytest.raises(UserError, match="system.compile must be one of"):
-        resolve_system_compile("yes", 1, "wall")
+    with pytest.raises(UserError, match="system.compile must be one of"):  # with its config
+        ResidentConfig(name="resident", compile="yes").validate()
     assert resolve_system_compile("auto", 1, "cuda")[0]  # captured as one CUDA graph
 
 

@@ -13,6 +13,7 @@ import torch
 
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
+from specter.settings import run_config
 from specter.decoding.loop import speculative_greedy
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.compiled_draft import StaticKV, resolve_compile
@@ -154,8 +155,8 @@ def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
     assert not on and "batch of 4" in why and "cpu_int4" in why
     with pytest.raises(UserError, match="spec.compile=on cannot compile"):
         resolve_compile("on", "gather_int4", 1, True)
-    with pytest.raises(UserError, match="spec.compile must be one of"):
-        resolve_compile("yes", "gather_int4", 1, False)
+    with pytest.raises(UserError, match="spec.compile must be one of"):  # checked once, with
+        run_config(["spec.compile=yes"]).validate()  # the config (config.validate)
     on, why = resolve_compile("auto", "triton", 1, False)
     assert not on and "per layer as a CUDA graph" in why
     # where it compiles, auto compiles (on CUDA the whole step captured: issue 45 item 3)

@@ -182,7 +182,7 @@ def _accept_every_proposal(p, q, proposals, g):
 
 
 def test_speculative_sampling_rule_reproduces_the_target_distribution():
-    from specter.decoding.acceptance import accept_sampled
+    from specter.decoding.loop import accept_sampled
 
     p = torch.tensor([[0.5, 0.2, 0.1, 0.1, 0.05, 0.05]] * 4)
     q = torch.tensor([[0.1, 0.1, 0.5, 0.1, 0.1, 0.1]] * 3)
@@ -198,7 +198,7 @@ def test_speculative_sampling_on_a_model_matches_the_targets_next_token_distribu
     the first speculated tokens (the 2nd and 3rd outputs; the 1st comes from the prefill) over
     many seeds follow softmax(target logits / T) given their prefixes, however the draft
     proposes; the same check rejects a rule that keeps the draft's proposals."""
-    import specter.decoding.acceptance as decode
+    import specter.decoding.loop as decode
     from specter.models.introspect import experts_modules
     from specter.quant.formats import rtn_quantize
 

@@ -28,7 +28,7 @@ from torch import nn
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
-from specter.decoding.compiled_draft import MODES, index_kept, settle_compile
+from specter.decoding.compiled_draft import index_kept, settle_compile
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_mlp
 

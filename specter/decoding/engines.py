@@ -23,7 +23,7 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.loop import speculative_batch
-from specter.decoding.compiled_draft import CAPTURED, MODES as COMPILE_MODES, resolve_compile
+from specter.decoding.compiled_draft import CAPTURED, resolve_compile
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.errors import UserError
 from specter.clock.observer import NULL_CLOCK, NullClock
@@ -267,9 +267,6 @@ def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NUL
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     spec = job.draft
     backend = getattr(getattr(draft, "int4", None), "backend", None)
-    if spec.compile not in COMPILE_MODES:
-        raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
-                        f"(got '{spec.compile}').")
     if not hasattr(draft, "use_static"):
         if spec.compile == "on":
             raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
