@@ -214,9 +214,9 @@ def _run_job(cfg: RunConfig, log, decode_context) -> RunSummary:
     case = case_of(cfg, budget.slots)
     if attn != "sdpa":  # sdpa: what every run before model.attn used
         case["attn_implementation"] = attn
-    if getattr(getattr(getattr(engine, "draft", None), "int4", None), "graphs", False):
-        case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
     compiled = engine.compiled
+    if compiled.get("draft_graphs"):
+        case["draft_graphs"] = True  # replayed drafts: not the case of eager ones
     for kind, knob in (("draft", cfg.spec), ("decode", cfg.system)):
         if compiled.get(f"{kind}_compiled"):  # a compiled step: not the case of eager ones
             case[f"{kind}_compiled"] = knob.compile_backend

@@ -56,8 +56,10 @@ class Draft:
     draft_mode: DraftMode | None = None
     timing: Timing | None = None
     target_model = None
+    instance: DraftMode | None = None  # a second model's draft mode (SeparateInt4Draft)
     kv_copy_bytes = kv_copies = 0
     layout = None  # where and how it drafts (draft.py, compiled_draft.py); None: SharedKV
+    _compiled_before = (0, 0.0)  # a compiled layout's (compiles, seconds) before this request
     device_bytes = 0
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
@@ -72,7 +74,7 @@ class Draft:
         captured whole and the step stays eager after all; `why` goes to the record."""
         from specter.quant.kernels import GraphedExperts
 
-        instance = self.draft_mode or getattr(self, "instance", None)
+        instance = self.draft_mode or self.instance
         instance.draft_layers = [layer if isinstance(layer, GraphedExperts)
                                  else GraphedExperts(layer) for layer in instance.draft_layers]
         self.int4.graphs, self.int4.graphs_choice = True, why
@@ -84,7 +86,7 @@ class Draft:
         token a row per step; a second instance also catches up on unseen tokens."""
         if self.draft_mode is not None:
             return self.draft_mode.warm_graphs(range(1, rows + 1))
-        instance = getattr(self, "instance", None)
+        instance = self.instance
         return instance.warm_graphs(range(1, (k_max + 1) * rows + 1)) if instance else 0
 
     def reset(self) -> None:
@@ -96,7 +98,7 @@ class Draft:
         """A compiled layout's compilations during the request (none: no columns)."""
         if not hasattr(self.layout, "compiles"):
             return {}
-        n, seconds = getattr(self, "_compiled_before", (0, 0.0))
+        n, seconds = self._compiled_before
         return {"draft_compiles": self.layout.compiles - n,
                 "draft_compile_s": self.layout.compile_s - seconds}
 

@@ -139,7 +139,7 @@ class SpeculativeEngine:
         draft.listen(self.window.on_draft_experts, self.window.on_draft_routes,
                      in_graph=self.window.routes_in_graph)
         self.compiled = compiled or {"draft_compiled": False, "draft_compile": "eager",
-                                     "draft_captured": False}
+                                     "draft_captured": False, "draft_graphs": False}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
         self.generators: list[torch.Generator] | None = None
 
@@ -266,14 +266,14 @@ def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NUL
     buffers hold the longest request: its prompt, its new tokens and the deepest window
     (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
     spec = job.draft
-    backend = getattr(getattr(draft, "int4", None), "backend", None)
     if not hasattr(draft, "use_static"):
         if spec.compile == "on":
             raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
                             f"lru_s, sp_e, sp_l, specmoeoff); {job.system.name} drafts "
                             "otherwise.")
         return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
-                "draft_captured": False}
+                "draft_captured": False, "draft_graphs": False}
+    backend = draft.int4.backend
     cuda = job.device.type == "cuda"
     on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
     if on and draft.int4.graphs:  # quant.graphs=on asked per-layer graphs
@@ -298,7 +298,8 @@ def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NUL
             why = f"{why}: {CAPTURED}"
     # captured: replayed as a CUDA graph, or charged as one on a virtual clock
     captured = on and (cuda or timing.clock == "virtual")
-    return {"draft_compiled": on, "draft_compile": why, "draft_captured": captured}
+    return {"draft_compiled": on, "draft_compile": why, "draft_captured": captured,
+            "draft_graphs": draft.int4.graphs}  # its layers replayed as CUDA graphs
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,
