@@ -1,9 +1,10 @@
 """The one engine protocol every system answers, and the greedy decode steps they share.
 
 Owns: `Engine` (reset before a request, outside timing; generate a request), `Generation`
-(committed tokens with their commit times and the system's own statistics), and the greedy
-prefill / decode-one-token loop over a Hugging Face model and `DynamicCache`, timed by any
-`Clock` (a link's compute-stream clock: virtual, emulated or real).
+(committed tokens with their commit times and the system's own statistics), `BatchCache` (B
+sequences in one rectangular KV cache, each forward announced to its subscriber first), and
+the greedy prefill / decode-one-token loop over a Hugging Face model, timed by any `Clock` (a
+link's compute-stream clock: virtual, emulated or real).
 Does not own: where experts live (offloading runtime), the engines and speculation
 (decoding/), metrics arithmetic (metrics.py).
 
