@@ -22,5 +22,6 @@ def build(job) -> SpeculativeEngine:
     draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
         job, "host_experts_s",
-        lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing),
-        host_all=True)
+        lambda timing, _, compiled: SelfInt4Draft(job.loaded.model, draft, job.device, timing,
+                                                  compiled),
+        host_all=True, int4=draft)

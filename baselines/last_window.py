@@ -57,5 +57,6 @@ def build(job) -> SpeculativeEngine:
     top_m = job.system.top_m or job.loaded.spec.top_k
     return build_speculative(
         job, "last_window",
-        lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing),
-        window=lambda runtime, timing, _: LastWindowPrefetch(runtime, top_m))
+        lambda timing, _, compiled: SelfInt4Draft(job.loaded.model, draft, job.device, timing,
+                                                  compiled),
+        window=lambda runtime, timing, _: LastWindowPrefetch(runtime, top_m), int4=draft)

@@ -21,4 +21,7 @@ FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb
 def build(job) -> SpeculativeEngine:
     draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     return build_speculative(
-        job, "lru_s", lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing))
+        job, "lru_s",
+        lambda timing, _, compiled: SelfInt4Draft(job.loaded.model, draft, job.device, timing,
+                                                  compiled),
+        int4=draft)

@@ -231,6 +231,6 @@ def build(job, draft_top_k: int | None = None, renormalize: bool | None = None) 
 
     return build_speculative(  # the host store is also the draft's expert weights
         job, "specmoe",
-        lambda timing, runtime: HostDraft(job.loaded.model, runtime, timing, draft_top_k,
-                                          renormalize),
+        lambda timing, runtime, _: HostDraft(job.loaded.model, runtime, timing, draft_top_k,
+                                             renormalize),
         window=make_window)

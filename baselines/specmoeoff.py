@@ -87,6 +87,7 @@ def build(job) -> SpeculativeEngine:
     second = load_separate_draft_model(job)
     return build_speculative(
         job, "specmoeoff",
-        lambda timing, _: SeparateInt4Draft(job.loaded.model, second, draft, job.device, timing),
+        lambda timing, _, compiled: SeparateInt4Draft(job.loaded.model, second, draft,
+                                                      job.device, timing, compiled=compiled),
         window=lambda runtime, timing, draft: RouteFrequencyPrefetch(
-            len(runtime.modules), runtime, job.loaded.spec.top_k))
+            len(runtime.modules), runtime, job.loaded.spec.top_k), int4=draft)

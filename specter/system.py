@@ -113,15 +113,18 @@ def build_planned(job, name: str, plan_mode: str | None, sc: SpecterConfig) -> S
     verification."""
     draft = int4_experts_for(job)  # from the full-precision experts, before they move out
     if sc.shared:
-        make_draft = lambda timing, _: SelfInt4Draft(job.loaded.model, draft, job.device, timing)  # noqa: E731
+        make_draft = lambda timing, _, compiled: SelfInt4Draft(  # noqa: E731
+            job.loaded.model, draft, job.device, timing, compiled)
     else:
         second = load_separate_draft_model(job)
-        make_draft = lambda timing, _: SeparateInt4Draft(  # noqa: E731
-            job.loaded.model, second, draft, job.device, timing, kv_copy=sc.kv_copy)
+        make_draft = lambda timing, _, compiled: SeparateInt4Draft(  # noqa: E731
+            job.loaded.model, second, draft, job.device, timing, kv_copy=sc.kv_copy,
+            compiled=compiled)
     return build_speculative(job, name, make_draft,
                              window=orchestrator_for(job, sc, plan_mode) if plan_mode else None,
                              reorder=sc.reorder, overlap=sc.overlap,
-                             host_compute=host_compute_on(sc))
+                             host_compute=host_compute_on(sc), int4=draft,
+                             copied_kv=not sc.shared and sc.kv_copy)
 
 
 def host_compute_on(sc: SystemConfig) -> bool:

@@ -313,7 +313,7 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     auto keeps the per-layer graphs and the step eager, and the record says so."""
     from types import SimpleNamespace as NS
 
-    from specter.decoding.engines import compile_draft
+    from specter.decoding.compiled_draft import compiled_mode
     from specter.quant.build import GRAPHS_AND_STEP, resolve_graphs, step_captured
 
     cuda = torch.device("cuda")
@@ -334,31 +334,33 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     assert resolve_graphs("auto", "triton", cuda, whole_step=False)[0]
     assert resolve_graphs("on", "gather_int4", cuda, whole_step=True)[0]
 
-    timing = NS(cost=None, clock="cuda")
-    graphed = NS(int4=NS(backend="gather_int4", graphs=True), use_static=None)
+    graphed = NS(backend="gather_int4", graphs=True)  # an Int4Experts with quant.graphs=on
     with pytest.raises(UserError, match="choose one"):
-        compile_draft(job(compile="on", graphs="on"), graphed, timing, 4)
-    rec = compile_draft(job(graphs="on"), graphed, timing, 4)
-    assert not rec["draft_compiled"] and "quant.graphs=on" in rec["draft_compile"]
+        compiled_mode(job(compile="on", graphs="on"), graphed, "cuda", 4)
+    mode = compiled_mode(job(graphs="on"), graphed, "cuda", 4)
+    assert not mode.on and "quant.graphs=on" in mode.record["draft_compile"]
+    assert mode.record["draft_graphs"] and mode.static_kv(None) is None
     assert "choose one" in GRAPHS_AND_STEP
 
-    made = {}
-    plain = NS(int4=NS(backend="gather_int4", graphs=False),
-               use_static=lambda *a, **kw: made.update(kw))
-    rec = compile_draft(job(), plain, timing, 4)
     from specter.quant.kernels import capture_graph
 
-    assert rec["draft_compiled"] and rec["draft_captured"] and made["capture"] is capture_graph
-    assert "one CUDA graph" in rec["draft_compile"]
+    plain = NS(backend="gather_int4", graphs=False)
+    mode = compiled_mode(job(), plain, "cuda", 4)
+    assert mode.on and mode.capture is capture_graph and mode.positions == 16 + 8 + 4 + 1
+    assert mode.record["draft_compiled"] and mode.record["draft_captured"]
+    assert "one CUDA graph" in mode.record["draft_compile"]
     # a layout that cannot compile (system.shared=false: a per-window KV copy) under auto:
     # eager, said, and its layers graphed instead (quant.graphs=auto was off for the step)
-    graphed_now = []
-    copied = NS(int4=NS(backend="gather_int4", graphs=False),
-                use_static=lambda *a, **kw: "eager: a per-window copy of the target's KV",
-                graph_layers=graphed_now.append)
-    rec = compile_draft(job(), copied, timing, 4)
-    assert not rec["draft_compiled"] and "per-window copy" in rec["draft_compile"]
-    assert graphed_now and "step stays eager" in graphed_now[0]
+    mode = compiled_mode(job(), plain, "cuda", 4, copied_kv=True)
+    assert not mode.on and "per-window copy" in mode.record["draft_compile"]
+    assert mode.graph_layers and "step stays eager" in mode.graph_layers
+    assert mode.record["draft_graphs"]
+    with pytest.raises(UserError, match="per-window copy"):
+        compiled_mode(job(compile="on"), plain, "cuda", 4, copied_kv=True)
+    # a draft with no INT4 experts on the device (SpecMoE's host draft): eager, or refused
+    assert "no INT4 draft" in compiled_mode(job(), None, "cuda", 4).record["draft_compile"]
+    with pytest.raises(UserError, match="compiles an INT4 draft"):
+        compiled_mode(job(compile="on"), None, "cuda", 4)
 
 
 def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():

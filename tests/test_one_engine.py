@@ -4,7 +4,7 @@ Every system the registry knows is built as a GPU run builds it (the CUDA link's
 stand-in, tests/fake_cuda.py: clock "cuda"), with the backend whose draft step compiles. The
 offloading ones must verify (or decode) through the same `OffloadRuntime` and the same
 fixed-launch kernel, and every system with an INT4 draft on the device must take the same
-draft-step decision (`compile_draft`: compiled, and on CUDA captured as one graph). Resident's
+draft-step decision (`compiled_mode`: compiled, and on CUDA captured as one graph). Resident's
 decode step compiles too (on CUDA: captured the same way, tests/test_compiled_decode.py). The
 systems outside the shared engine are named, each with the reason its design gives.
 """

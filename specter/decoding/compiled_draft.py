@@ -35,6 +35,8 @@ Does not own: the window loop (loop.py), the eager layouts (draft.py), the exper
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -95,6 +97,85 @@ def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tu
     if sampling:
         reasons.append("speculative sampling picks on the host")
     return settle_compile("spec.compile", setting, "the draft step", reasons)
+
+
+@dataclass(frozen=True)
+class CompiledMode:
+    """`spec.compile` for a draft, decided once before the draft is built (`compiled_mode`),
+    so the draft is complete at construction: `on`, its step one compiled graph over a static
+    cache (`StaticKV`) built with torch.compile's `compiler`, its buffers holding `positions`,
+    captured as one CUDA graph by `capture` (CUDA; None elsewhere) and charged after each
+    step by `clock`; `graph_layers`: why its layers are replayed as per-layer CUDA graphs
+    instead (auto's fallback where the step stays eager), or None; `record`: its columns."""
+
+    on: bool = False
+    compiler: str = "inductor"
+    positions: int = 0
+    capture: Callable | None = None
+    clock: NullClock = NULL_CLOCK
+    graph_layers: str | None = None
+    record: dict = field(default_factory=lambda: {
+        "draft_compiled": False, "draft_compile": "eager", "draft_captured": False,
+        "draft_graphs": False})
+
+    def static_kv(self, shared, clock: NullClock | None = None, **kw) -> "StaticKV | None":
+        """The compiled layout over `shared` (a `DraftMode`), charged by `clock` (a second
+        instance's own; else the target's), or None where the step is eager."""
+        if not self.on:
+            return None
+        return StaticKV(shared, self.compiler, None, positions=self.positions,
+                        capture=self.capture, clock=clock or self.clock, **kw)
+
+
+EAGER = CompiledMode()
+COPIED_KV_EAGER = "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
+
+
+def compiled_mode(job, int4, clock_kind: str, k_max: int, clock: NullClock = NULL_CLOCK,
+                  copied_kv: bool = False) -> CompiledMode:
+    """`spec.compile`: an INT4 draft's step (`int4`: its Int4Experts; None: a draft that
+    computes its experts otherwise) as one compiled graph over a static cache, where its shapes
+    are static; on CUDA the whole step is captured as one CUDA graph (`kernels.capture_graph`:
+    at its first step, the runner's untimed warm-up request) and each step is one replay. The
+    record says whether and why (`draft_compile`); every fallback of `auto` is said there, and
+    `on` refuses it in one sentence. The buffers hold the longest request: its prompt, its new
+    tokens and the deepest window (`k_max`, the settled depth's: spec.k=auto's profiled depths
+    included). `copied_kv` (a second instance reading a per-window copy of the target's KV)
+    stays eager, its layers graphed on CUDA under quant.graphs=auto."""
+    from specter.quant.build import GRAPHS_AND_STEP
+    from specter.quant.kernels import FIXED_SHAPE, capture_graph
+
+    spec = job.draft
+    if int4 is None:
+        if spec.compile == "on":
+            raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
+                            f"lru_s, sp_e, sp_l, specmoeoff); {job.system.name} drafts "
+                            "otherwise.")
+        return CompiledMode(record={**EAGER.record,
+                                    "draft_compile": "eager: no INT4 draft on the device"})
+    backend, cuda = int4.backend, job.device.type == "cuda"
+    on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
+    if on and int4.graphs:  # quant.graphs=on asked per-layer graphs
+        if spec.compile == "on":
+            raise UserError(GRAPHS_AND_STEP)
+        on, why = False, ("eager: quant.graphs=on replays each draft layer as its own CUDA "
+                          "graph (spec.compile=auto leaves the step to it)")
+    graph_layers = None
+    if on and copied_kv:
+        if spec.compile == "on":
+            raise UserError(f"spec.compile=on cannot compile this draft step: {COPIED_KV_EAGER}.")
+        on, why = False, COPIED_KV_EAGER
+        if cuda and spec.quant.graphs == "auto" and backend in FIXED_SHAPE:
+            # quant.graphs=auto was off for the whole step: its layers are graphed instead
+            graph_layers = f"auto: CUDA and {backend} (the step stays eager)"
+    elif on and cuda:
+        why = f"{why}: {CAPTURED}"
+    # captured: replayed as a CUDA graph, or charged as one on a virtual clock
+    captured = on and (cuda or clock_kind == "virtual")
+    return CompiledMode(on, spec.compile_backend, job.positions + k_max + 1,
+                        capture_graph if on and cuda else None, clock, graph_layers,
+                        {"draft_compiled": on, "draft_compile": why, "draft_captured": captured,
+                         "draft_graphs": bool(int4.graphs or graph_layers)})
 
 
 class StaticKV:

@@ -30,15 +30,17 @@ Does not own: the INT4 experts themselves (quant/), acceptance, the window loop 
 from __future__ import annotations
 
 
+import dataclasses
+
 import torch
 
 from specter.counting import charging_only, host_side, routed_counts, to_device
+from specter.decoding.compiled_draft import EAGER, CompiledMode
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.batch import BatchCache, cache_bytes
 from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
 from specter.placement.plan import PlacementPlan
-from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.clock.timing import Timing
 from specter.offload.store import release_fused
 from specter.quant.build import Int4Experts
@@ -67,17 +69,6 @@ class Draft:
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         pass
-
-    def graph_layers(self, why: str) -> None:
-        """Replay each draft layer as a CUDA graph from now on (`GraphedExperts`, as
-        quant.graphs=on builds them): where quant.graphs=auto was off for a step to be
-        captured whole and the step stays eager after all; `why` goes to the record."""
-        from specter.quant.kernels import GraphedExperts
-
-        instance = self.draft_mode or self.instance
-        instance.draft_layers = [layer if isinstance(layer, GraphedExperts)
-                                 else GraphedExperts(layer) for layer in instance.draft_layers]
-        self.int4.graphs, self.int4.graphs_choice = True, why
 
     def warm_graphs(self, rows: int, k_max: int) -> int:
         """Capture the draft layers' per-layer CUDA graphs (quant.graphs) for the forwards a
@@ -151,24 +142,19 @@ def draft_experts_charge(timing: Timing, int4: Int4Experts):
 class SelfInt4Draft(Draft):
     """The target's own instance in draft mode: its routed experts from their INT4 copy."""
 
-    def __init__(self, model, int4: Int4Experts, device: torch.device, timing: Timing):
+    def __init__(self, model, int4: Int4Experts, device: torch.device, timing: Timing,
+                 compiled: CompiledMode = EAGER):
+        """`compiled` (compiled_draft.py `compiled_mode`): the step compiled over a static
+        cache (`StaticKV`, charged after each step by the target's clock, its hooks not running
+        inside; each window's copy of newly committed KV charged as a device copy), or eager
+        over the target's own cache."""
         self.int4, self.timing, self.target_model = int4, timing, model
         self.draft_mode = DraftMode(model, int4.experts, int4.backend, device,
                                     graphs=int4.graphs)
         self.device_bytes = self.draft_mode.draft_bytes
         if charges_virtually(timing):
             self.listen(*draft_experts_charge(timing, int4))
-
-    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
-                   capture=None, clock: NullClock = NULL_CLOCK) -> None:
-        """Draft in a static cache, each step one compiled graph (compiled_draft.py; `capture`:
-        captured as one CUDA graph), charged after it by `clock`, the target's (its hooks do
-        not run inside the compiled step); each window's copy of newly committed KV is charged
-        as a device copy."""
-        from specter.decoding.compiled_draft import StaticKV
-
-        self.layout = StaticKV(self.draft_mode, compiler, mode, on_copy=self._charge_kv_copy,
-                              positions=positions, capture=capture, clock=clock)
+        self.layout = compiled.static_kv(self.draft_mode, on_copy=self._charge_kv_copy)
 
     def as_record(self) -> dict:
         static = self.layout is not None
@@ -195,14 +181,20 @@ class SeparateInt4Draft(Draft):
     charged as a device copy)."""
 
     def __init__(self, target_model, draft_model, int4: Int4Experts, device: torch.device,
-                 timing: Timing, kv_copy: bool = False):
+                 timing: Timing, kv_copy: bool = False, compiled: CompiledMode = EAGER):
+        """`compiled` (compiled_draft.py `compiled_mode`): its step compiled in a static cache
+        of its own (`StaticKV` own_kv, charged by this instance's own clock after each step;
+        `kv_copy` stays eager), or its layers replayed as CUDA graphs (`graph_layers`)."""
+        if compiled.graph_layers:  # auto's fallback where the step stays eager
+            int4 = dataclasses.replace(int4, graphs=True, graphs_choice=compiled.graph_layers)
         self.int4, self.timing, self.target_model = int4, timing, target_model
-        self.layout = CopiedKV(draft_model, self._charge_kv_copy) if kv_copy \
-            else OwnKV(draft_model)
         self.instance = DraftMode(draft_model, int4.experts, int4.backend, device,
                                   graphs=int4.graphs)
         self.instance.mode = "draft"  # this instance is only ever the draft
         self.clock = timing.observer(draft_model, charge_experts=False)
+        self.layout = (CopiedKV(draft_model, self._charge_kv_copy) if kv_copy
+                       else compiled.static_kv(self.instance, clock=self.clock, own_kv=True)
+                       or OwnKV(draft_model))
         if charges_virtually(timing):
             self.listen(*draft_experts_charge(timing, int4))
         # the INT4 copy (counted once) and the second instance's non-expert weights
@@ -212,20 +204,6 @@ class SeparateInt4Draft(Draft):
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         self.instance.listen(fn, all_layers, in_graph)
-
-    def use_static(self, compiler: str, mode: str | None = None, positions: int = 0,
-                   capture=None, clock: NullClock = NULL_CLOCK) -> str | None:
-        """Draft in a static cache of its own, each step one compiled graph (compiled_draft.py
-        `own_kv`; `capture`: captured as one CUDA graph), charged by this instance's own clock
-        after each step (not the target's `clock`); None, or why not."""
-        if isinstance(self.layout, CopiedKV):
-            return "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
-        from specter.decoding.compiled_draft import StaticKV
-
-        self.layout = StaticKV(self.instance, compiler, mode, positions=positions,
-                                  clock=self.clock,
-                                  own_kv=True, capture=capture)
-        return None
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         self.clock.begin_forward(tokens, context, phase == "prefill", rows)

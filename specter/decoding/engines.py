@@ -23,16 +23,14 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.loop import speculative_batch
-from specter.decoding.compiled_draft import CAPTURED, resolve_compile
+from specter.decoding.compiled_draft import compiled_mode
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode_batch
-from specter.errors import UserError
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.clock.timing import Timing, timing_for
 from specter.offload.build import offload_model
 from specter.offload.prefetch import LayerPrefetcher, WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
-from specter.quant.build import GRAPHS_AND_STEP
-from specter.quant.kernels import FIXED_SHAPE
+from specter.quant.build import Int4Experts
 
 
 class GreedyEngine:
@@ -231,75 +229,35 @@ def build_greedy(job, name: str, prefetcher: LayerPrefetcher | None = None,
 
 def build_speculative(job, name: str, make_draft, window=None, reorder: bool = True,
                       overlap: bool = True, host_compute: bool = False,
-                      host_all: bool = False) -> SpeculativeEngine:
-    """A speculative engine for `job` (specs.py). `make_draft(timing, runtime)` builds the draft part
-    once the target's experts are offloaded (quantize before, from the full-precision
-    experts: `specter.quant.build.int4_experts_for`); `window(runtime, timing, draft)` builds the
-    window prefetcher, or None. `host_all`: verification's experts all on the host (no slots).
-    `reorder=False` verifies token by token, `overlap=False` loads
-    verification's misses serially (the runtime's ablations). K: `job.draft.depth`, settled once by
-    the harness with the one rule of `decoding/depth.py settle_depth` (a recipe's `OWN_K`
-    included); under spec.k=auto the harness profiles the built engine (experiments/depth_profile.py)."""
+                      host_all: bool = False, int4: Int4Experts | None = None,
+                      copied_kv: bool = False) -> SpeculativeEngine:
+    """A speculative engine for `job` (specs.py). `make_draft(timing, runtime, compiled)` builds
+    the draft part once the target's experts are offloaded, complete: `compiled`, its
+    `CompiledMode` (spec.compile, decided here from `int4`, the INT4 experts it drafts with, None
+    for a draft that computes its experts otherwise, and `copied_kv`, a second instance reading
+    a per-window copy of the target's KV; compiled_draft.py `compiled_mode`). Quantize before,
+    from the full-precision experts: `specter.quant.build.int4_experts_for`.
+    `window(runtime, timing, draft)` builds the window prefetcher, or None. `host_all`:
+    verification's experts all on the host (no slots). `reorder=False` verifies token by
+    token, `overlap=False` loads verification's misses serially (the runtime's ablations). K:
+    `job.draft.depth`, settled once by the harness with the one rule of `decoding/depth.py
+    settle_depth` (a recipe's `OWN_K` included); under spec.k=auto the harness profiles the
+    built engine (experiments/depth_profile.py)."""
     timing = timing_for(job)
     runtime = offload_model(job, timing, host_all=host_all, host_misses=host_compute,
                             serial=not reorder, overlap=overlap)
-    draft = make_draft(timing, runtime)
     depth = job.draft.depth
     # the target's forwards, charged on a virtual clock; a compiled draft step of the target's
     # own instance is charged by it after the step runs (its hooks do not run inside)
     clock = timing.observer(job.loaded.model, charge_experts=False)
-    compiled = compile_draft(job, draft, timing, depth.k_max, clock)
+    compiled = compiled_mode(job, int4, timing.clock, depth.k_max, clock, copied_kv)
+    draft = make_draft(timing, runtime, compiled)
     if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
         draft.warm_graphs(job.rows, depth.k_max)
     return SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
                              clock=clock, window=window(runtime, timing, draft) if window else None,
                              stop_on_eos=job.stop_on_eos, temperature=job.temperature,
-                             compiled=compiled)
-
-
-def compile_draft(job, draft, timing: Timing, k_max: int, clock: NullClock = NULL_CLOCK) -> dict:
-    """`spec.compile`: an INT4 draft's step as one compiled graph over a static cache
-    (compiled_draft.py), where its shapes are static; on CUDA the whole step is captured as one
-    CUDA graph (`kernels.capture_graph`: at its first step, the runner's untimed warm-up
-    request) and each step is one replay. The record says whether and why (`draft_compile`);
-    every fallback of `auto` is said there, and `on` refuses it in one sentence. The
-    buffers hold the longest request: its prompt, its new tokens and the deepest window
-    (`k_max`, the settled depth's: spec.k=auto's profiled depths included)."""
-    spec = job.draft
-    if not hasattr(draft, "use_static"):
-        if spec.compile == "on":
-            raise UserError(f"spec.compile=on compiles an INT4 draft on the device (specter, "
-                            f"lru_s, sp_e, sp_l, specmoeoff); {job.system.name} drafts "
-                            "otherwise.")
-        return {"draft_compiled": False, "draft_compile": "eager: no INT4 draft on the device",
-                "draft_captured": False, "draft_graphs": False}
-    backend = draft.int4.backend
-    cuda = job.device.type == "cuda"
-    on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
-    if on and draft.int4.graphs:  # quant.graphs=on asked per-layer graphs
-        if spec.compile == "on":
-            raise UserError(GRAPHS_AND_STEP)
-        on, why = False, ("eager: quant.graphs=on replays each draft layer as its own CUDA "
-                          "graph (spec.compile=auto leaves the step to it)")
-    if on:
-        from specter.quant.kernels import capture_graph
-
-        why_not = draft.use_static(spec.compile_backend, None,
-                                   positions=job.positions + k_max + 1,
-                                   capture=capture_graph if cuda else None, clock=clock)
-        if why_not is not None:
-            if spec.compile == "on":
-                raise UserError(f"spec.compile=on cannot compile this draft step: {why_not}.")
-            on, why = False, why_not
-            if cuda and spec.quant.graphs == "auto" and backend in FIXED_SHAPE:
-                # quant.graphs=auto was off for the whole step: its layers are graphed instead
-                draft.graph_layers(f"auto: CUDA and {backend} (the step stays eager)")
-        elif cuda:
-            why = f"{why}: {CAPTURED}"
-    # captured: replayed as a CUDA graph, or charged as one on a virtual clock
-    captured = on and (cuda or timing.clock == "virtual")
-    return {"draft_compiled": on, "draft_compile": why, "draft_captured": captured,
-            "draft_graphs": draft.int4.graphs}  # its layers replayed as CUDA graphs
+                             compiled=compiled.record)
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,
