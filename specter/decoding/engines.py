@@ -22,7 +22,8 @@ import copy
 import torch
 
 from specter.decoding.depth import Depth, SlotView
-from specter.decoding.loop import speculative_batch
+from specter.decoding.draft import SharedKV
+from specter.decoding.loop import acceptance, speculative_batch
 from specter.decoding.compiled_draft import compiled_mode
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode_batch
 from specter.clock.observer import NULL_CLOCK, NullClock
@@ -183,13 +184,12 @@ class SpeculativeEngine:
     def _decode(self, prompts: list[list[int]], max_new_tokens: int,
                 on_commit: list | None = None) -> list[Generation]:
         """`generate_batch`, with a listener per request or None (`generate`'s)."""
-        sampling = {"temperature": self.temperature, "generators": self.generators} \
-            if self.temperature > 0 else {}
-        gens = speculative_batch(self.model, self.draft.draft_mode, prompts, max_new_tokens,
-                                 self.k, self.device, self.timing.link, self.stop, self.memory,
-                                 self._before_forward, prefetcher=self.window,
-                                 layout=self.draft.layout, depth=self.adaptive,
-                                 on_commit=on_commit, **sampling)
+        gens = speculative_batch(self.model, self.draft.layout or SharedKV(self.draft.draft_mode),
+                                 prompts, max_new_tokens, self.k, self.device, self.timing.link,
+                                 self.stop, self.memory, self._before_forward,
+                                 prefetcher=self.window,
+                                 accept=acceptance(self.temperature, self.generators, len(prompts)),
+                                 depth=self.adaptive, on_commit=on_commit)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(), **self.compiled, "k_source": self.k_source,
                   "k_why": self.adaptive.why if self.adaptive is not None else self.k_source,

@@ -35,24 +35,23 @@ from specter.offload.prefetch import WindowPrefetcher
 
 
 @torch.no_grad()
-def speculative_batch(model, shared, prompts: list[list[int]], max_new_tokens: int, k: int,
+def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int, k: int,
                       device: torch.device, clock, stop: set[int], memory,
                       before_forward=None, prefetcher: WindowPrefetcher | None = None,
-                      temperature: float = 0.0, generators: list[torch.Generator] | None = None,
-                      layout=None, depth=None, on_commit: list | None = None) -> list[Generation]:
+                      accept=None, depth=None, on_commit: list | None = None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
-    `before_forward(tokens, context, phase, rows)` is told of every forward (phase: "prefill" |
-    "draft" | "verify"), as the cache's subscriber (`BatchCache.announce`); `prefetcher` plans and issues copies between draft steps and hears
-    each window's end; `temperature` > 0 samples (one generator per request); `layout` is
-    where and how the draft runs (draft.py: a second model, or compiled_draft.py's compiled
-    step; else `SharedKV(shared)`, the target's own instance in draft mode over its cache);
-    `depth` (an `AdaptiveDepth`) chooses each window's K instead of `k`; `on_commit`: per
-    request a listener or None (`Engine.generate`'s), called with each commit's new tokens
-    (`Rows._commit`); None: no listener at all."""
-    _check(prompts, k, temperature, generators)
+    `draft` is where and how the draft runs, over which cache (draft.py: `SharedKV`, the
+    target's own instance in draft mode over its cache; `OwnKV`, `CopiedKV`: a second model;
+    compiled_draft.py's `StaticKV`: the step compiled); `before_forward(tokens, context, phase,
+    rows)` is told of every forward (phase: "prefill" | "draft" | "verify"), as the cache's
+    subscriber (`BatchCache.announce`); `prefetcher` plans and issues copies between draft
+    steps and hears each window's end; `accept` (`acceptance`: `Greedy`, the default, or
+    `Sampled`) picks and accepts tokens; `depth` (an `AdaptiveDepth`) chooses each window's K
+    instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s), called
+    with each commit's new tokens (`Rows._commit`); None: no listener at all."""
+    _check(prompts, k)
     prefetch = prefetcher or WindowPrefetcher()
-    accept = Sampled(temperature, generators) if temperature > 0 else Greedy()
-    draft = layout or SharedKV(shared)
+    accept = accept or Greedy()
     depths = WindowDepth(k, depth, clock)
     memory.start()
     kv = BatchCache(model, device, len(prompts), announce=before_forward)
@@ -111,16 +110,25 @@ def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int
                        before_forward=None, prefetcher: WindowPrefetcher | None = None,
                        temperature: float = 0.0, generator: torch.Generator | None = None,
                        layout=None, on_commit=None) -> Generation:
-    """One request: `speculative_batch` of one row; `on_commit(tokens)` hears each commit."""
-    return speculative_batch(model, shared, [prompt_ids], max_new_tokens, k, device, clock, stop,
-                             memory, before_forward, prefetcher, temperature,
-                             None if generator is None else [generator], layout,
+    """One request: `speculative_batch` of one row, drafting in `layout` (None: `SharedKV`
+    over `shared`, a `DraftMode`); `on_commit(tokens)` hears each commit."""
+    return speculative_batch(model, layout or SharedKV(shared), [prompt_ids], max_new_tokens, k,
+                             device, clock, stop, memory, before_forward, prefetcher,
+                             acceptance(temperature, None if generator is None else [generator],
+                                        1),
                              on_commit=None if on_commit is None else [on_commit])[0]
 
 
-def _check(prompts: list[list[int]], k: int, temperature: float, generators) -> None:
-    if temperature > 0 and (generators is None or len(generators) != len(prompts)):
+def acceptance(temperature: float, generators: list[torch.Generator] | None, rows: int):
+    """`Greedy` at temperature 0; `Sampled` above it, one generator per request."""
+    if temperature <= 0:
+        return Greedy()
+    if generators is None or len(generators) != rows:
         raise ValueError("sampling needs one torch.Generator per request (seeded per request)")
+    return Sampled(temperature, generators)
+
+
+def _check(prompts: list[list[int]], k: int) -> None:
     if k < 1:
         raise ValueError(f"k must be at least 1 (got {k})")
     if not prompts or any(not p for p in prompts):
