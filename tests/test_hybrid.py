@@ -107,9 +107,9 @@ def test_the_emulated_clock_runs_host_jobs_on_their_own_thread_and_stays_lossles
 def test_a_real_link_host_job_reports_its_value_error_and_wait():
     from specter.offload.link import LinkProfile, make_link
 
-    link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU)
+    link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU,
+                     time_scale=2.0)  # a job held to 2 x its modelled 10 ms
     try:
-        link.time_scale = 2.0  # held to 2 x its modelled 10 ms
         job = link.host(lambda: 41 + 1, 0.01)
         assert link.host_free() > link.now()  # its estimate is still queued
         assert link.wait_host(job) == 42

@@ -148,8 +148,7 @@ def timing_for(job) -> Timing:
         scale = calibrate_time_scale(job.loaded.model, device, cost)
         slowed = LinkProfile(bandwidth_Bps=profile.h2d_bandwidth_Bps / scale,
                              latency_s=profile.h2d_latency_s * scale)
-        link = make_link("wall", slowed, device)
-        link.time_scale = scale  # host jobs last their modelled seconds, scaled alike
+        link = make_link("wall", slowed, device, time_scale=scale)  # host jobs scaled alike
         return Timing(link=link, cost=cost, clock="emulated", time_scale=scale)
     raise UserError(f"hardware.clock must be wall, virtual or emulated (got '{hw.clock}').")
 

@@ -493,8 +493,10 @@ class WallLink(Link):
 
     kind = "wall"
 
-    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
+    def __init__(self, profile: LinkProfile, device: torch.device,
+                 time_scale: float = 1.0) -> None:
         super().__init__(profile, device)
+        self.time_scale = time_scale  # the emulated clock's: host jobs last their scaled seconds
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._last: WallTransfer | None = None
         self._closed = False
@@ -699,13 +701,15 @@ class CudaLink(Link):
 # ======================================================================================
 # factory
 # ======================================================================================
-def make_link(kind: str, profile: LinkProfile, device: torch.device | str) -> Link:
-    """The link of `kind` ("virtual" | "wall" | "cuda") for copies into `device`."""
+def make_link(kind: str, profile: LinkProfile, device: torch.device | str,
+              time_scale: float = 1.0) -> Link:
+    """The link of `kind` ("virtual" | "wall" | "cuda") for copies into `device`; a wall link
+    of the emulated clock takes its `time_scale` (real seconds per modelled second)."""
     device = torch.device(device)
     if kind == "virtual":
         return VirtualLink(profile, device)
     if kind == "wall":
-        return WallLink(profile, device)
+        return WallLink(profile, device, time_scale)
     if kind == "cuda":
         if device.type != "cuda" or not torch.cuda.is_available():
             raise UserError(f"link=cuda needs a CUDA GPU and a cuda device (got {device}, "
