@@ -189,8 +189,7 @@ class SeparateInt4Draft(Draft):
             int4 = dataclasses.replace(int4, graphs=True, graphs_choice=compiled.graph_layers)
         self.int4, self.timing, self.target_model = int4, timing, target_model
         self.instance = DraftMode(draft_model, int4.experts, int4.backend, device,
-                                  graphs=int4.graphs)
-        self.instance.mode = "draft"  # this instance is only ever the draft
+                                  graphs=int4.graphs, mode="draft")  # only ever the draft
         self.clock = timing.observer(draft_model, charge_experts=False)
         self.layout = (CopiedKV(draft_model, self._charge_kv_copy) if kv_copy
                        else compiled.static_kv(self.instance, clock=self.clock, own_kv=True)

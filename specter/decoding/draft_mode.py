@@ -65,11 +65,13 @@ class DraftMode:
 
     def __init__(self, model: nn.Module, quantized: QuantizedExperts | None,
                  backend: str = "reference", device: torch.device | None = None,
-                 draft_layers: list | None = None, draft_bytes: int = 0, graphs: bool = False):
+                 draft_layers: list | None = None, draft_bytes: int = 0, graphs: bool = False,
+                 mode: str = "target"):
         """`quantized`: the INT4 copy the draft runs; or `draft_layers` (one callable per MoE
         layer, (hidden, top_k_index, top_k_weights) -> out) with their `draft_bytes` on the
         device, for a draft that runs its experts some other way. `graphs`: each draft layer
-        replayed as a CUDA graph (quant/build.py resolve_graphs)."""
+        replayed as a CUDA graph (quant/build.py resolve_graphs). `mode`: the one it starts in
+        ("draft" for a second instance that is only ever the draft)."""
         _register()
         self.model, self.quantized, self.backend = model, quantized, backend
         mods = [m for _, m in experts_modules(model)]
@@ -92,7 +94,7 @@ class DraftMode:
             m._specter_self_draft = self
             m._specter_self_draft_layer = l
         model.config._experts_implementation = IMPL_NAME
-        self.mode = "target"
+        self.mode = mode
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
         # clock's charge, the orchestrator's lookahead buffer.
         self.draft_listeners: list = []
