@@ -26,7 +26,7 @@ from specter.config import SystemConfig
 from specter.decoding.draft import SelfInt4Draft, SeparateInt4Draft, load_separate_draft_model
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.pio.elb import ExpertLookaheadBuffer
-from specter.pio.orchestrator import Orchestrator
+from specter.pio.orchestrator import Orchestrator, PlanRules
 from specter.errors import UserError
 from specter.quant.build import int4_experts_for
 
@@ -91,19 +91,21 @@ def orchestrator_for(job, sc: SpecterConfig, plan_mode: str):
     def make(runtime, timing, draft) -> Orchestrator:
         cache, link, cost = runtime.cache, timing.link, timing.cost
         fallback = (hw.h2d_bandwidth_Bps or 25e9) if real_time else link.profile.bandwidth_Bps
-        return Orchestrator(
-            runtime, link, ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts,
-                                                 job.device),
-            slots=cache.slots, top_m=sc.top_m or job.offload.slots,
+        rules = PlanRules(
+            top_m=sc.top_m or job.offload.slots, mode=plan_mode,
             bandwidth_Bps=sc.bandwidth_prior_Bps or fallback, step_s=sc.step_prior_s or 0.0,
             blend_priors=(sc.bandwidth_prior_Bps is not None, sc.step_prior_s is not None),
-            priors=(sc.bandwidth_prior_Bps, sc.step_prior_s), latency_s=link.profile.latency_s,
-            mode=plan_mode, cold_start=sc.cold_start, noise=sc.prefetch_noise, seed=job.seed,
-            sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0,
-            cold_start_round=sc.cold_start_round, final_plan=sc.final_plan,
+            priors=(sc.bandwidth_prior_Bps, sc.step_prior_s), cold_start=sc.cold_start,
+            noise=sc.prefetch_noise, seed=job.seed, cold_start_round=sc.cold_start_round,
+            final_plan=sc.final_plan,
             # With host-computed misses verification does not wait for the last batch as a
             # whole: an expert still in flight is computed on the host when that is sooner.
             wait_last_batch=sc.wait_last_batch and not host_compute_on(sc))
+        return Orchestrator(
+            runtime, link, ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts,
+                                                 job.device),
+            rules, slots=cache.slots, latency_s=link.profile.latency_s,
+            sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0)
     return make
 
 

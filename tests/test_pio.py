@@ -395,13 +395,13 @@ def test_orchestrator_phases_follow_transfer_time_and_step_time():
     """Cold start after ceil(0.2K) steps; the next boundary after as many steps as the batch
     takes to move (bandwidth known from the profile, step time measured); final cleanup at the
     window's end; pins never exceed the slots; nothing evicts a predicted expert."""
-    from specter.pio.orchestrator import Orchestrator
+    from specter.pio.orchestrator import Orchestrator, PlanRules
 
     link = _Link(bandwidth=1000.0)  # 1000 B/s
     cache = _Cache(layers=2, slots=4, link=link, nbytes=1000)  # 1 s per expert copy
     elb = ExpertLookaheadBuffer(2, 16, torch.device("cpu"))
-    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=1, bandwidth_Bps=1000.0,
-                        latency_s=0.0)
+    orch = Orchestrator(_Runtime(cache), link, elb, PlanRules(top_m=1, bandwidth_Bps=1000.0),
+                        slots=4, latency_s=0.0)
     # K=10 steps of 1 s; each step routes a new expert per layer (never resident).
     routing = [[[8 + i % 8], [8 + (i + 3) % 8]] for i in range(10)]
     _drive(orch, link, routing, step_s=1.0)
@@ -420,13 +420,14 @@ def test_orchestrator_phases_follow_transfer_time_and_step_time():
 def _synthetic(k, cold_start_round="floor", final_plan=False, top_m=1, layers=2):
     """One window of k 1-s draft steps, each routing a new (absent) expert per layer; copies
     take 1 s each. Returns the orchestrator, the link and the cache."""
-    from specter.pio.orchestrator import Orchestrator
+    from specter.pio.orchestrator import Orchestrator, PlanRules
 
     link = _Link(bandwidth=1000.0)
     cache = _Cache(layers=layers, slots=4, link=link, nbytes=1000)
     elb = ExpertLookaheadBuffer(layers, 16, torch.device("cpu"))
-    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=top_m, bandwidth_Bps=1000.0,
-                        latency_s=0.0, cold_start_round=cold_start_round, final_plan=final_plan)
+    rules = PlanRules(top_m=top_m, bandwidth_Bps=1000.0, cold_start_round=cold_start_round,
+                      final_plan=final_plan)
+    orch = Orchestrator(_Runtime(cache), link, elb, rules, slots=4, latency_s=0.0)
     _drive(orch, link, [[[8 + (i + 3 * l) % 8] for l in range(layers)] for i in range(k)], 1.0)
     return orch, link, cache
 
@@ -457,13 +458,14 @@ def test_final_plan_and_the_last_batch_wait():
 
 
 def test_orchestrator_late_plan_waits_for_the_whole_window():
-    from specter.pio.orchestrator import Orchestrator
+    from specter.pio.orchestrator import Orchestrator, PlanRules
 
     link = _Link(bandwidth=1000.0)
     cache = _Cache(layers=1, slots=4, link=link, nbytes=1000)
     elb = ExpertLookaheadBuffer(1, 16, torch.device("cpu"))
-    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=4, bandwidth_Bps=1000.0,
-                        latency_s=0.0, mode="late")
+    orch = Orchestrator(_Runtime(cache), link, elb,
+                        PlanRules(top_m=4, bandwidth_Bps=1000.0, mode="late"), slots=4,
+                        latency_s=0.0)
     _drive(orch, link, [[[9]], [[10]], [[9]], [[11]], [[0]]], step_s=1.0)
     assert orch.stats.boundaries == 1 and {t for t, _, _ in cache.issued} == {5.0}
     # Ranked by count: 9 (twice) first; 0 is resident and pinned, so it is never evicted.
@@ -499,13 +501,13 @@ def test_draft_steps_are_timed_without_reading_the_clock():
     """issue 25 item 1: the orchestrator times draft steps by marks on the compute timeline,
     never by a clock read (on CUDA a device sync); a step the device has not finished is
     timed at a later step, in order, so the step-time EMA sees every step."""
-    from specter.pio.orchestrator import Orchestrator
+    from specter.pio.orchestrator import Orchestrator, PlanRules
 
     link = _QueuedLink(bandwidth=1000.0)
     cache = _Cache(layers=2, slots=4, link=link, nbytes=1000)
     elb = ExpertLookaheadBuffer(2, 16, torch.device("cpu"))
-    orch = Orchestrator(_Runtime(cache), link, elb, slots=4, top_m=1, bandwidth_Bps=1000.0,
-                        latency_s=0.0)
+    orch = Orchestrator(_Runtime(cache), link, elb, PlanRules(top_m=1, bandwidth_Bps=1000.0),
+                        slots=4, latency_s=0.0)
     seen = []
     orch.step_s.update = lambda s: seen.append(s)
     for i in range(1, 5):

@@ -64,40 +64,61 @@ class PrefetchStats:
                 "last_batch_wait_ms": self.last_batch_wait_s * 1e3}
 
 
+@dataclass(frozen=True)
+class PlanRules:
+    """How the orchestrator plans, settled once (system.py `orchestrator_for`): `mode` ("pio",
+    or one single plan per window: "early", "late"); `top_m` predicted experts per layer;
+    `cold_start` (the fraction of the window before the first plan) and its rounding;
+    `final_plan` (one more plan at the window's end); `wait_last_batch` (verification waits for
+    the last batch as a whole); `noise` / `seed` (experiment=oracle's corrupted loads).
+    `bandwidth_Bps` / `step_s`: the running averages' priors; `blend_priors` (for the
+    bandwidth, for the step time): the prior is the average's starting value (the artifact's
+    EMA) rather than replaced by the first sample. `priors`: the configured (bandwidth, step)
+    priors as the records name them (None: the profile's / none)."""
+
+    top_m: int
+    bandwidth_Bps: float
+    mode: str = "pio"
+    cold_start: float = 0.2
+    cold_start_round: str = "floor"
+    final_plan: bool = False
+    wait_last_batch: bool = True
+    noise: float = 0.0
+    seed: int = 0
+    step_s: float = 0.0
+    blend_priors: tuple[bool, bool] = (False, False)
+    priors: tuple[float | None, float | None] = (None, None)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES} (got {self.mode!r})")
+        if self.cold_start_round not in planner.ROUNDINGS:
+            raise ValueError(f"cold_start_round must be one of {planner.ROUNDINGS} "
+                             f"(got {self.cold_start_round!r})")
+
+
 class Orchestrator(WindowPrefetcher):
     """Specter's window prefetcher (mode "pio"), or one single plan per window ("early",
-    "late": SP-E / SP-L)."""
+    "late": SP-E / SP-L), planning by `rules` over `slots` resident slots per layer, the
+    link's `latency_s` per copy, and `sync_s` charged per ELB snapshot."""
 
-    def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer, *,
-                 slots: int, top_m: int, bandwidth_Bps: float, latency_s: float,
-                 mode: str = "pio", cold_start: float = 0.2, noise: float = 0.0, seed: int = 0,
-                 sync_s: float = 0.0, cold_start_round: str = "floor", final_plan: bool = False,
-                 wait_last_batch: bool = True, step_s: float = 0.0,
-                 blend_priors: tuple[bool, bool] = (False, False),
-                 priors: tuple[float | None, float | None] = (None, None)):
-        """`bandwidth_Bps` / `step_s`: the running averages' priors; `blend_priors` (for the
-        bandwidth, for the step time): the prior is the average's starting value (the
-        artifact's EMA) rather than replaced by the first sample. `priors`: the configured
-        (bandwidth, step) priors as the records name them (None: the profile's / none)."""
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES} (got {mode!r})")
-        if cold_start_round not in planner.ROUNDINGS:
-            raise ValueError(f"cold_start_round must be one of {planner.ROUNDINGS} "
-                             f"(got {cold_start_round!r})")
+    def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer,
+                 rules: PlanRules, *, slots: int, latency_s: float, sync_s: float = 0.0):
+        r = rules
         self.runtime, self.cache, self.link, self.elb = runtime, runtime.cache, link, elb
-        self.slots, self.top_m, self.mode = slots, top_m, mode
+        self.slots, self.top_m, self.mode = slots, r.top_m, r.mode
         # Staging buffers (budget.staging) let a layer's plan grow past its resident slots: by
         # its share of the pool, while buffers last (cache.stage).
         staging, layers = self.cache.staging, len(self.cache.layers)
         self.plan_cap = slots + (-(-staging // layers) if staging else 0)
-        self.cold_start, self.noise, self.seed = cold_start, noise, seed
-        self.cold_start_round, self.final_plan = cold_start_round, final_plan
-        self.wait_last_batch = wait_last_batch
+        self.cold_start, self.noise, self.seed = r.cold_start, r.noise, r.seed
+        self.cold_start_round, self.final_plan = r.cold_start_round, r.final_plan
+        self.wait_last_batch = r.wait_last_batch
         self.latency_s, self.sync_s = latency_s, sync_s  # sync_s: charged per ELB snapshot
         self.expert_bytes = self.cache.transfer_bytes
-        self.bandwidth = planner.RunningMean(bandwidth_Bps, blend=blend_priors[0])
-        self.step_s = planner.RunningMean(step_s, blend=blend_priors[1] and step_s > 0)
-        self.priors = priors
+        self.bandwidth = planner.RunningMean(r.bandwidth_Bps, blend=r.blend_priors[0])
+        self.step_s = planner.RunningMean(r.step_s, blend=r.blend_priors[1] and r.step_s > 0)
+        self.priors = r.priors
         self.reset()
 
     def as_record(self) -> dict:
