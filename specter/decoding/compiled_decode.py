@@ -25,6 +25,7 @@ import time
 import torch
 from torch import nn
 
+from specter.clock.graph_kernels import KernelTally
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
@@ -114,7 +115,9 @@ class CompiledDecode:
         # a captured graph's replay (a no-op on real clocks)
         self.clock = clock
         torch._dynamo.reset()  # one compiled decoder at a time (see StaticKV)
-        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler)
+        self.tally = KernelTally()  # the compiled step's kernels (graph_kernels.py)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
+                                  backend=self.tally.backend(compiler))
         self.steps_run = self.compiles = 0
         self.compile_s = 0.0
         self._fresh = False

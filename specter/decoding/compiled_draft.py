@@ -40,6 +40,7 @@ from typing import Callable
 
 import torch
 
+from specter.clock.graph_kernels import KernelTally
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
@@ -214,8 +215,10 @@ class StaticKV:
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
         torch._dynamo.reset()
-        self.step = torch.compile(self._step, fullgraph=True, dynamic=False, backend=compiler,
-                                  mode=mode)
+        self.tally = KernelTally()  # the compiled step's kernels (graph_kernels.py)
+        self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
+                                  backend=self.tally.backend(compiler) if mode is None
+                                  else compiler, mode=mode)
         self.steps_run = 0
         self.compiles = 0  # new buffers: the next step compiles (`compile_s`: their wall time)
         self.compile_s = 0.0

@@ -1,0 +1,139 @@
+"""Kernels inside a compiled step: what one replay of a captured graph runs on the device.
+
+A captured CUDA graph is one launch for the host, but the device still runs its kernels one
+after another, each with a floor of a few microseconds (docs/clocks.md, "The kernel floor").
+So the clock needs to know how many kernels a captured step holds. They are counted when the
+step is compiled or captured, never while it runs:
+
+- `KernelTally` wraps torch.compile's backend (`tally.backend(compiler)`) and records each
+  compiled graph's kernels: with inductor, the scheduler's nodes after fusion (each fused or
+  single node one generated kernel, each extern call, a GEMM or attention, one library
+  kernel; no-op nodes none), as inductor generates them for this machine's device (on the CPU
+  an estimate of what its Triton code on a GPU launches: the same graph, fused by the same
+  scheduler); with any other backend (`eager`, the tests' graph check), the graph's
+  operations unfused (every call that is not a view or an item read: an upper bound).
+  Inductor's on-disk graph cache is bypassed for the compile it counts (a cached graph skips
+  the scheduler).
+- `cuda_graph_kernels(graph)`: on CUDA, the kernel nodes of a captured graph itself
+  (`torch.cuda.CUDAGraph.debug_dump`, read back), the count that settles the estimate.
+
+Does not own: what a kernel costs (costmodel.py `HardwareProfile.kernel_floor_s`), when a
+step is charged (observer.py `ComputeClock.captured_step`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import tempfile
+
+import torch
+
+# calls in a dynamo graph that launch nothing: views, shape reads and Python glue
+_NO_KERNEL = {"getitem", "size", "dim", "view", "reshape", "unsqueeze", "squeeze", "transpose",
+              "permute", "expand", "flatten", "unflatten", "unbind", "split", "chunk", "narrow",
+              "select", "t", "contiguous", "detach", "type_as", "numel", "stride", "item",
+              "view_as", "expand_as", "is_floating_point", "movedim", "_assert", "getattr",
+              "sym_size", "sym_numel", "sym_stride", "_set_grad_enabled", "dtype"}
+
+
+def _fx_kernels(gm: torch.fx.GraphModule) -> int:
+    """The operations of a dynamo graph that run a kernel when executed eagerly (unfused)."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+        if name.split(".")[-1] not in _NO_KERNEL:
+            n += 1
+    return n
+
+
+@contextlib.contextmanager
+def _scheduler_tally(into: list):
+    """While inductor compiles: each graph's kernels after fusion appended to `into`."""
+    from torch._inductor import scheduler as sched
+
+    codegen = sched.Scheduler.codegen
+
+    def counted(self, *a, **k):
+        into.append(sum(0 if isinstance(n, sched.NopKernelSchedulerNode) else 1
+                        for n in self.nodes))
+        return codegen(self, *a, **k)
+
+    sched.Scheduler.codegen = counted
+    try:
+        yield
+    finally:
+        sched.Scheduler.codegen = codegen
+
+
+class KernelTally:
+    """The kernels of each graph a torch.compile call compiled (`graphs`, in compile order);
+    `kernels` is the latest full set's total (a step that compiles again, for new buffers,
+    replaces it)."""
+
+    def __init__(self):
+        self.graphs: list[int] = []
+        self.how = ""
+
+    @property
+    def kernels(self) -> int:
+        return sum(self.graphs)
+
+    def backend(self, compiler: str):
+        """A torch.compile backend: `compiler` ("inductor", "eager", ...) that records each
+        compiled graph's kernels here."""
+        def compile_counted(gm: torch.fx.GraphModule, example_inputs):
+            self.graphs = []
+            if compiler != "inductor":
+                self.graphs.append(_fx_kernels(gm))
+                self.how = f"{compiler}: the graph's operations, unfused"
+                from torch._dynamo.backends.registry import lookup_backend
+                return lookup_backend(compiler)(gm, example_inputs)
+            from torch._functorch import config as functorch_config
+            from torch._inductor import config as inductor_config
+            from torch._inductor.compile_fx import compile_fx
+
+            found: list[int] = []
+            with _scheduler_tally(found), \
+                    inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
+                    functorch_config.patch(enable_autograd_cache=False):
+                compiled = compile_fx(gm, example_inputs)
+            self.graphs.extend(found)
+            self.how = f"inductor ({_device_of(example_inputs)}): kernels after fusion"
+            return compiled
+        return compile_counted
+
+
+def _device_of(example_inputs) -> str:
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor):
+            return t.device.type
+    return "cpu"
+
+
+_KERNEL_NODE = re.compile(r'label="\{?\s*KERNEL')
+
+
+def dot_kernels(dot: str) -> int:
+    """Kernel nodes in a CUDA graph's DOT dump (cudaGraphDebugDotPrint's format)."""
+    return len(_KERNEL_NODE.findall(dot))
+
+
+def cuda_graph_kernels(graph) -> int | None:
+    """Kernel nodes of a captured `torch.cuda.CUDAGraph` made with `enable_debug_mode()`
+    before its capture (None where the dump is unavailable)."""
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        graph.debug_dump(path)
+        with open(path) as f:
+            return dot_kernels(f.read())
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)
