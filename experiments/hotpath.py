@@ -37,7 +37,7 @@ from collections import Counter
 from pathlib import Path
 
 from specter.counting import OpCounter
-from specter.clock.counted import engine_models
+from specter.clock.counted import follow_phases
 
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
@@ -57,17 +57,6 @@ class HotPath:
     def __call__(self, engine):
         counter = self.counter
         counter.cpu_run = engine.device.type == "cpu"
-        announce = getattr(engine, "_before_forward", None)
-        hooks = []
-        if announce is not None:
-            def before(tokens, context, phase, rows=1):
-                counter.phase = phase
-                announce(tokens, context, phase, rows)
-                self.forwards[phase] += 1
-            engine._before_forward = before
-        for m in engine_models(engine):
-            hooks.append(m.register_forward_hook(
-                lambda *_: setattr(counter, "phase", "bookkeeping")))
         runtime = getattr(engine, "runtime", None)
         if runtime is not None:  # the offloaded experts' own share of each phase
             inner = runtime.experts_forward
@@ -89,17 +78,13 @@ class HotPath:
             return gens
         engine.generate_batch = counted_batch
         try:
-            with counter:
-                counter.phase = "bookkeeping"
+            with follow_phases(counter, engine) as forwards, counter:
                 yield
+                self.forwards.update(forwards)
         finally:
-            for h in hooks:
-                h.remove()
             del engine.generate_batch
             if runtime is not None:
                 del runtime.experts_forward
-            if announce is not None:
-                del engine._before_forward
 
     def rows(self, system: str) -> list[dict]:
         out = []

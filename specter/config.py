@@ -129,6 +129,10 @@ class HardwareConfig:
     # instead of the constants above (which a counted profile sets to 0).
     host_op_s: float = 0.0
     sync_s: float = 0.0
+    # The device's cost of each kernel it runs, beside the kernel's roofline time (docs/clocks.md,
+    # "The kernel floor"): charged for every kernel inside a captured graph (counted when it is
+    # captured, specter/clock/graph_kernels.py); an eager kernel costs max(host_op_s, this).
+    kernel_floor_s: float = 0.0
     # Charged as a publication deploys the model (0: the model's own dtype): bits per weight
     # of the routed experts and of the attention, one scale and zero per quant_group weights
     # (e.g. Mixtral-offloading's HQQ: expert_bits=2 or 3, attn_bits=4). quant_meta_bytes: the

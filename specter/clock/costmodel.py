@@ -49,6 +49,9 @@ class HardwareProfile:
     # Counted host costs (specter/clock/counted.py): per launching op, per host sync
     host_op_s: float = 0.0
     sync_s: float = 0.0
+    # The device's per-kernel floor (docs/clocks.md, "The kernel floor"): each kernel it runs
+    # costs this beside its roofline time (a captured graph's are counted at capture)
+    kernel_floor_s: float = 0.0
 
     @property
     def counted(self) -> bool:
@@ -58,8 +61,8 @@ class HardwareProfile:
     def captured(self) -> "HardwareProfile":
         """This device running a captured CUDA graph (a compiled step, `spec.compile`): no
         per-kernel launch and no eager framework cost inside it, only its kernels' compute and
-        memory time; the replay's one launch is charged by `ComputeClock.captured_step`. A small
-        kernel's few-microsecond floor on the GPU is not modelled."""
+        memory time; the replay's one launch and its kernels' floors (`kernel_floor_s` each)
+        are charged by `ComputeClock.captured_step`."""
         return replace(self, launch_overhead_s=0.0, layer_overhead_s=0.0, expert_overhead_s=0.0,
                        draft_overhead_s=None, offload_layer_overhead_s=0.0)
 
@@ -255,13 +258,20 @@ class CostModel:
             + self.GROUPED_LAUNCHES * self.hw.launch_overhead_s + self.hw.expert_overhead_s
         return seconds * s.moe_multiplier
 
-    def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128) -> float:
+    def draft_experts_s(self, tokens_per_expert: list[int], bits: int = 4, group: int = 128,
+                        dequantized: bool = False) -> float:
         """One MoE layer's routed experts from their quantized copy in one fused kernel (SEE:
         the Triton kernel is one launch per projection, plus the activation): every routed
-        expert's FLOPs and `bits`-bit weights (plus one 2-byte scale per group), three launches."""
+        expert's FLOPs and `bits`-bit weights (plus one 2-byte scale per group), three launches.
+        `dequantized`: the backend writes each (token, expert) pair's weights out at the
+        model's width and reads them back for its GEMM (gather_int4: the draft step that
+        compiles and captures whole), so each pair also moves 2 x `elem_bytes` a weight."""
         p = self.sizes.expert_params
         flops = sum(2.0 * n * p for n in tokens_per_expert)
         traffic = len(tokens_per_expert) * (p * bits / 8 + p / group * 2)
+        if dequantized:
+            pairs = sum(tokens_per_expert)
+            traffic = pairs * (p * bits / 8 + p / group * 2 + 2 * p * self.sizes.elem_bytes)
         seconds = max(flops / self.hw.matrix_flops, traffic / self.hw.mem_bandwidth_Bps) \
             + 3 * self.hw.launch_overhead_s + self.draft_call_overhead_s()
         return seconds * self.sizes.moe_multiplier
@@ -270,6 +280,13 @@ class CostModel:
         """The framework cost of one fused draft layer call (one MLP call unless measured)."""
         d = self.hw.draft_overhead_s
         return self.hw.expert_overhead_s if d is None else d
+
+    def kernels_s(self, kernels: int) -> float:
+        """The device's floor for `kernels` kernels run back to back (a captured graph's, of
+        this model's step): with real sizes, a modelled layer's kernels stand for those of the
+        `attn_multiplier` real layers it stands for (the step's few outside the layers too,
+        an over-count of a few kernels in a thousand)."""
+        return kernels * self.hw.kernel_floor_s * self.sizes.attn_multiplier
 
     def offload_layer_s(self, tokens: int = 1) -> float:
         """The offload runtime's host cost for one MoE layer of one forward, whatever its

@@ -45,10 +45,13 @@ class ChargingCounter(OpCounter):
         self.link, self.hw, self.sizes = link, cost.hw, cost.sizes
         self.scale = 1.0
         self.charged_s = 0.0
+        self.forwards: Counter = Counter()  # forwards per phase (`follow_phases`)
 
     def count(self, kind: str) -> None:
         super().count(kind)
-        if kind in ("launching", "launched", "graph"):  # a graph replay: one launch
+        if kind in ("launching", "launched"):  # the host's issue hides the kernel's floor
+            seconds = max(self.hw.host_op_s, self.hw.kernel_floor_s) * self.scale
+        elif kind == "graph":  # a graph replay: one launch (its kernels: `captured_step`)
             seconds = self.hw.host_op_s * self.scale
         elif kind in ("sync", "host_read"):
             seconds = self.hw.sync_s * self.scale
@@ -59,10 +62,15 @@ class ChargingCounter(OpCounter):
             self.charged_s += seconds
 
     def as_record(self) -> dict:
-        """The batch's counted host work (every phase, prefill included) and its charge."""
+        """The batch's counted host work (every phase, prefill included) and its charge; the
+        launching operations of one verification forward (a window's) and, where the draft
+        ran eagerly, of one draft step (`kernels.*`: a GPU runs one kernel for each; a
+        captured draft step's kernels are the draft's record, draft.py)."""
         total = sum(self.counts.values(), Counter())
-        return {"counted.launching": total["launching"], "counted.syncs": total["syncs"],
-                "counted.host_reads": total["host_reads"], "counted.host_ms": self.charged_s * 1e3}
+        rec = {"counted.launching": total["launching"], "counted.syncs": total["syncs"],
+               "counted.host_reads": total["host_reads"], "counted.host_ms": self.charged_s * 1e3}
+        rec.update(phase_kernels(self.counts, self.forwards))
+        return rec
 
     def scaled_by(self, models: list[nn.Module]) -> list:
         """Hooks setting `scale` inside each decoder layer of `models` (returned handles)."""
@@ -111,8 +119,49 @@ def counted_host_costs(engine):
     counter = ChargingCounter(timing.link, cost, cpu_run=engine.device.type == "cpu")
     handles = counter.scaled_by(engine_models(engine))
     try:
-        with counter:
+        with follow_phases(counter, engine) as counter.forwards, counter:
             yield counter
     finally:
         for h in handles:
             h.remove()
+
+
+def phase_kernels(counts: dict, forwards: Counter) -> dict:
+    """Launching operations per verification forward (`kernels.verify_window`) and per eager
+    draft step (`kernels.draft_step`, only where no draft step was a graph replay)."""
+    rec = {}
+    verify, draft = counts.get("verify", Counter()), counts.get("draft", Counter())
+    if forwards.get("verify"):
+        rec["kernels.verify_window"] = verify["launching"] / forwards["verify"]
+    if forwards.get("draft") and not draft["graph_replays"]:
+        rec["kernels.draft_step"] = draft["launching"] / forwards["draft"]
+    return rec
+
+
+@contextlib.contextmanager
+def follow_phases(counter, engine):
+    """While inside: `counter.phase` is the phase of the forward the engine runs ("prefill",
+    "decode", "draft", "verify"; "bookkeeping" between forwards). Yields the forwards run per
+    phase (a Counter)."""
+    forwards: Counter = Counter()
+    announce = getattr(engine, "_before_forward", None)
+    own = vars(engine).get("_before_forward")  # another's wrapper, put back after
+    hooks = []
+    if announce is not None:
+        def before(tokens, context, phase, rows=1):
+            counter.phase = phase
+            announce(tokens, context, phase, rows)
+            forwards[phase] += 1
+        engine._before_forward = before
+    for m in engine_models(engine):
+        hooks.append(m.register_forward_hook(lambda *_: setattr(counter, "phase", "bookkeeping")))
+    counter.phase = "bookkeeping"
+    try:
+        yield forwards
+    finally:
+        for h in hooks:
+            h.remove()
+        if own is not None:
+            engine._before_forward = own
+        elif announce is not None:
+            del engine._before_forward

@@ -115,11 +115,14 @@ def _device_of(example_inputs) -> str:
     return "cpu"
 
 
-_KERNEL_NODE = re.compile(r'label="\{?\s*KERNEL')
+# a node's record label opens with its type (a newline, literal or escaped, may come first)
+_KERNEL_NODE = re.compile(r'label="\{?(?:\s|\\n)*(?:KERNEL|MEMSET)\b')
 
 
 def dot_kernels(dot: str) -> int:
-    """Kernel nodes in a CUDA graph's DOT dump (cudaGraphDebugDotPrint's format)."""
+    """Kernel nodes (and memsets: each also a pass over the device) in a CUDA graph's DOT dump
+    (cudaGraphDebugDotPrint's format: one record node per graph node, its label opening with
+    its type: KERNEL, MEMSET, MEMCPY, EMPTY, ...)."""
     return len(_KERNEL_NODE.findall(dot))
 
 

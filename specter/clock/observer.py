@@ -40,7 +40,7 @@ class NullClock:
     def grouped_experts(self, counts: list[int]) -> None:
         pass
 
-    def captured_step(self):
+    def captured_step(self, kernels: int = 0):
         return contextlib.nullcontext()
 
     def compiled_step(self, routes: torch.Tensor | None = None) -> None:
@@ -111,10 +111,11 @@ class ComputeClock(NullClock):
             lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
 
     @contextlib.contextmanager
-    def captured_step(self):
+    def captured_step(self, kernels: int = 0):
         """The charges of one compiled step, made inside this block (the hooks' replay, the
         draft's listeners), as the modelled GPU runs a captured graph: each kernel's compute
-        and memory time (`HardwareProfile.captured`), then one launch for the graph's replay.
+        and memory time (`HardwareProfile.captured`), then the floor of each of the graph's
+        `kernels` (counted at capture, graph_kernels.py) and one launch for its replay.
         The cost model is shared, so every charge in the block is priced so."""
         hw = self.cost.hw
         self.cost.hw = hw.captured()
@@ -122,7 +123,7 @@ class ComputeClock(NullClock):
             yield
         finally:
             self.cost.hw = hw
-        self.link.compute(hw.launch_overhead_s)  # the replay: one launch
+        self.link.compute(hw.launch_overhead_s + self.cost.kernels_s(kernels))
 
     def compiled_step(self, routes: torch.Tensor | None = None) -> None:
         """What the hooks charge for one forward that ran compiled (compiled_draft.py: one

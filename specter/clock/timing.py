@@ -79,6 +79,8 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
                         "and as constants too ("
                         + ", ".join(k for k, v in constants.items() if v)
                         + "); a counted profile sets those to 0.")
+    if hw.kernel_floor_s < 0:
+        raise UserError(f"hardware.kernel_floor_s must be 0 or more (got {hw.kernel_floor_s}).")
     return HardwareProfile(name=hw.name, matrix_flops=hw.matrix_flops,
                            mem_bandwidth_Bps=hw.mem_bandwidth_Bps,
                            launch_overhead_s=hw.launch_overhead_s,
@@ -89,7 +91,8 @@ def profile_of(hw: HardwareConfig) -> HardwareProfile:
                            expert_overhead_s=hw.expert_overhead_s, engine=hw.engine,
                            draft_overhead_s=hw.draft_overhead_s,
                            offload_layer_overhead_s=hw.offload_layer_overhead_s,
-                           host_op_s=hw.host_op_s, sync_s=hw.sync_s)
+                           host_op_s=hw.host_op_s, sync_s=hw.sync_s,
+                           kernel_floor_s=hw.kernel_floor_s)
 
 
 def charges_real_sizes(charge: str, model_name: str, stands_for: str | None) -> bool:

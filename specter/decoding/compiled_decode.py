@@ -215,7 +215,7 @@ class CompiledDecode:
             announce(1, n + 1, "decode", rows=1)  # a step outside the cache
             began = time.perf_counter()
             tok, routes = self._run_step(tok)
-            with self.clock.captured_step():
+            with self.clock.captured_step(self.tally.kernels):
                 self.clock.compiled_step(routes)
             if self._fresh:
                 self.compile_s += time.perf_counter() - began

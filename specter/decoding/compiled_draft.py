@@ -259,6 +259,20 @@ class StaticKV:
         self.compile_s += time.perf_counter() - began
         self.compiles, self._fresh = self.compiles + 1, False
 
+    # the captured step's own operations beside the compiled forward (`_whole_step`: the
+    # proposal's index_copy_, the index's add_, the token's copy_)
+    WHOLE_STEP_OPS = 3
+
+    @property
+    def step_kernels(self) -> int:
+        """The kernels one draft step runs on the device: the captured graph's own count where
+        CUDA dumped it, else the compiled forward's (its tally, graph_kernels.py) and the
+        captured step's own few operations."""
+        counted = getattr(self.replay, "kernels", None)
+        if counted:
+            return counted
+        return self.tally.kernels + self.WHOLE_STEP_OPS
+
     # -- the layout's interface (draft.py) --------------------------------------------------
     def start(self, target: BatchCache) -> None:
         """After the prefill: nothing copied yet (the first window copies the prompt's KV)."""
@@ -370,7 +384,7 @@ class StaticKV:
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
                 self.steps_run += 1
-                with self.clock.captured_step():
+                with self.clock.captured_step(self.step_kernels):
                     self.shared.replay(routes)
                     self.clock.compiled_step()
                 chosen.append(nxt)
@@ -404,7 +418,7 @@ class StaticKV:
                 with compiled_region():  # one graph replay (experiments/hotpath.py)
                     routes = self.replay()
                 self.steps_run += 1
-                with self.clock.captured_step():
+                with self.clock.captured_step(self.step_kernels):
                     self.shared.replay(routes, captured=True)  # read before the next replay
                     self.clock.compiled_step()
                 yield i + 1, k

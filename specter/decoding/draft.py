@@ -91,7 +91,8 @@ class Draft:
             return {}
         n, seconds = self._compiled_before
         return {"draft_compiles": self.layout.compiles - n,
-                "draft_compile_s": self.layout.compile_s - seconds}
+                "draft_compile_s": self.layout.compile_s - seconds,
+                "kernels.draft_step": self.layout.step_kernels}
 
     def as_record(self) -> dict:
         return {}
@@ -122,10 +123,11 @@ def draft_experts_charge(timing: Timing, int4: Int4Experts):
     every-layer form for a compiled step (one read of the step's routes, counted on the host).
     Returns `(per_layer, all_layers)`, the two arguments of `listen`."""
     cost, link, spec = timing.cost, timing.link, int4.experts.spec
+    dequantized = int4.backend == "gather_int4"  # each pair's weights written out, read back
 
     def charge_counts(tokens: int, per_expert: list[int]) -> None:
         link.compute(cost.router_s(tokens))
-        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group))
+        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group, dequantized))
 
     def charge(layer: int, top_k_index: torch.Tensor) -> None:
         with charging_only():

@@ -33,6 +33,7 @@ import os
 import torch
 from torch import nn
 
+from specter.clock.graph_kernels import cuda_graph_kernels
 from specter.counting import launched
 from specter.errors import UserError
 from specter.grouping import group_by_expert
@@ -412,6 +413,8 @@ class CapturedGraph:
 
     def __init__(self, graph, outputs):
         self.graph, self.outputs = graph, outputs
+        # the device's kernels one replay runs (graph_kernels.py; None: not dumped)
+        self.kernels = cuda_graph_kernels(graph) if hasattr(graph, "debug_dump") else None
 
     def __call__(self):
         launched("graph")
@@ -435,6 +438,8 @@ def capture_graph(fn, warm, cuda=None) -> CapturedGraph:
             warm()
     cuda.current_stream().wait_stream(side)
     graph = cuda.CUDAGraph()
+    if hasattr(graph, "enable_debug_mode"):  # keeps the graph for its kernels' count
+        graph.enable_debug_mode()
     with cuda.graph(graph):
         outputs = fn()
     return CapturedGraph(graph, outputs)
