@@ -97,6 +97,15 @@ def jobs(systems, budgets) -> list[Job]:
     return out
 
 
+def base_overrides(model: str, weights: str, items: int, tokens: int, out: Path,
+                   extra=()) -> list[str]:
+    """What every job shares (as scripts/real_size.sh's sweep): the model, gsm8k, items x
+    tokens, one repeat, an RTN draft, records under OUT/records."""
+    return [f"model={model}", f"model.weights={weights}", "dataset=gsm8k",
+            f"workload.items={items}", "workload.repeats=1", f"workload.max_new_tokens={tokens}",
+            "quant.method=rtn", "progress=false", f"out_dir={Path(out) / 'records'}", *extra]
+
+
 # ---- predictions -------------------------------------------------------------------------
 
 def gpu_kind(name: str | None) -> str | None:
@@ -370,10 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     if h2d:
         print(f"[gpu_check] pinned H2D {h2d:.1f} GB/s (the link floor's rate)", flush=True)
     real_hw = None if args.hardware == REAL_HW else args.hardware
-    base = [f"model={args.model}", f"model.weights={args.weights}", "dataset=gsm8k",
-            f"workload.items={args.items}", "workload.repeats=1",
-            f"workload.max_new_tokens={args.tokens}", "quant.method=rtn", "progress=false",
-            f"out_dir={out / 'records'}", *extra]
+    base = base_overrides(args.model, args.weights, args.items, args.tokens, out, extra)
     todo = jobs([s for s in args.systems.split(",") if s],
                 [b for b in args.budgets.split(",") if b])
     status = 0
