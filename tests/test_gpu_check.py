@@ -18,7 +18,8 @@ from conftest import REPO
 from experiments import gpu_check
 
 SCRIPT = REPO / "scripts" / "gpu_check.sh"
-HEADER = "gpu,system,budget_gb,tpot_ms,warm_tpot_ms,draft_ms_step,verify_ms_window,clock_commit,note"
+HEADER = ("gpu,system,budget_gb,tpot_ms,warm_tpot_ms,draft_ms_step,verify_ms_window,"
+          "clock_commit,note")
 
 
 def _script(*args: str, **env: str) -> subprocess.CompletedProcess:
