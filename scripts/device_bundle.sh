@@ -7,7 +7,8 @@
 # git: echo /.devcarry/ >> .git/info/exclude). Mind the device tool's 64 MiB limit on what
 # travels: the tracked tree is about 46 MB, the packages about 10 MB; the shipped models
 # (reference_models/: small_deepseek, small_phi) travel with the tree, so by default no model
-# is bundled.
+# is bundled. The default stage (experiments/gpu_check.py: DeepSeek-V2-Lite inflated from the
+# shipped small_deepseek, then pytest -m cuda) needs nothing more.
 #
 #   scripts/device_bundle.sh [MODEL ...]        # default: none (the shipped ones travel)
 #

@@ -1,36 +1,59 @@
 #!/usr/bin/env bash
-# One prepared check for a machine with a CUDA GPU: the calibration of the virtual clock
-# (scripts/calibrate_gpu.py, at most 8 minutes), the CUDA-marked tests, a short benchmark
-# in real CUDA time (hardware=cuda), then host-computed misses beside the GPU. Results go under $OUT (the device tool's output folder)
-# or results/gpu_check/. Grows with each feature; keep its total run time within a few minutes.
+# One prepared check for a machine with a CUDA GPU. With no arguments it runs one stage,
+# `default`, sized for five minutes on a lent H100 or H200 (experiments/gpu_check.py, one
+# process): DeepSeek-V2-Lite at real size with trained routing (model=deepseek
+# model.weights=inflated, built once), lru, specter, specter_hybrid and specmoeoff at
+# budget.gb=16 and 24 and resident at budget=full, 3 gsm8k items x 64 tokens in real CUDA
+# time, each system warmed by an untimed request; then the CUDA-marked tests. Budget-aware
+# (CHECK_BUDGET_S, 300: it skips or cuts what does not fit, and writes what completed). Its
+# table (OUT/default/gpu_check.md, .csv): TPOT, warm TPOT, draft ms a step, verification ms a
+# window, kernels of each, hit rate, acceptance, MB over the link a token, link floor, TPOT
+# over LRU's, and the predictions of docs/measurements/gpu-predictions.csv beside them.
+#
+# Every other stage runs only when named, in the order named: `STAGES=inflated,hotpath bash
+# scripts/gpu_check.sh` or `bash scripts/gpu_check.sh inflated hotpath` (stages: default,
+# inflated, tests, real_size, captured, hotpath, calibration, h2d, bench, hybrid; each is
+# described above its function). GPU_CHECK_DRY_RUN=1 prints the stages it would run, in
+# order, and runs none. Results go under $OUT (the device tool's output folder) or
+# results/gpu_check/. CHECK_ARGS: more arguments for the default stage's driver (e.g.
+# "--systems lru,specter --budgets 16").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-results/gpu_check}"
-mkdir -p "$OUT"
 PY="${PY:-.venv/bin/python}"
 # Stage limits in seconds (a lease is short: set them lower to fit, e.g. CAL_BUDGET_S=270).
+CHECK_BUDGET_S="${CHECK_BUDGET_S:-300}"  # the default stage, its tests' share included
 CAL_BUDGET_S="${CAL_BUDGET_S:-420}"
-TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-120}"
+TESTS_TIMEOUT_S="${TESTS_TIMEOUT_S:-150}"  # the last run's took 149 s (H200)
 BENCH_TIMEOUT_S="${BENCH_TIMEOUT_S:-240}"
 HYBRID_TIMEOUT_S="${HYBRID_TIMEOUT_S:-150}"
 REAL_SIZE_TIMEOUT_S="${REAL_SIZE_TIMEOUT_S:-300}"
 INFLATED_TIMEOUT_S="${INFLATED_TIMEOUT_S:-480}"  # the sweep gets all but 2 x 50 + 100 + 90 s and the verdict's
 HOTPATH_TIMEOUT_S="${HOTPATH_TIMEOUT_S:-180}"
 CAPTURED_TIMEOUT_S="${CAPTURED_TIMEOUT_S:-360}"
-# Which stages run, in this order (a 15-minute lease fits two or three: pick what has never
-# been measured first, e.g. STAGES=tests,hybrid).
-STAGES=",${STAGES:-inflated,tests,real_size,captured,hotpath,calibration,h2d,bench,hybrid},"
-want() { [[ "$STAGES" == *",$1,"* ]]; }
+# Which stages run, in the order named: the arguments, else STAGES (commas or spaces), else
+# `default` alone.
+if [ $# -gt 0 ]; then LIST="$*"; else LIST="${STAGES:-default}"; fi
+LIST="${LIST//,/ }"
 [ -x "$PY" ] || PY=python3
 status=0
 
-{
-  echo "# gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null)"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi missing"
-  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
-} | tee "$OUT/env.txt"
+# The default stage (experiments/gpu_check.py, one process; its chain runs on the CPU in
+# tests/test_gpu_check.py): the inflated DeepSeek-V2-Lite built once, lru, specter,
+# specter_hybrid, specmoeoff at 16 and 24 GiB and resident at full in real CUDA time, each
+# warmed by an untimed request, the sweep cut to its share of CHECK_BUDGET_S (rows that did
+# not fit are skipped with a line; the table is rewritten after every job); then the
+# CUDA-marked tests within TESTS_TIMEOUT_S. Table: $OUT/default/gpu_check.md and .csv.
+stage_default() {
+echo "== default: DeepSeek-V2-Lite real size (inflated), five systems x 16/24 GiB, real CUDA; CUDA tests" | tee "$OUT/default.txt"
+# shellcheck disable=SC2086  # CHECK_ARGS: word-split on purpose
+timeout -k 10 $((${CHECK_BUDGET_S%.*} + 30)) "$PY" -m experiments.gpu_check "$OUT/default" \
+  --budget-s "$CHECK_BUDGET_S" --tests-timeout-s "$TESTS_TIMEOUT_S" ${CHECK_ARGS:-} 2>&1 \
+  | tee -a "$OUT/default.txt"
+[ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+}
 
-# First (issue 45's question): is Specter faster than LRU on a real GPU at real size, with a
+# Stage `inflated` (issue 45's question; the default stage asks it in one process): is Specter faster than LRU on a real GPU at real size, with a
 # model that routes and drafts like a trained one? DeepSeek-V2-Lite at its real widths and
 # depth (27 layers, 26.8 GiB of experts) inflated in memory from the shipped small_deepseek
 # (model.weights=inflated, specter/models/inflate.py: no download, built on every core in
@@ -46,7 +69,7 @@ status=0
 # over LRU's, launches and syncs per token, the host's us per launch. Sized for 8 minutes.
 # INFLATED_VIRTUAL_HW=h200_realsize adds the virtual clock's twin of every job (the clock's
 # held-out check on trained routing, experiments/clock_check.py; it does not fit in 8 minutes).
-if want inflated; then
+stage_inflated() {
 echo "== inflated: DeepSeek-V2-Lite real size, trained routing (inflated from small_deepseek), real CUDA" | tee "$OUT/inflated.txt"
 timeout -k 10 "$INFLATED_TIMEOUT_S" env PY="$PY" OUT="$OUT/inflated" MODEL=deepseek WEIGHTS=inflated \
   SWEEP_TIMEOUT_S=$((INFLATED_TIMEOUT_S - 310)) PART_TIMEOUT_S=50 HOTPATH_TIMEOUT_S=90 \
@@ -56,7 +79,7 @@ timeout -k 10 "$INFLATED_TIMEOUT_S" env PY="$PY" OUT="$OUT/inflated" MODEL=deeps
   SOURCE_CHECK=small_deepseek HOTPATH="${INFLATED_HOTPATH:-specter,lru}" \
   bash scripts/real_size.sh 2>&1 | tee -a "$OUT/inflated.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+}
 
 # A model larger
 # than a 24 GB card, loaded as the loader now loads one: DeepSeek-V2-Lite at full depth (27
@@ -73,12 +96,12 @@ fi
 # error table), which reruns anywhere: python -m experiments.real_size
 # $OUT/real_size/records --real-hardware cuda. Optional: RESIDENT=1 (resident at budget=full,
 # last: 29 GiB on the device), KERNEL_BENCH=1 (the INT4 backends at DeepSeek's shape first).
-if want real_size; then
+stage_real_size() {
 echo "== real size: DeepSeek-V2-Lite full depth, random weights, budget.gb=24, real CUDA vs virtual" | tee "$OUT/real_size.txt"
 timeout -k 10 "$REAL_SIZE_TIMEOUT_S" env PY="$PY" OUT="$OUT/real_size" \
   MODEL="${REAL_SIZE_MODEL:-deepseek}" bash scripts/real_size.sh 2>&1 | tee -a "$OUT/real_size.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+}
 
 # issue 36 item 5: the compiled steps captured as CUDA graphs (the compiled step over the
 # static caches, captured whole by quant.kernels.capture_graph), eager against captured, counted per committed token
@@ -86,7 +109,7 @@ fi
 # specter (spec.compile, gather_int4) at DeepSeek-V2-Lite's real sizes, random weights, 1 item
 # x 24 tokens, real CUDA time. Each run compiles in the runner's untimed warm-up request
 # (compile_warmup_s). The tables: $OUT/captured_{off,on}_{resident,specter}/hotpath.md.
-if want captured; then
+stage_captured() {
 echo "== captured: eager vs captured steps on CUDA, real sizes" | tee "$OUT/captured.txt"
 CAP=(hardware=cuda model="${CAPTURED_MODEL:-deepseek}" model.weights=random workload.items=1
      workload.repeats=1 workload.max_new_tokens=24)
@@ -99,7 +122,7 @@ for c in off on; do
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   done
 done
-fi
+}
 
 # What decoding issues on the GPU, counted exactly (a sync or a read counts only when its
 # tensor is on the GPU, a blocking upload is a sync; host-side bookkeeping apart): aten ops,
@@ -109,7 +132,7 @@ fi
 # graphs (on), the draft step itself eager in both (spec.compile=off: by default the whole
 # step is one captured graph, which the inflated stage measures): the records under each
 # folder hold TPOT and draft/verify ms per window.
-if want hotpath; then
+stage_hotpath() {
 echo "== hot path: operations, launches and syncs per committed token on CUDA" | tee "$OUT/hotpath.txt"
 # which dtypes torch's grouped GEMM takes here without a host sync (offload/grouped.py
 # `pick_kernel` uses it for bfloat16 on compute capability 9.x/10.x, the padded bmm kernel
@@ -164,22 +187,22 @@ echo "-- waits per window (specter, specmoeoff, lru_s, lru on tiny_deepseek)" | 
 timeout -k 10 120 "$PY" -m pytest -q -s -m cuda tests/test_gpu_waits.py 2>&1 | tail -n 12 \
   | tee -a "$OUT/hotpath.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+}
 
-if want calibration; then
+stage_calibration() {
 echo "== calibration: measured hardware profile, virtual clock vs real CUDA time" | tee "$OUT/calibration.txt"
 timeout -k 20 $((CAL_BUDGET_S + 60)) "$PY" scripts/calibrate_gpu.py --out "$OUT/calibration" \
   --budget-s "$CAL_BUDGET_S" 2>&1 | tee -a "$OUT/calibration.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+}
 
-if want tests; then
+stage_tests() {
 echo "== CUDA-marked tests" | tee "$OUT/tests.txt"
 timeout -k 10 "$TESTS_TIMEOUT_S" "$PY" -m pytest -q -m cuda -rA tests 2>&1 | tee -a "$OUT/tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-fi
+}
 
-if want h2d; then
+stage_h2d() {
 echo "== pinned H2D bandwidth" | tee "$OUT/h2d.txt"
 "$PY" - <<'PY' 2>&1 | tee -a "$OUT/h2d.txt"
 import torch, time
@@ -193,9 +216,9 @@ for mb in (17, 64, 256):
     torch.cuda.synchronize()
     print(f"{mb} MiB pinned H2D: {10 * (mb << 20) / (time.perf_counter() - t) / 1e9:.2f} GB/s")
 PY
-fi
+}
 
-if want bench; then
+stage_bench() {
 echo "== short benchmark: resident, lru, mo_sm, transformers, lru_s, specmoeoff, specter, sp_e on CUDA (real time), small DeepSeek-shaped model" | tee "$OUT/bench.txt"
 timeout -k 10 "$BENCH_TIMEOUT_S" "$PY" run.py -m model="${MODEL:-small_deepseek}" system=resident,lru,mo_sm,transformers,lru_s,specmoeoff,specter,sp_e hardware=cuda dataset=gsm8k \
   workload.items=2 workload.repeats=2 workload.max_new_tokens=64 \
@@ -208,9 +231,9 @@ df = records.load(sys.argv[1] + "/records")
 if len(df):
     print(summarize.table(df).to_string(index=False))
 PY
-fi
+}
 
-if want hybrid; then
+stage_hybrid() {
 # Host-computed misses beside a real GPU: this machine's host CPU rates (conf/host/measured.yaml
 # in this copy), then resident, lru, lru_hybrid, specter, specter_hybrid in real CUDA time with
 # the measured profile's rates deciding (hardware.clock=wall), and the tokens that differ from
@@ -232,5 +255,21 @@ for d in hybrid hybrid_forced; do
   { echo "-- $d"; "$PY" -m experiments.summarize "$OUT/$d" --short
     "$PY" -m experiments.summarize "$OUT/$d" --agreement; } 2>&1 | tee -a "$OUT/hybrid.txt"
 done
+}
+for s in $LIST; do
+  declare -F "stage_$s" >/dev/null || {
+    echo "error: unknown stage '$s'; choose from: default inflated tests real_size captured hotpath calibration h2d bench hybrid" >&2
+    exit 2; }
+done
+if [ "${GPU_CHECK_DRY_RUN:-0}" = 1 ]; then
+  for s in $LIST; do echo "stage $s"; done
+  exit 0
 fi
+mkdir -p "$OUT"
+{
+  echo "# gpu_check $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null) stages: $LIST"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 || echo "nvidia-smi missing"
+  "$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'available', torch.cuda.is_available())"
+} | tee "$OUT/env.txt"
+for s in $LIST; do "stage_$s"; done
 exit $status

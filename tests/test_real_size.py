@@ -277,8 +277,8 @@ def test_the_inflated_stage_command_lines_pass_the_runs_own_checks(tmp_path):
                     f'echo >> {shlex.quote(str(log))}\n')
     stub.chmod(0o755)
     gpu_check = (REPO / "scripts" / "gpu_check.sh").read_text()
-    block = gpu_check[gpu_check.index("if want inflated"):]
-    block = block[:block.index("\nfi\n")]
+    block = gpu_check[gpu_check.index("stage_inflated() {"):]
+    block = block[:block.index("\n}\n")]
     env = {"PY": str(stub), "OUT": str(tmp_path / "out"), "MODEL": "deepseek",
            "WEIGHTS": "inflated", "SYSTEMS": "specter,lru,specmoeoff", "BUDGET_GB": "16,24",
            "ITEMS": "3", "TOKENS": "64", "VIRTUAL_HW": "none", "RESIDENT": "1", "ADAPTIVE": "1",
