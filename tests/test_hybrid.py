@@ -23,13 +23,14 @@ from test_batch import A100, CPU, prompts
 SLOW = dict(A100, h2d_bandwidth_Bps=0.5e9)  # copies dear against the host: misses go there
 
 
-def engine_for(name: str, system: str, hardware=SLOW, device=CPU, dtype="float32", **system_kw):
+def engine_for(name: str, system: str, hardware=SLOW, device=CPU, dtype="float32", spec=None,
+               **system_kw):
     cfg = RunConfig.from_dict({
         "model": {"name": name, "source": "project", "dtype": dtype,
                   "stands_for": archs.STANDS_FOR[archs.parse_name(name)[1]]},
         "budget": {"name": "low"}, "system": {"name": system, **system_kw},
-        "dataset": {"name": "gsm8k"}, "hardware": hardware, "workload": {}, "spec": {"k": 4},
-        "progress": False})
+        "dataset": {"name": "gsm8k"}, "hardware": hardware, "workload": {},
+        "spec": spec or {"k": 4}, "progress": False})
     lm = load_model(cfg.model, device, progress=False)
     budget = dataclasses.replace(resolve_slots(cfg.budget, cfg.model, lm.spec.num_experts,
                                                lm.spec.top_k), staging=0)
@@ -49,6 +50,38 @@ def test_hybrid_systems_are_lossless_and_use_the_host(name):
         assert [g.tokens for g in gens] == ref, system
         if system == "lru_hybrid":
             assert gens[0].stats["host_experts"] > 0 and 0 < gens[0].stats["host_frac"] <= 1
+
+
+# a counted profile's virtual clock: spec.compile=auto compiles the draft step of a one-row
+# job there, as on a CUDA wall clock (quant.build.draft_compiles)
+COUNTED = dict(SLOW, host_op_s=2e-5, launch_overhead_s=0.0)
+
+
+@pytest.mark.parametrize("system", ["specter_hybrid", "specmoeoff"])
+def test_a_job_for_one_row_whose_draft_step_compiles_decodes_a_batch(system):
+    """The CUDA test below on the CPU: a job built for one row (workload.batch=1) whose draft
+    step compiles (`StaticKV`, one row; the second instance's own static cache for
+    specmoeoff) is handed three prompts: the batch drafts in the eager layout, lossless, the
+    record says so; a one-row request afterwards still drafts in the compiled step."""
+    from specter.decoding.compiled_draft import StaticKV
+
+    resident, lm = engine_for("tiny_deepseek", "resident")
+    batch = prompts(lm.tokenizer, 3)
+    ref = [g.tokens for g in resident.generate_batch(batch, 16)]
+    engine, _ = engine_for("tiny_deepseek", system, hardware=COUNTED,
+                           spec={"k": 4, "compile_backend": "eager"})
+    assert isinstance(engine.draft.layout, StaticKV)
+    engine.reset()
+    gens = engine.generate_batch(batch, 16)
+    assert [g.tokens for g in gens] == ref
+    stats = gens[0].stats
+    assert not stats["draft_compiled"] and not stats["draft_captured"]
+    assert "batch of 3 rows" in stats["draft_compile"] and stats["draft_compiles"] == 0
+    engine.reset()
+    one = engine.generate_batch(batch[:1], 16)[0]
+    assert one.tokens == ref[0]
+    assert one.stats["draft_compiled"] and one.stats["draft_compiles"] == 1
+    assert one.stats["draft_kv"] == ("static" if system == "specter_hybrid" else "own")
 
 
 def test_host_compute_is_a_switch_on_either_name():

@@ -129,6 +129,14 @@ class CompiledMode:
 
 
 EAGER = CompiledMode()
+
+
+def eager_batch_record(rows: int) -> dict:
+    """The record of a request of `rows` rows drafted eagerly by an engine whose compiled step
+    (`StaticKV`, one row) was chosen for one-row jobs (`Draft.layout_for`)."""
+    return {"draft_compiled": False, "draft_captured": False,
+            "draft_compile": f"eager: a batch of {rows} rows drafts in the eager layout (the "
+                             "compiled step decodes one row)"}
 COPIED_KV_EAGER = "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
 
 
@@ -193,7 +201,11 @@ class StaticKV:
     `clock` (clock/observer.py) charges after each step what the compiled region did not run
     (`compiled_step`), inside its `captured_step` block (priced as a captured graph's replay).
     `positions`: the longest context a request will reach (prompt, new tokens, a window), so
-    that one set of buffers, and one compilation, serves the whole run."""
+    that one set of buffers, and one compilation, serves the whole run.
+    `max_rows`: the rows a request may have; an engine hands a request of more rows to its
+    eager layout instead (`Draft.layout_for`)."""
+
+    max_rows = 1
 
     def __init__(self, shared, compiler: str = "inductor", mode: str | None = None,
                  on_copy=None, positions: int = 0, own_kv: bool = False,

@@ -35,7 +35,7 @@ import dataclasses
 import torch
 
 from specter.counting import charging_only, host_side, routed_counts, to_device
-from specter.decoding.compiled_draft import EAGER, CompiledMode
+from specter.decoding.compiled_draft import EAGER, CompiledMode, eager_batch_record
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.batch import BatchCache, cache_bytes
 from specter.models.introspect import experts_modules
@@ -63,6 +63,25 @@ class Draft:
     layout = None  # where and how it drafts (draft.py, compiled_draft.py); None: SharedKV
     _compiled_before = (0, 0.0)  # a compiled layout's (compiles, seconds) before this request
     device_bytes = 0
+    eager_now = False  # this request drafts in `eager_layout()`, not in `layout` (`layout_for`)
+
+    def layout_for(self, rows: int):
+        """Where a request of `rows` rows drafts: `layout` (None: `SharedKV` over the target's
+        cache), unless `layout` decodes fewer rows (`max_rows`: the compiled step's `StaticKV`,
+        one row, chosen for a job of one row): then `eager_layout()`, where spec.compile=off
+        drafts. The engine decodes any batch on any clock; the output is the target's either
+        way (verification decides), and the record says the request drafted eagerly
+        (`compiled_record`)."""
+        self.eager_now = rows > getattr(self.layout, "max_rows", rows)
+        return self.eager_layout() if self.eager_now else self.layout
+
+    def eager_layout(self):
+        """The layout a batch drafts in when `layout` decodes one row (None: `SharedKV`)."""
+        return None
+
+    def compiled_record(self, record: dict, rows: int) -> dict:
+        """The engine's `draft_compile*` columns for the request `layout_for` last chose."""
+        return {**record, **eager_batch_record(rows)} if self.eager_now else record
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         self.draft_mode.listen(fn, all_layers, in_graph)
@@ -159,7 +178,7 @@ class SelfInt4Draft(Draft):
         self.layout = compiled.static_kv(self.draft_mode, on_copy=self._charge_kv_copy)
 
     def as_record(self) -> dict:
-        static = self.layout is not None
+        static = self.layout is not None and not self.eager_now
         return {**self.int4.as_record(), "shared_instance": True, **self.compile_record(),
                 "draft_kv": "static" if static else "shared",
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
@@ -196,6 +215,7 @@ class SeparateInt4Draft(Draft):
         self.layout = (CopiedKV(draft_model, self._charge_kv_copy) if kv_copy
                        else compiled.static_kv(self.instance, clock=self.clock, own_kv=True)
                        or OwnKV(draft_model))
+        self.draft_model = draft_model
         if charges_virtually(timing):
             self.listen(*draft_experts_charge(timing, int4))
         # the INT4 copy (counted once) and the second instance's non-expert weights
@@ -205,6 +225,10 @@ class SeparateInt4Draft(Draft):
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         self.instance.listen(fn, all_layers, in_graph)
+
+    def eager_layout(self):
+        """Its own KV, eager (SpecMoEOff's layout), for a batch the static step cannot take."""
+        return OwnKV(self.draft_model)
 
     def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
         self.clock.begin_forward(tokens, context, phase == "prefill", rows)

@@ -184,14 +184,18 @@ class SpeculativeEngine:
     def _decode(self, prompts: list[list[int]], max_new_tokens: int,
                 on_commit: list | None = None) -> list[Generation]:
         """`generate_batch`, with a listener per request or None (`generate`'s)."""
-        gens = speculative_batch(self.model, self.draft.layout or SharedKV(self.draft.draft_mode),
+        # a compiled step decodes one row: a batch drafts in the eager layout (draft.py)
+        layout = self.draft.layout_for(len(prompts))
+        gens = speculative_batch(self.model, layout or SharedKV(self.draft.draft_mode),
                                  prompts, max_new_tokens, self.k, self.device, self.timing.link,
                                  self.stop, self.memory, self._before_forward,
                                  prefetcher=self.window,
                                  accept=acceptance(self.temperature, self.generators, len(prompts)),
                                  depth=self.adaptive, on_commit=on_commit)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
-                  **self.draft.as_record(), **self.compiled, "k_source": self.k_source,
+                  **self.draft.as_record(),
+                  **self.draft.compiled_record(self.compiled, len(prompts)),
+                  "k_source": self.k_source,
                   "k_why": self.adaptive.why if self.adaptive is not None else self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
