@@ -113,13 +113,16 @@ class FakeCuda:
 
     # -- a captured step (specter.quant.kernels.capture_graph's stand-in) ---------------------
     captures = replays = 0
+    capturing = False
 
     def capture_graph(self, fn, warm):
         """`capture_graph(fn, warm)` on the CPU: `warm()` twice (it must leave the state as it
         found it, as before a real capture), the device sync `torch.cuda.graph` makes, and a
-        replay that runs `fn()` again. Its outputs are fresh tensors, where a graph's are
-        overwritten by the next replay: that a caller reads them in time only a GPU shows
-        (tests/test_cuda.py)."""
+        replay that runs `fn()` again, as under a capture: `is_current_stream_capturing()` is
+        true and a host read raises (`no_host_reads`), as CUDA raises for one inside a
+        capture (fn's Python runs at each replay here, once at the capture on a GPU: the
+        same code). Its outputs are fresh tensors, where a graph's are overwritten by the
+        next replay: that a caller reads them in time only a GPU shows (tests/test_cuda.py)."""
         for _ in range(2):
             warm()
         self.synchronize()
@@ -127,8 +130,47 @@ class FakeCuda:
 
         def replay():
             self.replays += 1
-            return fn()
+            before, self.capturing = self.capturing, True
+            try:
+                with no_host_reads():
+                    return fn()
+            finally:
+                self.capturing = before
         return replay
+
+    def is_current_stream_capturing(self) -> bool:
+        return self.capturing
+
+
+# Tensor methods that read a value on the host: inside a CUDA graph capture each is an error
+# ("operation not permitted when stream is capturing")
+HOST_READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Inside the block every tensor host read (`HOST_READS`) raises, as inside a capture on
+    a GPU: a CPU test of a captured path fails where the GPU would."""
+    import torch
+
+    own = {name: torch.Tensor.__dict__[name] for name in HOST_READS if name in torch.Tensor.__dict__}
+
+    def refused(name):
+        def read(self, *args, **kwargs):
+            raise RuntimeError(f"a host read inside a CUDA graph capture: Tensor.{name} "
+                               "(operation not permitted when stream is capturing)")
+        return read
+
+    for name in HOST_READS:
+        setattr(torch.Tensor, name, refused(name))
+    try:
+        yield
+    finally:
+        for name in HOST_READS:
+            if name in own:
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)
 
 
 class CountedCuda:

@@ -426,3 +426,41 @@ def test_a_second_instance_captures_its_steps_after_an_eager_first_one():
     assert got.stats["accepted_lens"] == eager.stats["accepted_lens"]
     assert min(eager.stats["accepted_lens"]) < 4
     assert static.captures == 1 and fake.replays == static.steps_run > 0
+
+
+def test_graphed_draft_layers_capture_no_shape_that_reads_the_routing_on_the_host(monkeypatch):
+    """quant.graphs on a second instance (system.shared=false's per-window KV copy on CUDA:
+    its layers graphed, the step eager) over the stand-in capture (tests/fake_cuda.py, where
+    a host read inside a capture raises as on a GPU). The engine captures the lengths a
+    window of K=10 feeds, 1 to 11 tokens; past one (token, k-slot) pair per expert
+    gather_int4 goes expert by expert, reading the routing on the host (`counts.tolist()`),
+    which no capture may do: tiny_deepseek has 64 experts, top 6, as DeepSeek-V2-Lite, so 11
+    tokens (K >= 10) run eagerly and are not captured. Decoding at K=10 stays lossless. The
+    check can fail: a layer that captured that shape anyway (as before: any length up to 16)
+    fails its capture."""
+    from fake_cuda import FakeCuda
+    from specter.decoding.draft import CopiedKV
+    from specter.quant.kernels import GraphedExperts
+
+    lm, _ = _setup("tiny_deepseek")
+    second = load_model(ModelConfig(name="tiny_deepseek", source="project", dtype="float32"),
+                        CPU, progress=False)
+    qe = calibrate.quantize_experts(second.model, calibrate.QuantSpec(method="rtn", bits=4,
+                                                                      group=32), None, CPU)
+    dm = DraftMode(second.model, qe, "gather_int4", CPU, graphs=True, mode="draft")
+    fake = FakeCuda()
+    for layer in dm.draft_layers:
+        layer.cuda = fake
+    k_max, top_k = 10, second.spec.top_k
+    assert second.spec.num_experts == 64 and top_k == 6
+    made = dm.warm_graphs(range(1, k_max + 2))  # build_speculative's lengths for one row
+    assert made == len(dm.draft_layers) * k_max == fake.captures  # 11 tokens: eager
+    assert all(layer.captures(10, top_k) and not layer.captures(11, top_k)
+               for layer in dm.draft_layers)
+    ids = lm.tokenizer(PROMPT)["input_ids"][:16]
+    replays = fake.replays
+    assert _run(lm, None, ids, 24, k_max, CopiedKV(second.model)).tokens == _hf(lm.model, ids, 24)
+    assert fake.replays > replays and fake.captures == made  # replayed, nothing captured late
+    monkeypatch.setattr(GraphedExperts, "captures", lambda self, tokens, k: tokens <= 16)
+    with pytest.raises(RuntimeError, match="host read inside a CUDA graph capture"):
+        dm.warm_graphs([k_max + 1])

@@ -159,7 +159,9 @@ class DraftMode:
         """Capture the per-layer CUDA graphs (quant.graphs: `GraphedExperts`) of draft forwards
         of each of `lengths` tokens now, at build time, so that no capture (each one
         synchronizes the device, and the first compiles Triton's kernel) falls in a timed
-        window: one draft forward of each length, over no cache, its listeners muted.
+        window: one draft forward of each length, over no cache, its listeners muted. A
+        layer captures only the shapes its backend runs with no host read
+        (`GraphedExperts.captures`); the others run eagerly, here and while decoding.
         Returns the captures made."""
         graphed = [layer for layer in self.draft_layers if isinstance(layer, GraphedExperts)]
         if not graphed:

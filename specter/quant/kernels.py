@@ -92,6 +92,12 @@ class ReferenceExperts:
     def nbytes(self) -> int:
         return held_bytes(self.tensors())
 
+    def fixed_shape(self, tokens: int, k: int) -> bool:
+        """Whether a call of `tokens` tokens routed to `k` experts each issues the same
+        operations whatever the routing, with no host read (a CUDA graph can capture it):
+        not here, where the routing is read on the host (`_route`)."""
+        return False
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         h = self.act(nn.functional.linear(x, self.gate_up[e].dequantize(x.dtype)))
         return nn.functional.linear(h, self.down[e].dequantize(x.dtype))
@@ -304,6 +310,10 @@ class TritonExperts:
     def nbytes(self) -> int:
         return held_bytes(self.tensors())
 
+    def fixed_shape(self, tokens: int, k: int) -> bool:
+        """Every call (`align_blocks`: shapes from T, k and the expert count alone)."""
+        return True
+
     def _gemm(self, x, codes, scales, group, block_expert, src_rows, out_rows, n_out, ieee):
         E, N, _ = codes.shape
         K = x.shape[1]
@@ -384,6 +394,12 @@ class GatherInt4Experts(ReferenceExperts):
     def tensors(self):
         return [self.gu_codes, self.gu_scales, self.dn_codes, self.dn_scales, self.table]
 
+    def fixed_shape(self, tokens: int, k: int) -> bool:
+        """Up to one (token, k-slot) pair per expert; more go expert by expert, reading the
+        routing on the host (DeepSeek-V2-Lite's 64 experts, top 6: 11 tokens and more, a
+        second instance's catch-up at K >= 10)."""
+        return tokens * k <= self.num_experts
+
     def _weights(self, experts: torch.Tensor | slice, gate_up: bool) -> torch.Tensor:
         codes, scales, group = ((self.gu_codes, self.gu_scales, self.gu_group) if gate_up
                                 else (self.dn_codes, self.dn_scales, self.dn_group))
@@ -397,7 +413,7 @@ class GatherInt4Experts(ReferenceExperts):
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         T, k = top_k_index.shape
-        if T * k > self.num_experts:
+        if not self.fixed_shape(T, k):
             return super().__call__(hidden, top_k_index, top_k_weights)
         pairs = top_k_index.reshape(-1)  # pair p: token p // k, slot p % k
         x = hidden.to(self.dtype).unsqueeze(1).expand(T, k, -1).reshape(T * k, 1, -1)
@@ -448,12 +464,17 @@ def capture_graph(fn, warm, cuda=None) -> CapturedGraph:
 class GraphedExperts:
     """A fixed-shape backend (FIXED_SHAPE) captured as a CUDA graph once per call shape and
     replayed: the inputs are copied into the graph's own buffers, one replay runs the layer's
-    kernels, the output is copied out. Calls with more than `max_tokens` tokens (a prefill)
-    run eagerly. CUDA only. Each capture synchronizes the device, so the engine captures the
-    shapes a draft forward takes at build time (`DraftMode.warm_graphs`), not while decoding."""
+    kernels, the output is copied out. Calls with more than `max_tokens` tokens (a prefill),
+    or of a shape the inner backend runs with a host read (`fixed_shape`: gather_int4 past
+    one pair per expert), run eagerly: a host read inside a capture is an error. CUDA only
+    (`cuda`: a stand-in with `capture_graph(fn, warm)` and `is_current_stream_capturing()`
+    runs it on the CPU, tests/fake_cuda.py). Each capture synchronizes the device, so the
+    engine captures the shapes a draft forward takes at build time (`DraftMode.warm_graphs`),
+    not while decoding."""
 
-    def __init__(self, inner, max_tokens: int = 16):
+    def __init__(self, inner, max_tokens: int = 16, cuda=None):
         self.inner, self.max_tokens = inner, max_tokens
+        self.cuda = cuda  # None: torch.cuda and `capture_graph`
         self.graphs: dict[tuple, tuple] = {}
 
     def tensors(self):
@@ -465,13 +486,19 @@ class GraphedExperts:
     def nbytes(self) -> int:
         return held_bytes(self.tensors())
 
+    def captures(self, tokens: int, k: int) -> bool:
+        """Whether a call of `tokens` tokens, `k` experts each, is replayed as a graph."""
+        return tokens <= self.max_tokens and self.inner.fixed_shape(tokens, k)
+
     def _capture(self, hidden, top_k_index, top_k_weights):
         static = (hidden.clone(), top_k_index.clone(), top_k_weights.clone())
         run = lambda: self.inner(*static)  # noqa: E731 (a warm-up changes no state)
-        return capture_graph(run, run), static
+        capture = capture_graph if self.cuda is None else self.cuda.capture_graph
+        return capture(run, run), static
 
     def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        if hidden.shape[0] > self.max_tokens or torch.cuda.is_current_stream_capturing():
+        if not self.captures(*top_k_index.shape) \
+                or (self.cuda or torch.cuda).is_current_stream_capturing():
             return self.inner(hidden, top_k_index, top_k_weights)
         key = (tuple(hidden.shape), hidden.dtype, tuple(top_k_index.shape), top_k_weights.dtype)
         if key not in self.graphs:
