@@ -198,7 +198,9 @@ def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
 
 @pytest.mark.cuda
 def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
-    """The whole system with quant.graphs=on: token-identical to resident on CUDA."""
+    """The whole system with quant.graphs=on: token-identical to resident on CUDA (an RTN
+    draft, as the other runner tests here: verification makes any draft lossless, and GPTQ's
+    calibration was most of this test's 18 s on an H200)."""
     from experiments import records, runner
     from specter.settings import run_config
 
@@ -208,7 +210,8 @@ def test_specter_with_graphed_drafts_equals_resident_on_cuda(tmp_path):
         runner.run(run_config(["model=tiny_deepseek", "hardware=cuda", f"system={system}",
                                "workload.items=2", "workload.max_new_tokens=24",
                                "workload.stop_on_eos=false", "spec.k=4", "progress=false",
-                               f"out_dir={tmp_path / system}", *extra]), log=lambda *_: None)
+                               "quant.method=rtn", f"out_dir={tmp_path / system}", *extra]),
+                   log=lambda *_: None)
         df = records.load(tmp_path / system).sort_values("request_id")
         tokens[system] = df["output_tokens"].map(tuple).tolist()
         if system == "specter":  # per-layer graphs asked: spec.compile=auto says it stays eager
