@@ -8,7 +8,7 @@ step is compiled or captured, never while it runs:
 - `KernelTally` wraps torch.compile's backend (`tally.backend(compiler)`) and records each
   compiled graph's kernels: with inductor, the scheduler's nodes after fusion (each fused or
   single node one generated kernel, each extern call, a GEMM or attention, one library
-  kernel; no-op nodes none), as inductor generates them for this machine's device (on the CPU
+  kernel; no-op nodes, a multi-output's unpacking and fallback views none), as inductor generates them for this machine's device (on the CPU
   an estimate of what its Triton code on a GPU launches: the same graph, fused by the same
   scheduler); with any other backend (`eager`, the tests' graph check), the graph's
   operations unfused (every call that is not a view or an item read: an upper bound).
@@ -51,6 +51,30 @@ def _fx_kernels(gm: torch.fx.GraphModule) -> int:
     return n
 
 
+def _is_view(op) -> bool:
+    """An aten overload that returns an alias of its input without writing it (a view)."""
+    schema = getattr(op, "_schema", None)
+    return schema is not None and any(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _launches(node) -> int:
+    """Kernels a scheduler node launches: none for a no-op, for a multi-output's unpacking
+    (`MultiOutput`) and for a fallback that is a view (view_as_real, unsqueeze: aliases);
+    one for every other node (a generated kernel, fused or single, or a library call)."""
+    from torch._inductor import ir
+    from torch._inductor import scheduler as sched
+
+    if isinstance(node, sched.NopKernelSchedulerNode):
+        return 0
+    buf = getattr(node, "node", None)
+    if isinstance(buf, ir.MultiOutput):
+        return 0
+    if isinstance(buf, ir.FallbackKernel) and _is_view(getattr(buf, "op_overload", None)):
+        return 0
+    return 1
+
+
 @contextlib.contextmanager
 def _scheduler_tally(into: list):
     """While inductor compiles: each graph's kernels after fusion appended to `into`."""
@@ -59,8 +83,7 @@ def _scheduler_tally(into: list):
     codegen = sched.Scheduler.codegen
 
     def counted(self, *a, **k):
-        into.append(sum(0 if isinstance(n, sched.NopKernelSchedulerNode) else 1
-                        for n in self.nodes))
+        into.append(sum(_launches(n) for n in self.nodes))
         return codegen(self, *a, **k)
 
     sched.Scheduler.codegen = counted
