@@ -126,23 +126,7 @@ if [ -n "$HOTPATH" ]; then
   verdict+=(--hotpath "$OUT/hotpath/hotpath.csv")
 fi
 if [ -z "$H2D_GBPS" ] && [ "$REAL_HW" = cuda ]; then
-  H2D_GBPS=$("$PY" - <<'H2D' 2>/dev/null
-import torch
-if torch.cuda.is_available():
-    src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty_like(src, device="cuda")
-    for _ in range(2):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(4):
-        dst.copy_(src, non_blocking=True)
-    b.record()
-    torch.cuda.synchronize()
-    print(f"{4 * src.numel() / (a.elapsed_time(b) / 1e3) / 1e9:.2f}")
-H2D
-)
+  H2D_GBPS=$("$PY" -c "from experiments.gpu_check import measure_h2d_gbps as m; g = m(); print(f'{g:.2f}' if g else '')" 2>/dev/null)
 fi
 [ -n "$H2D_GBPS" ] && verdict+=(--h2d-gbps "$H2D_GBPS")
 echo "-- verdict"
