@@ -136,9 +136,11 @@ def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerl
 
     charged: list = []
     timing = SimpleNamespace(link=SimpleNamespace(compute=charged.append), cost=SimpleNamespace(
-        router_s=lambda t: ("router", t), draft_experts_s=lambda n, b, g: ("experts", tuple(n))))
+        router_s=lambda t: ("router", t),
+        draft_experts_s=lambda n, b, g, dequantized: ("experts", tuple(n))))
     per_layer, all_layers = draft_experts_charge(
-        timing, SimpleNamespace(experts=SimpleNamespace(spec=SimpleNamespace(bits=4, group=32))))
+        timing, SimpleNamespace(experts=SimpleNamespace(spec=SimpleNamespace(bits=4, group=32)),
+                                backend="gather_int4"))
     for routes in heard:
         for layer, top_k in enumerate(torch.tensor(routes).unbind(0)):
             per_layer(layer, top_k)

@@ -97,7 +97,7 @@ ZERO_MEANS = {  # numeric settings where 0 is a meaning, not an error
                                 "layer_overhead_s", "expert_overhead_s", "draft_overhead_s",
                                 "offload_layer_overhead_s", "h2d_bandwidth_Bps",
                                 "h2d_latency_s", "host_matrix_flops",
-                                "host_mem_bandwidth_Bps", "host_op_s", "sync_s",
+                                "host_mem_bandwidth_Bps", "host_op_s", "sync_s", "kernel_floor_s",
                                 "expert_bits", "attn_bits", "attn_quant_group")),
 }
 
