@@ -211,7 +211,7 @@ class SpecConfig:
     # The draft step as one compiled graph over a static draft cache (decoding/compiled_draft.py):
     # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4 or
     # fused_int4; on CUDA captured whole as one CUDA graph; quant.backend=auto takes fused_int4
-    # for it on a real clock: quant/build.py)
+    # for it on CUDA, gather_int4 on the CPU, on a real clock: quant/build.py)
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 

@@ -166,8 +166,9 @@ def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
 
 
 def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
-    """quant.backend=auto takes fused_int4 (a backend whose step compiles whole) where
-    spec.compile asks for a compiled step: auto on the CPU's own clock, one greedy row, or on;
+    """quant.backend=auto takes fused_int4 on CUDA, gather_int4 on the CPU (backends whose
+    step compiles whole) where spec.compile asks for a compiled step: auto on the CPU's own
+    clock, one greedy row, or on;
     on a virtual clock, a batch or sampling it keeps cpu_int4 (eager, and says why)."""
     from types import SimpleNamespace as NS
 
@@ -194,9 +195,10 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
                    draft=NS(compile="auto", quant=NS(graphs="on")), rows=1, temperature=0.0,
                    device=cuda)
     assert not draft_compiles(on_graphs)
-    # fused_int4: its fused INT4 kernels inside one custom op on CUDA, the same in torch on
-    # the CPU; gather_int4 on CUDA without triton
-    assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "fused_int4"
+    # fused_int4 on CUDA (its fused INT4 kernels inside one custom op); gather_int4 on the CPU
+    # (inductor fuses its dequantization there, fused_int4's CPU body is eager) and on CUDA
+    # without triton
+    assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "gather_int4"
     from specter.quant.kernels import triton_available
     assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == (
         "fused_int4" if triton_available() else "gather_int4")

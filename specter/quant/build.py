@@ -65,10 +65,11 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
     gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's).
     `compiles`: the draft step is to run as one compiled graph (`spec.compile`, see
     `draft_compiles`), which only gather_int4 and fused_int4 allow (the others read the
-    routing on the host or call a kernel the compiler does not trace), so auto takes
-    fused_int4: one opaque custom op per layer reading the packed codes (its fused Triton
-    kernels on CUDA, the same arithmetic in torch on the CPU), where gather_int4 writes each
-    pair's dequantized weights out and reads them back."""
+    routing on the host or call a kernel the compiler does not trace), so auto takes one:
+    on CUDA fused_int4 (one opaque custom op per layer, two fused Triton kernels reading the
+    packed codes, where gather_int4 writes each pair's dequantized weights out and reads them
+    back); on the CPU gather_int4, which inductor fuses there into one reduction per
+    projection reading the codes (FUSED_CPU_WHY), or on CUDA without triton."""
     if name not in BACKENDS + ("auto",):
         raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
     if name != "auto":
@@ -79,7 +80,8 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         return "gather_int4", "auto: a counted profile on the CPU charges a GPU's operations"
     if compiles:
         if device.type == "cpu":
-            return "fused_int4", f"auto: the draft step compiles whole on it ({COMPILED_WHY})"
+            return "gather_int4", (f"auto: the draft step compiles whole on it ({COMPILED_WHY}); "
+                                   f"not fused_int4 ({FUSED_CPU_WHY})")
         if triton_available():
             return "fused_int4", ("auto: the draft step is captured whole as one CUDA graph, "
                                   "fused_int4's (its fused INT4 kernels inside) can be")
@@ -105,6 +107,11 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
 
 
 # what `auto` gains by compiling on the CPU, measured on its own clock (small_deepseek, K = 4)
+# why auto keeps gather_int4 for a compiled step on the CPU: fused_int4's CPU body is eager torch
+FUSED_CPU_WHY = ("its CPU body dequantizes each pair's weights in fp32 eagerly: 1305 ms a "
+                 "compiled layer call against 95 ms for gather_int4, whose dequantization "
+                 "inductor fuses into its reductions (DeepSeek-V2-Lite's expert shape, top 6, "
+                 "one token, 2 shared CPU cores)")
 COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step compiled against "
                 "9.0 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
 

@@ -1,6 +1,6 @@
 """Executing quantized routed experts: one layer's experts applied to the tokens routed to them.
 
-Owns: four interchangeable backends with the same call
+Owns: six interchangeable backends with the same call
 `backend(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`:
 - `reference`: dequantize each needed expert, then ordinary matmuls (any bits, any device):
   the definition the others are tested against.
@@ -15,6 +15,11 @@ Owns: four interchangeable backends with the same call
   every call whatever the routing (shapes from T and k alone) and no host read, so a draft
   step can be captured as a CUDA graph (`GraphedExperts`); calls with more pairs than experts
   (a prefill) go expert by expert instead.
+- `fused_int4`: gather_int4's fixed shapes, but each projection one fused Triton GEMV over
+  every (token, k-slot) pair reading the packed codes (triton_moe.moe_int4_pairs), both
+  inside one custom op (`specter::int4_moe_pairs`) that torch.compile keeps opaque and a CUDA
+  graph captures; on the CPU the op's body is the same arithmetic in torch (eager: slower
+  than gather_int4 compiled, quant/build.py FUSED_CPU_WHY). Prefills as gather_int4's.
 The per-expert backends accumulate in fp32 and sum in expert-id order, (k-slot, token) order
 within an expert, as Hugging Face's eager experts loop does; `triton` and `gather_int4` sum
 each token's k slots in slot order (a draft's numerics: verification decides the output).
