@@ -532,6 +532,9 @@ class FusedInt4Experts(GatherInt4Experts):
     def __init__(self, gate_up, down, act, dtype: torch.dtype = torch.float32,
                  device: torch.device | None = None, use_triton: bool | None = None):
         super().__init__(gate_up, down, act, dtype, device)
+        if self.gu_group % 2 or self.dn_group % 2:  # a byte's two codes share a scale
+            raise UserError(f"the fused_int4 backend needs even group sizes (got "
+                            f"{self.gu_group}, {self.dn_group}); use gather_int4.")
         if use_triton is None:
             use_triton = self.gu_codes.device.type == "cuda" and triton_available()
         self.use_triton, self.gated = use_triton, silu_gated(act)
