@@ -164,3 +164,25 @@ def test_a_compiled_fused_int4_draft_is_lossless():
                                  eos_ids(lm.model), DeviceMemory(lm.model, CPU), layout=static)
         assert out.tokens == ref, k
     assert static.steps_run > 0
+
+
+def test_the_runner_decodes_with_a_compiled_fused_int4_draft_what_resident_decodes(tmp_path):
+    """system=specter spec.compile=on quant.backend=fused_int4 through run.py: the same tokens
+    as the resident system (plain greedy decoding), the step recorded compiled on fused_int4."""
+    import pandas as pd
+
+    from conftest import run_cli
+
+    rows = {}
+    for system, extra in (("resident", []), ("specter", ["spec.compile=on",
+                                                          "quant.backend=fused_int4",
+                                                          "spec.compile_backend=inductor"])):
+        out = tmp_path / system
+        r = run_cli("model=tiny_deepseek", f"system={system}", "hardware=a100_pcie4_hf",
+                    "dataset=gsm8k", "workload.items=1", "workload.repeats=1",
+                    "workload.max_new_tokens=16", "progress=false", *extra, f"out_dir={out}")
+        assert r.returncode == 0, r.stderr[-2000:]
+        rows[system] = pd.read_parquet(next(out.glob("records/*/*.parquet"))).iloc[0]
+    assert list(rows["specter"]["output_tokens"]) == list(rows["resident"]["output_tokens"])
+    assert bool(rows["specter"]["draft_compiled"])
+    assert rows["specter"]["draft.backend"] == "fused_int4"
