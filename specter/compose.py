@@ -272,8 +272,8 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if cfg.quant.backend in ("triton", "cuda_int4") and device.type != "cuda" \
             and footprint(cfg.system).int4_draft:
         raise UserError(f"quant.backend={cfg.quant.backend} needs a CUDA device (this run's is "
-                        f"{device.type}); use quant.backend=auto, cpu_int4, gather_int4 or "
-                        "reference.")
+                        f"{device.type}); use quant.backend=auto, cpu_int4, gather_int4, "
+                        "fused_int4 or reference.")
     if cfg.quant.graphs == "on" and device.type != "cuda" and footprint(cfg.system).int4_draft:
         raise UserError(f"quant.graphs=on replays CUDA graphs, and this run is on {device.type}; "
                         "use quant.graphs=auto or off.")

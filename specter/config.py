@@ -178,9 +178,10 @@ class QuantConfig:
     damp: float = 0.01
     min_tokens: int = 32  # experts seeing fewer calibration tokens fall back to RTN
     calib_tokens: int = 8192
-    backend: str = "auto"  # auto | reference | cpu_int4 | cuda_int4 | triton | gather_int4
+    # auto | reference | cpu_int4 | cuda_int4 | triton | gather_int4 | fused_int4
+    backend: str = "auto"
     graphs: str = "auto"  # auto | on | off: replay each draft layer as a CUDA graph (CUDA, a
-    # fixed-shape backend: triton or gather_int4; auto: on where both hold)
+    # fixed-shape backend: triton, gather_int4 or fused_int4; auto: on where both hold)
     path: str | None = None  # a GPTQ checkpoint (GPTQModel / AutoGPTQ layout) to import as is
 
 
@@ -208,9 +209,9 @@ class SpecConfig:
     # baseline, a variant beside the one at its paper's depth
     tune_own_k: bool = False
     # The draft step as one compiled graph over a static draft cache (decoding/compiled_draft.py):
-    # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4; on
-    # CUDA captured whole as one CUDA graph; quant.backend=auto takes gather_int4 for it on a
-    # real clock: quant/build.py)
+    # on | off | auto (compiled where its shapes are static: one row, greedy, gather_int4 or
+    # fused_int4; on CUDA captured whole as one CUDA graph; quant.backend=auto takes fused_int4
+    # for it on CUDA, gather_int4 on the CPU, on a real clock: quant/build.py)
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
 
@@ -314,7 +315,8 @@ class RunConfig:
                 raise UserError(f"{key} must be a positive number (got {value}).")
         if q.bits not in (2, 3, 4, 8):
             raise UserError(f"quant.bits must be 2, 3, 4 or 8 (got {q.bits}).")
-        backends = ("auto", "reference", "cpu_int4", "cuda_int4", "triton", "gather_int4")
+        backends = ("auto", "reference", "cpu_int4", "cuda_int4", "triton", "gather_int4",
+                    "fused_int4")
         if self.quant.backend not in backends:  # specter/quant/kernels.py BACKENDS, and auto
             raise UserError(f"unknown quant.backend '{self.quant.backend}'; choose one of: "
                             f"{', '.join(backends)}.")

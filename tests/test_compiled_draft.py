@@ -168,8 +168,9 @@ def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
 
 
 def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
-    """quant.backend=auto takes gather_int4 (the one backend whose step compiles whole) where
-    spec.compile asks for a compiled step: auto on the CPU's own clock, one greedy row, or on;
+    """quant.backend=auto takes fused_int4 on CUDA, gather_int4 on the CPU (backends whose
+    step compiles whole) where spec.compile asks for a compiled step: auto on the CPU's own
+    clock, one greedy row, or on;
     on a virtual clock, a batch or sampling it keeps cpu_int4 (eager, and says why)."""
     from types import SimpleNamespace as NS
 
@@ -196,8 +197,15 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
                    draft=NS(compile="auto", quant=NS(graphs="on")), rows=1, temperature=0.0,
                    device=cuda)
     assert not draft_compiles(on_graphs)
+    # fused_int4 on CUDA (its fused INT4 kernels inside one custom op); gather_int4 on the CPU
+    # (inductor fuses its dequantization there, fused_int4's CPU body is eager) and on CUDA
+    # without triton
     assert resolve_backend("auto", 4, cpu, {32}, compiles=True)[0] == "gather_int4"
-    assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == "gather_int4"
+    from specter.quant.kernels import triton_available
+    assert resolve_backend("auto", 4, cuda, {32}, compiles=True)[0] == (
+        "fused_int4" if triton_available() else "gather_int4")
+    # a counted profile on the CPU keeps gather_int4 (the operations it charges)
+    assert resolve_backend("auto", 4, cpu, {32}, counted=True, compiles=True)[0] == "gather_int4"
     assert resolve_backend("cpu_int4", 4, cpu, {32}, compiles=True)[0] == "cpu_int4"
 
 

@@ -118,7 +118,8 @@ def test_cuda_int4_tinygemm_matches_reference_on_cuda(H, I):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["triton", "cuda_int4", "gather_int4", "reference"])
+@pytest.mark.parametrize("backend", ["triton", "cuda_int4", "gather_int4", "fused_int4",
+                                     "reference"])
 def test_the_draft_goes_to_the_device_once(backend):
     """An INT4 draft quantized on the host reaches the device layer by layer in its backend's
     layout: the allocator's peak while building it stays near one copy (tinygemm's
@@ -127,7 +128,7 @@ def test_the_draft_goes_to_the_device_once(backend):
     from specter.quant import kernels
     from specter.quant.formats import rtn_quantize
 
-    if backend == "triton" and not kernels.triton_available():
+    if backend in ("triton", "fused_int4") and not kernels.triton_available():
         pytest.skip("needs triton")
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(3)
@@ -167,7 +168,7 @@ def _silu_gate(x):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["gather_int4", "triton"])
+@pytest.mark.parametrize("backend", ["gather_int4", "triton", "fused_int4"])
 def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
     """issue 25 item 1: a fixed-shape draft layer captured once per call shape and replayed
     gives the eager call's output bit for bit, for routings it was not captured with, and on
@@ -175,7 +176,7 @@ def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
     from specter.counting import OpCounter
     from specter.quant import kernels
 
-    if backend == "triton" and not kernels.triton_available():
+    if backend in ("triton", "fused_int4") and not kernels.triton_available():
         pytest.skip("needs triton")
     dev = torch.device("cuda")
     gate_up, down, g = _cuda_layer()
@@ -194,6 +195,33 @@ def test_a_graphed_draft_layer_replays_what_it_runs_eagerly(backend):
     assert len(graphed.graphs) == 2  # one per call shape
     c = counter.counts["bookkeeping"]  # the last call: a replay
     assert c["syncs"] == 0 and c["host_reads"] == 0 and c["launching"] <= 6, c
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("gated", [True, False])
+def test_fused_int4_on_cuda_matches_the_reference_eager_and_compiled(gated):
+    """fused_int4's two Triton launches (silu-gated in the kernel, or the activation in torch
+    between its two ops) against the reference in bf16, eagerly and under inductor."""
+    from specter.quant import kernels
+
+    if not kernels.triton_available():
+        pytest.skip("needs triton")
+    dev = torch.device("cuda")
+    gate_up, down, g = _cuda_layer(E=64)
+    fused = kernels.make_experts("fused_int4", gate_up, down, _silu_gate, torch.bfloat16,
+                                 device=dev)
+    assert fused.use_triton
+    fused.gated = gated
+    ref_layer = kernels.ReferenceExperts(gate_up, down, _silu_gate)
+    compiled = torch.compile(fused.__call__, fullgraph=True)
+    for T in (1, 2):
+        hidden = torch.randn(T, 256, generator=g).to(dev, torch.bfloat16)
+        idx = torch.stack([torch.randperm(64, generator=g)[:6] for _ in range(T)]).to(dev)
+        w = torch.softmax(torch.randn(T, 6, generator=g), -1).to(dev, torch.bfloat16)
+        ref = ref_layer(hidden.float().cpu(), idx.cpu(), w.float().cpu())
+        for out in (fused(hidden, idx, w), compiled(hidden, idx, w)):
+            err = float((out.float().cpu() - ref).abs().max() / ref.abs().max())
+            assert err < 2e-2, (T, err)
 
 
 @pytest.mark.cuda

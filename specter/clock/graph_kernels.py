@@ -8,7 +8,8 @@ step is compiled or captured, never while it runs:
 - `KernelTally` wraps torch.compile's backend (`tally.backend(compiler)`) and records each
   compiled graph's kernels: with inductor, the scheduler's nodes after fusion (each fused or
   single node one generated kernel, each extern call, a GEMM or attention, one library
-  kernel; no-op nodes, a multi-output's unpacking and fallback views none), as inductor generates them for this machine's device (on the CPU
+  kernel; no-op nodes, a multi-output's unpacking and fallback views none; a custom op,
+  one opaque fallback, what `DEVICE_LAUNCHES` says it launches on a GPU), as inductor generates them for this machine's device (on the CPU
   an estimate of what its Triton code on a GPU launches: the same graph, fused by the same
   scheduler); with any other backend (`eager`, the tests' graph check), the graph's
   operations unfused (every call that is not a view or an item read: an upper bound).
@@ -58,10 +59,22 @@ def _is_view(op) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+# Kernels a custom op launches on a GPU (its Triton launches; its output allocations launch
+# none), by the op's qualified name: inductor sees each call as one fallback whatever it runs
+# inside, and on the CPU its body may be another implementation (specter/quant/kernels.py).
+DEVICE_LAUNCHES = {"specter::int4_moe_pairs": 2, "specter::int4_moe_proj": 1}
+
+
+def _op_name(op) -> str:
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else ""
+
+
 def _launches(node) -> int:
     """Kernels a scheduler node launches: none for a no-op, for a multi-output's unpacking
     (`MultiOutput`) and for a fallback that is a view (view_as_real, unsqueeze: aliases);
-    one for every other node (a generated kernel, fused or single, or a library call)."""
+    a custom op's `DEVICE_LAUNCHES`; one for every other node (a generated kernel, fused or
+    single, or a library call)."""
     from torch._inductor import ir
     from torch._inductor import scheduler as sched
 
@@ -70,8 +83,11 @@ def _launches(node) -> int:
     buf = getattr(node, "node", None)
     if isinstance(buf, ir.MultiOutput):
         return 0
-    if isinstance(buf, ir.FallbackKernel) and _is_view(getattr(buf, "op_overload", None)):
-        return 0
+    if isinstance(buf, ir.FallbackKernel):
+        op = getattr(buf, "op_overload", None)
+        if _is_view(op):
+            return 0
+        return DEVICE_LAUNCHES.get(_op_name(op), 1)
     return 1
 
 

@@ -45,6 +45,7 @@ from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
 from specter.errors import UserError
+from specter.quant.kernels import COMPILES
 
 
 
@@ -83,18 +84,18 @@ def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tu
 def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
     """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
     compiles where the step has static shapes (one row, a backend whose draft experts have
-    no data-dependent shape: `gather_int4`), else stays eager and says why. On CUDA a
+    no data-dependent shape: `gather_int4`, `fused_int4`), else stays eager and says why. On CUDA a
     compiled step is captured as one CUDA graph (`StaticKV(capture=...)`)."""
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
     if backend == "triton":
         reasons.append("the triton backend's kernel is replayed per layer as a CUDA graph "
-                       "(quant.graphs), not traced into one step (quant.backend=gather_int4 "
+                       "(quant.graphs), not traced into one step (quant.backend=fused_int4 "
                        "compiles)")
-    elif backend != "gather_int4":
+    elif backend not in COMPILES:
         reasons.append(f"the {backend} backend reads the routing on the host "
-                       "(quant.backend=gather_int4 compiles)")
+                       "(quant.backend=fused_int4 compiles)")
     if sampling:
         reasons.append("speculative sampling picks on the host")
     return settle_compile("spec.compile", setting, "the draft step", reasons)

@@ -64,8 +64,12 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
     (specter/clock/counted.py) charges the operations the draft issues, so auto takes
     gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's).
     `compiles`: the draft step is to run as one compiled graph (`spec.compile`, see
-    `draft_compiles`), which only gather_int4 allows (the others read the routing on the host
-    or call a kernel the compiler does not trace), so auto takes it."""
+    `draft_compiles`), which only gather_int4 and fused_int4 allow (the others read the
+    routing on the host or call a kernel the compiler does not trace), so auto takes one:
+    on CUDA fused_int4 (one opaque custom op per layer, two fused Triton kernels reading the
+    packed codes, where gather_int4 writes each pair's dequantized weights out and reads them
+    back); on the CPU gather_int4, which inductor fuses there into one reduction per
+    projection reading the codes (FUSED_CPU_WHY), or on CUDA without triton."""
     if name not in BACKENDS + ("auto",):
         raise UserError(f"unknown quant.backend '{name}'; choose one of: auto, {', '.join(BACKENDS)}.")
     if name != "auto":
@@ -76,9 +80,13 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
         return "gather_int4", "auto: a counted profile on the CPU charges a GPU's operations"
     if compiles:
         if device.type == "cpu":
-            return "gather_int4", f"auto: the draft step compiles whole on it ({COMPILED_WHY})"
-        return "gather_int4", ("auto: the draft step is captured whole as one CUDA graph, "
-                               "only gather_int4's can be")
+            return "gather_int4", (f"auto: the draft step compiles whole on it ({COMPILED_WHY}); "
+                                   f"not fused_int4 ({FUSED_CPU_WHY})")
+        if triton_available():
+            return "fused_int4", ("auto: the draft step is captured whole as one CUDA graph, "
+                                  "fused_int4's (its fused INT4 kernels inside) can be")
+        return "gather_int4", ("auto: the draft step is captured whole as one CUDA graph and "
+                               "triton is missing: gather_int4's can be")
     int4_groups = groups <= {32, 64, 128, 256}
     if device.type == "cuda":
         usable = {"reference", "gather_int4", *(["triton"] if triton_available() else []),
@@ -99,6 +107,11 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
 
 
 # what `auto` gains by compiling on the CPU, measured on its own clock (small_deepseek, K = 4)
+# why auto keeps gather_int4 for a compiled step on the CPU: fused_int4's CPU body is eager torch
+FUSED_CPU_WHY = ("its CPU body dequantizes each pair's weights in fp32 eagerly: 1305 ms a "
+                 "compiled layer call against 95 ms for gather_int4, whose dequantization "
+                 "inductor fuses into its reductions (DeepSeek-V2-Lite's expert shape, top 6, "
+                 "one token, 2 shared CPU cores)")
 COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step compiled against "
                 "9.0 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
 
@@ -118,8 +131,8 @@ def draft_compiles(job) -> bool:
     clock too: it charges what the engine issues on the GPU it models, where the step is
     captured (issue 46 item 4). On other virtual clocks `auto` keeps the eager default
     (cpu_int4, triton), as the paper's systems run: the modelled step's time does not depend
-    on the backend, and each run would pay a compilation. Where gather_int4 is chosen anyway
-    (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
+    on the backend, and each run would pay a compilation. Where gather_int4 or fused_int4 is
+    chosen anyway (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
     (compiled_draft.resolve_compile)."""
     mode, hw, device = job.draft.compile, job.clock.hardware, job.device
     if mode == "on":

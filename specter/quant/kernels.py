@@ -1,6 +1,6 @@
 """Executing quantized routed experts: one layer's experts applied to the tokens routed to them.
 
-Owns: four interchangeable backends with the same call
+Owns: six interchangeable backends with the same call
 `backend(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]`:
 - `reference`: dequantize each needed expert, then ordinary matmuls (any bits, any device):
   the definition the others are tested against.
@@ -15,6 +15,11 @@ Owns: four interchangeable backends with the same call
   every call whatever the routing (shapes from T and k alone) and no host read, so a draft
   step can be captured as a CUDA graph (`GraphedExperts`); calls with more pairs than experts
   (a prefill) go expert by expert instead.
+- `fused_int4`: gather_int4's fixed shapes, but each projection one fused Triton GEMV over
+  every (token, k-slot) pair reading the packed codes (triton_moe.moe_int4_pairs), both
+  inside one custom op (`specter::int4_moe_pairs`) that torch.compile keeps opaque and a CUDA
+  graph captures; on the CPU the op's body is the same arithmetic in torch (eager: slower
+  than gather_int4 compiled, quant/build.py FUSED_CPU_WHY). Prefills as gather_int4's.
 The per-expert backends accumulate in fp32 and sum in expert-id order, (k-slot, token) order
 within an expert, as Hugging Face's eager experts loop does; `triton` and `gather_int4` sum
 each token's k slots in slot order (a draft's numerics: verification decides the output).
@@ -39,9 +44,12 @@ from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.quant.formats import QuantizedMatrix, unpack_codes
 
-BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton", "gather_int4")
+BACKENDS = ("reference", "cpu_int4", "cuda_int4", "triton", "gather_int4", "fused_int4")
 # Backends whose call issues the same kernels whatever the routing: CUDA graphs can replay them.
-FIXED_SHAPE = ("triton", "gather_int4")
+FIXED_SHAPE = ("triton", "gather_int4", "fused_int4")
+# Backends whose draft step compiles whole (spec.compile): no host read, no data-dependent
+# shape, and every operation traced (or one opaque custom op, `fused_int4`).
+COMPILES = ("gather_int4", "fused_int4")
 
 
 
@@ -237,22 +245,22 @@ def triton_available() -> bool:
     return True
 
 
-_KERNELS: dict[bool, object] = {}
+_KERNELS: dict[tuple[str, bool], object] = {}
 
 
-def _kernel():
-    """Build the Triton kernel on first use (importing triton is slow and optional); one per
-    mode, since `triton.jit` reads TRITON_INTERPRET when it decorates."""
-    key = interpret_mode()
+def _kernel(name: str = "moe_int4_gemm"):
+    """Build a Triton kernel of triton_moe.py on first use (importing triton is slow and
+    optional); one per mode, since `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    key = (name, interpret_mode())
     if key in _KERNELS:
         return _KERNELS[key]
     import triton
 
     from specter.quant import triton_moe
 
-    moe_int4_gemm = triton.jit(triton_moe.moe_int4_gemm)
-    _KERNELS[key] = moe_int4_gemm
-    return moe_int4_gemm
+    kernel = triton.jit(getattr(triton_moe, name))
+    _KERNELS[key] = kernel
+    return kernel
 
 
 def align_blocks(top_k_index: torch.Tensor, block_m: int, num_experts: int):
@@ -422,6 +430,133 @@ class GatherInt4Experts(ReferenceExperts):
         return (y * top_k_weights.to(self.dtype).unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
 
 
+# -- fused_int4: one fused Triton GEMV per projection, an opaque custom op ---------------------
+FUSED_BLOCK_N, FUSED_BLOCK_K = 32, 64
+
+
+def _pairs_launch(x, codes, scales, group, top_k_index, top_k_weights, topk: int, gated: bool,
+                  weighted: bool) -> torch.Tensor:
+    """One launch of triton_moe.moe_int4_pairs: [P, N] fp32, P = top_k_index.numel()."""
+    P, (E, N, half) = top_k_index.numel(), codes.shape
+    K = x.shape[1] // 2 if gated else x.shape[1]
+    out = torch.empty(P, N, dtype=torch.float32, device=x.device)  # every element written
+    grid = (P, (N + FUSED_BLOCK_N - 1) // FUSED_BLOCK_N)
+    launched("triton")
+    _kernel("moe_int4_pairs")[grid](
+        x, codes, scales, top_k_index, top_k_weights, out, N, K, x.stride(0), codes.stride(0),
+        codes.stride(1), scales.stride(0), scales.stride(1), out.stride(0), TOPK=topk,
+        GROUP=group, BLOCK_N=FUSED_BLOCK_N, BLOCK_K=FUSED_BLOCK_K, GATED=gated,
+        WEIGHTED=weighted)
+    return out
+
+
+def _pairs_torch(x, codes, scales, group, top_k_index, top_k_weights, topk: int, gated: bool,
+                 weighted: bool) -> torch.Tensor:
+    """`_pairs_launch` in torch (the CPU's): each pair's expert dequantized in fp32, one bmm."""
+    idx = top_k_index.reshape(-1)
+    x = x.float()
+    if gated:
+        g, u = x.chunk(2, dim=-1)
+        x = nn.functional.silu(g) * u
+    if topk > 1:
+        x = x.repeat_interleave(topk, dim=0)  # pair p reads token p // topk
+    table = byte_table(torch.float32, x.device)
+    w = _dequantize_stacked(codes[idx], scales[idx].float(), group, table)  # [P, N, K]
+    out = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
+    if weighted:
+        out = out * top_k_weights.reshape(-1, 1).float()
+    return out
+
+
+@torch.library.custom_op("specter::int4_moe_pairs", mutates_args=())
+def int4_moe_pairs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   gu_codes: torch.Tensor, gu_scales: torch.Tensor, dn_codes: torch.Tensor,
+                   dn_scales: torch.Tensor, gu_group: int, dn_group: int,
+                   use_triton: bool) -> torch.Tensor:
+    """A layer's routed experts, SiLU-gated, for every (token, k-slot) pair: [T k, H] fp32,
+    each row its pair's expert output times its routing weight (the caller sums each token's
+    k rows). `use_triton`: two launches of the fused INT4 GEMV (CUDA, or the CPU under
+    TRITON_INTERPRET=1); else the same in torch."""
+    T, k = top_k_index.shape
+    idx, w = top_k_index.contiguous(), top_k_weights.contiguous()
+    run = _pairs_launch if use_triton else _pairs_torch
+    h = run(hidden.contiguous(), gu_codes, gu_scales, gu_group, idx, w, k, False, False)
+    return run(h, dn_codes, dn_scales, dn_group, idx, w, 1, True, True)
+
+
+@int4_moe_pairs.register_fake
+def _(hidden, top_k_index, top_k_weights, gu_codes, gu_scales, dn_codes, dn_scales, gu_group,
+      dn_group, use_triton):
+    return hidden.new_empty((top_k_index.numel(), dn_codes.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("specter::int4_moe_proj", mutates_args=())
+def int4_moe_proj(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  codes: torch.Tensor, scales: torch.Tensor, group: int, topk: int,
+                  weighted: bool, use_triton: bool) -> torch.Tensor:
+    """One projection of `int4_moe_pairs` alone (one launch): for an expert activation other
+    than SiLU-gating, applied in torch between gate_up and down. [T k, N] fp32."""
+    run = _pairs_launch if use_triton else _pairs_torch
+    return run(x.contiguous(), codes, scales, group, top_k_index.contiguous(),
+               top_k_weights.contiguous(), topk, False, weighted)
+
+
+@int4_moe_proj.register_fake
+def _(x, top_k_index, top_k_weights, codes, scales, group, topk, weighted, use_triton):
+    return x.new_empty((top_k_index.numel(), codes.shape[1]), dtype=torch.float32)
+
+
+def silu_gated(act) -> bool:
+    """Whether `act` (an HF experts module's bound `_apply_gate`) is transformers' default
+    gate, silu(gate) * up with its `act_fn` SiLU: what the fused kernel computes itself."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    owner = getattr(act, "__self__", None)
+    return (getattr(act, "__func__", None) is _default_apply_gate
+            and isinstance(getattr(owner, "act_fn", None), (nn.SiLU, SiLUActivation)))
+
+
+class FusedInt4Experts(GatherInt4Experts):
+    """Every (token, k-slot) pair's expert in one fused Triton GEMV per projection, reading
+    the packed INT4 codes (half a byte a weight) instead of writing each pair's dequantized
+    weights out (gather_int4), inside one custom op (`specter::int4_moe_pairs`, two launches)
+    that torch.compile treats as one opaque call and a CUDA graph captures. The same shapes
+    from T and k alone; a call with more pairs than experts (a prefill) goes expert by expert
+    as gather_int4's. On the CPU, unless `use_triton` (the interpreter, in tests), the op
+    computes the same in torch. An activation other than SiLU-gating: two ops
+    (`int4_moe_proj`), the activation in torch between them."""
+
+    def __init__(self, gate_up, down, act, dtype: torch.dtype = torch.float32,
+                 device: torch.device | None = None, use_triton: bool | None = None):
+        super().__init__(gate_up, down, act, dtype, device)
+        if self.gu_group % 2 or self.dn_group % 2:  # a byte's two codes share a scale
+            raise UserError(f"the fused_int4 backend needs even group sizes (got "
+                            f"{self.gu_group}, {self.dn_group}); use gather_int4.")
+        if use_triton is None:
+            use_triton = self.gu_codes.device.type == "cuda" and triton_available()
+        self.use_triton, self.gated = use_triton, silu_gated(act)
+
+    def __call__(self, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        T, k = top_k_index.shape
+        if not self.fixed_shape(T, k):
+            return super().__call__(hidden, top_k_index, top_k_weights)
+        if self.gated:
+            out = torch.ops.specter.int4_moe_pairs(
+                hidden, top_k_index, top_k_weights, self.gu_codes, self.gu_scales,
+                self.dn_codes, self.dn_scales, self.gu_group, self.dn_group, self.use_triton)
+        else:
+            proj = torch.ops.specter.int4_moe_proj
+            h = proj(hidden, top_k_index, top_k_weights, self.gu_codes, self.gu_scales,
+                     self.gu_group, k, False, self.use_triton)
+            out = proj(self.act(h), top_k_index, top_k_weights, self.dn_codes, self.dn_scales,
+                       self.dn_group, 1, True, self.use_triton)
+        # outside the op: inductor fuses the sum and the cast into its next kernel
+        return out.view(T, k, -1).sum(dim=1).to(hidden.dtype)
+
+
 # -- CUDA graphs -----------------------------------------------------------------------------
 class CapturedGraph:
     """A captured CUDA graph and its outputs: calling it replays the graph (one launch) and
@@ -535,6 +670,8 @@ def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.fl
         return TritonExperts(gate_up, down, act, device)
     if backend == "gather_int4":
         return GatherInt4Experts(gate_up, down, act, dtype, device)
+    if backend == "fused_int4":
+        return FusedInt4Experts(gate_up, down, act, dtype, device)
     raise UserError(f"unknown INT4 backend '{backend}'; choose one of: {', '.join(BACKENDS)}.")
 
 
