@@ -39,6 +39,11 @@ def commit() -> str:
         return "unknown"
 
 
+# the draft backend a GPU's spec.compile=auto takes with triton installed (quant/build.py
+# resolve_backend); on the CPU auto keeps gather_int4, which the clock charges otherwise
+TWIN_OVERRIDES = ("quant.backend=fused_int4",)
+
+
 def predict(gpu: str, twin: str = "small_deepseek", systems: str | None = None,
             log=print) -> pd.DataFrame:
     """One GPU's prediction rows (PREDICTION_COLUMNS)."""
@@ -52,9 +57,11 @@ def predict(gpu: str, twin: str = "small_deepseek", systems: str | None = None,
                 "--h2d-gbps", str(hw["h2d_bandwidth_Bps"] / 1e9)]
         if systems:
             args += ["--systems", systems]
+        args += list(TWIN_OVERRIDES)
         gpu_check.main(args)
         t = pd.read_csv(Path(tmp) / "gpu_check.csv")
-    note = f"virtual clock {profile}, twin {twin} (charged at DeepSeek-V2-Lite's sizes)"
+    note = (f"virtual clock {profile}, twin {twin} (charged at DeepSeek-V2-Lite's sizes), "
+            + " ".join(TWIN_OVERRIDES))
     rows = pd.DataFrame({
         "gpu": gpu, "system": t["system"],
         "budget_gb": t["budget_key"].map(lambda b: str(b).replace(" GiB", "")),
