@@ -123,7 +123,7 @@ class ComputeClock(NullClock):
             yield
         finally:
             self.cost.hw = hw
-        self.link.compute(hw.launch_overhead_s + self.cost.kernels_s(kernels))
+        self.link.compute(hw.launch_overhead_s + (self.cost.kernels_s(kernels) if kernels else 0.0))
 
     def compiled_step(self, routes: torch.Tensor | None = None) -> None:
         """What the hooks charge for one forward that ran compiled (compiled_draft.py: one
