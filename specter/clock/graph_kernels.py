@@ -28,6 +28,7 @@ import contextlib
 import os
 import re
 import tempfile
+import warnings
 
 import torch
 
@@ -137,9 +138,11 @@ class KernelTally:
             from torch._inductor.compile_fx import compile_fx
 
             found: list[int] = []
-            with _scheduler_tally(found), \
+            with _scheduler_tally(found), warnings.catch_warnings(), \
                     inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
                     functorch_config.patch(enable_autograd_cache=False):
+                # lowered afresh every time (no cache hit), so its once-a-graph notes too
+                warnings.filterwarnings("ignore", message="Torchinductor does not")
                 compiled = compile_fx(gm, example_inputs)
             self.graphs.extend(found)
             self.how = f"inductor ({_device_of(example_inputs)}): kernels after fusion"
