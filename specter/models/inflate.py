@@ -69,7 +69,7 @@ from specter.errors import UserError
 # The real model a project-made model inflates to, by the real model's config key.
 SOURCES = {"deepseek": "small_deepseek"}
 ARCHS = ("deepseek_v2",)
-_SEED = 20261204  # the zero-output layers' expert permutations
+_SEED = 20261204  # the copies' expert permutations and sign walks
 
 
 def check_source(key: str, source: str | None) -> str:
@@ -146,31 +146,63 @@ def _check_widths(big: dict, small: dict) -> None:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Where layer `layer` of the real model comes from: small layer `source`, `live` (its
-    output counts) or a zero-output copy, and the permutation of its experts' ids (None:
-    identity)."""
+    """Where layer `layer` of the real model comes from: small layer `source`, the scales of its
+    attention output (`attn`) and of its shared and routed experts' outputs (`moe`), and the
+    permutation of its experts' ids (None: identity). Every layer is live: no scale is zero."""
 
     layer: int
     source: int
-    live: bool
+    attn: float
+    moe: float
     perm: tuple[int, ...] | None
+
+
+# Each MoE layer of a block of n copies of one small layer writes (1/n + SWING * s_k) of that
+# layer's attention and expert outputs, s_k a zero-sum sign sequence: the block adds the small
+# layer's update once (to first order) while every layer moves the residual stream as far as a
+# trained layer does. The swings are set so that the next layer's router, applied to a layer's
+# input, predicts 0.75-0.85 of the next layer's experts and a 17-token window touches ~31.7
+# distinct experts per layer (DeepSeek-V2-Lite's published figure), on the project's benchmark
+# prompts (experiments/inflate_fidelity.py; docs/measurements/inflate-fidelity-2026-12-06).
+ATTN_SWING = 0.7
+MOE_SWING = 0.3
+MAX_EXCURSION = 2.0  # how far (in steps) a block's sign walk may stray from where it started
+
+
+def swing_signs(n: int, seed: int) -> list[float]:
+    """A seeded sign walk of `n` steps that sums to zero: ceil(n/2) steps up, floor(n/2) down
+    (the up steps floor/ceil long, so that an odd block has no still step), in an order whose
+    partial sums stay within MAX_EXCURSION; n = 1 gives [0.0]."""
+    up, down = (n + 1) // 2, n // 2
+    steps = [down / up] * up + [-1.0] * down
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = [steps[i] for i in torch.randperm(n, generator=g).tolist()]
+        walk, far = 0.0, 0.0
+        for step in order:
+            walk += step
+            far = max(far, abs(walk))
+        if far <= MAX_EXCURSION + 1e-9:
+            return order
 
 
 def layer_plan(big: dict, small: dict) -> list[LayerPlan]:
     dense = small["first_k_dense_replace"]
     n_small, n_big = small["num_hidden_layers"], big["num_hidden_layers"]
     moe_s, moe_b = n_small - dense, n_big - dense
-    plans = [LayerPlan(i, i, True, None) for i in range(dense)]
+    plans = [LayerPlan(i, i, 1.0, 1.0, None) for i in range(dense)]
     E = big["n_routed_experts"]
     sizes = [moe_b // moe_s + (1 if b < moe_b % moe_s else 0) for b in range(moe_s)]
     layer = dense
     for b, size in enumerate(sizes):
+        signs = swing_signs(size, _SEED + 1_000 * (b + 1))
         for k in range(size):
             perm = None
-            if k:
+            if size > 1:
                 g = torch.Generator().manual_seed(_SEED + layer)
                 perm = tuple(torch.randperm(E, generator=g).tolist())
-            plans.append(LayerPlan(layer, dense + b, k == 0, perm))
+            plans.append(LayerPlan(layer, dense + b, 1.0 / size + ATTN_SWING * signs[k],
+                                   1.0 / size + MOE_SWING * signs[k], perm))
             layer += 1
     return plans
 
@@ -257,17 +289,16 @@ class Inflation:
             return out.reshape(shape)
         if leaf == "o_proj":
             out = torch.zeros(H, self.heads_b, self.v[1])
-            if plan.live:
-                out[: self.h, : self.heads_s, : self.v[0]] = w.view(self.h, self.heads_s, self.v[0])
+            out[: self.h, : self.heads_s, : self.v[0]] = \
+                w.view(self.h, self.heads_s, self.v[0]) * plan.attn
             return out.reshape(shape)
         if leaf == "gate" and ".mlp.gate." in name:  # the router [E, H]
             out = self._pad(w, w.shape[0], H)
             return out[list(plan.perm)] if plan.perm is not None else out
         if leaf in ("gate_proj", "up_proj"):  # dense MLP and shared experts [I, H]
             return self._pad(w, shape[0], shape[1])
-        if leaf == "down_proj":  # [H, I]
-            out = self._pad(w, shape[0], shape[1])
-            return out if plan.live else out.zero_()
+        if leaf == "down_proj":  # [H, I]: a dense MLP's (scale 1) or the shared experts'
+            return self._pad(w * plan.moe, shape[0], shape[1])
         raise KeyError(f"inflation has no rule for {name}")
 
     # -- routed experts ----------------------------------------------------------------------
@@ -282,8 +313,7 @@ class Inflation:
         down.zero_()
         gate_up[:i_s, : self.h] = gu[:i_s]
         gate_up[I: I + i_s, : self.h] = gu[i_s:]
-        if plan.live:
-            down[: self.h, :i_s] = self.s[prefix + "down_proj"][src_e]
+        down[: self.h, :i_s] = self.s[prefix + "down_proj"][src_e].float() * plan.moe
 
     def moe_layers(self) -> list[int]:
         dense = self.big["first_k_dense_replace"]
