@@ -16,7 +16,8 @@ layer of the real model: its source layer, the scales of its attention and exper
 the mean number of distinct experts that `--window` consecutive tokens touch (17: a
 verification window of K = 16 drafted tokens plus one), and the next-layer router agreement
 (below) beside the small model's; then the means, how many output tokens equal the small
-model's, and distinct-4 of both models' outputs.
+model's, distinct-4 of both models' outputs, and both models' loss on four held-out wikitext2
+texts (items 5-8, 128 tokens: not the prompts).
 
 Next-layer router agreement (the prediction of MO-SM, baselines/mo_sm.py): layer l+1's router
 applied to layer l's router input (the output of layer l's post-attention norm: what layer l's
@@ -133,7 +134,21 @@ def routing_stats(model, prompts: list[list[int]], outputs: list[torch.Tensor],
             "windows": len(distinct[0]) if distinct else 0}
 
 
-def measure(small, big, prompts: list[list[int]], tokens: int, window: int) -> dict:
+def nll(model, texts: list[list[int]], vocab: int) -> float:
+    """Mean next-token loss (nats) over `texts`, on the first `vocab` logits (the small
+    model's vocabulary: an inflated model repeats each logit in the tiled ids)."""
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ids in texts:
+            x = torch.tensor([ids])
+            logits = model(x, use_cache=False).logits[0, :-1, :vocab].float()
+            total += float(torch.nn.functional.cross_entropy(logits, x[0, 1:], reduction="sum"))
+            count += len(ids) - 1
+    return total / count if count else float("nan")
+
+
+def measure(small, big, prompts: list[list[int]], tokens: int, window: int,
+            texts: list[list[int]] | None = None) -> dict:
     from specter.metrics import distinct_n
     from specter.models.inflate import layer_plan
 
@@ -167,7 +182,10 @@ def measure(small, big, prompts: list[list[int]], tokens: int, window: int) -> d
             "small_agree_2ahead": mean(rs["agree_2ahead"]),
             "small_distinct_layers": rs["distinct"],
             "same_token_share": mean(same),
-            "distinct4_big": d4(outs_b), "distinct4_small": d4(outs_s)}
+            "distinct4_big": d4(outs_b), "distinct4_small": d4(outs_s),
+            **({"nll_big": nll(big, texts, small.config.vocab_size),
+                "nll_small": nll(small, texts, small.config.vocab_size), "nll_texts": len(texts)}
+               if texts else {})}
 
 
 def build(model_key: str, source: str | None, layers: int | None):
@@ -225,6 +243,9 @@ def print_report(r: dict, head: str) -> None:
     print(f"outputs: {r['same_token_share']:.3f} of the inflated model's greedy tokens equal the "
           f"small model's at the same position; distinct-4 inflated {r['distinct4_big']:.3f}, "
           f"small {r['distinct4_small']:.3f}")
+    if "nll_big" in r:
+        print(f"held-out loss ({r['nll_texts']} wikitext2 texts of 128 tokens, items 5 on): "
+              f"inflated {r['nll_big']:.3f}, small {r['nll_small']:.3f} nats per token")
 
 
 def main(argv=None) -> int:
@@ -242,7 +263,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     small, big, tok, source = build(a.model, a.source, a.layers)
     prompts = prompts_for(tok, a.dataset, a.items)
-    r = measure(small, big, prompts, a.tokens, a.window)
+    from specter.workloads import load_workload
+
+    held_out = [tok(t)["input_ids"][:128] for t in load_workload("wikitext2", 9).texts[5:]]
+    r = measure(small, big, prompts, a.tokens, a.window, held_out)
     print_report(r, f"inflated {a.model} from {source}: {len(r['rows'])} MoE layers, "
                     f"{r['windows']} windows of {a.window} decoded tokens per layer ({a.dataset}, "
                     f"{len(prompts)} prompts x {a.tokens} tokens, each model its own greedy "

@@ -1,10 +1,10 @@
-"""A real-size model that computes exactly like a trained small one: function-preserving inflation.
+"""A real-size model grown from a trained small one, every layer of it live.
 
 `model.weights=inflated` builds the named real model (its published config.json: every width,
 every layer, every expert, every byte and FLOP of it) from a project-made small model of the
-same architecture, so that it decodes the small model's tokens and routes as the small model's
-trained routers do. No download, no training: a GPU host builds DeepSeek-V2-Lite's 27 GiB of
-experts from the shipped `small_deepseek` in memory in about a minute (placement/loader.py
+same architecture, routing with the small model's trained routers in every one of its MoE
+layers. No download, no training: a GPU host builds DeepSeek-V2-Lite's 27 GiB of experts from
+the shipped `small_deepseek` in memory in about a minute (placement/loader.py
 `load_inflated`). Random weights (`model.weights=random`) have the real sizes too but route
 uniformly (17 tokens touch ~52 of 64 experts per layer where the trained model touches ~32) and
 accept at random, so they do not measure speculative prefetching; this does.
@@ -33,19 +33,41 @@ How the widths grow (DeepSeek-V2; each rule keeps the function exactly, up to fl
   copy win; the runner's greedy decoding masks none.)
 
 How the depth grows: the small model's dense layers map one to one onto the real model's
-(DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers. The
-first layer of each block is the small layer itself (live). The others are copies of it whose
-outputs are zero (attention output, shared expert and routed experts' down projections zero)
-but whose routers are the trained router, its expert ids permuted per layer (a fixed seeded
-permutation, so consecutive layers do not pick the same ids and a cross-layer predictor cannot
-copy the previous layer), applied to the residual stream at their depth. They compute, route,
-fetch and hold every expert like any layer; they do not change a token. Their INT4 drafts are
-zero too, so acceptance is the small model's.
+(DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers (26 from
+small_deepseek's 3: blocks of 9, 9 and 8). Every layer of block b is a copy of small layer b
+(attention, norms, router, shared and routed experts), its expert ids permuted by a seeded
+permutation of its own (router rows and experts together, so the ids two layers pick are
+unrelated), and every one is live: the k-th of n copies writes (1/n + ATTN_SWING * s_k) of
+its attention output and (1/n + MOE_SWING * s_k) of its shared and routed experts' outputs,
+where s is a seeded walk of n steps up and down that sums to zero and strays at most two steps
+(`swing_signs`). Each scale sums to 1 over the block, so to first order the block adds the
+small layer's update once and the residual stream ends each block near the small model's;
+between layers it swings about as far as a trained layer moves it, so each layer's router sees
+an input of its own. On the benchmark prompts (experiments/inflate_fidelity.py,
+docs/measurements/inflate-fidelity-2026-12-06), layer l+1's router applied to layer l's router
+input predicts 0.81 of layer l+1's top-6 (0.66-0.88 by layer; small_deepseek's own two
+transitions: 0.72 and 0.68), where the zero-output copies this replaces predicted 1.0 in 20 of
+25 transitions; a 17-token window touches 31.6 distinct experts per layer (29.4-35.0 by layer;
+DeepSeek-V2-Lite: 31.7). A block of one (the small model's own depth) is the small layer
+itself, so at that depth the inflated model is the small one.
 
-Honest limits, stated in every record (`model.weights=inflated`, `model.inflated_from`):
-- the zero-output layers' routing is a trained router's on a stream one block behind it; the
-  distinct experts a window touches per layer are measured against the small model's
-  (experiments/inflate_fidelity.py), not assumed;
+What that costs: the real-depth model is not the small model. Its greedy tokens part from the
+small model's within a few tokens (0.1 of them equal at the same position), while its text is
+of the same kind (distinct-4 0.74, the small model's 0.73; wikitext NLL within 0.05 nats of
+the small model's in the design sweep). Its INT4 draft errs in 26 live layers, not 3, and its
+acceptance is the runner's, measured beside the small model's and the paper's 0.966 (the
+measurement's README).
+
+Honest limits, stated in every record (`model.weights=inflated`, `model.inflated_from`,
+`model.inflate_recipe`):
+- 26 layers route with 3 trained routers (each permuted), and a block's copies write its
+  source layer's update along one direction, back and forth: the stream returns near where it
+  was two layers before about half the time, so layer l+2's router predicts from layer l's
+  input as well as layer l+1's does (0.81; small_deepseek's falls from 0.70 to 0.53). No
+  predictor here looks two layers ahead; one that did would be flattered;
+- the swings (ATTN_SWING, MOE_SWING) were set on small_deepseek's measured routing, not
+  derived: agreement and distinct experts are measured (experiments/inflate_fidelity.py,
+  held by tests/test_inflate.py), not assumed;
 - 93% of each expert's weights are zeros: a dense kernel's bytes and FLOPs are the real ones, a
   kernel that skipped zeros would not be (none here does);
 - DeepSeek-V2 only. Phi-3.5-MoE cannot be inflated this way: its LayerNorm subtracts the mean
@@ -70,6 +92,10 @@ from specter.errors import UserError
 SOURCES = {"deepseek": "small_deepseek"}
 ARCHS = ("deepseek_v2",)
 _SEED = 20261204  # the copies' expert permutations and sign walks
+# Names how the depth grows: in the inflated folder's specter_inflated.json, the records
+# (`model.inflate_recipe`) and the made experts' checksum (so a draft quantized from another
+# recipe's experts is never reused). Before it: zero-output copies (2026-12-04).
+RECIPE = "live-swing-2026-12-06"
 
 
 def check_source(key: str, source: str | None) -> str:
