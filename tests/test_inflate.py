@@ -86,7 +86,12 @@ def test_every_moe_layer_lives_with_scaled_permuted_copies(tiny):
         assert sum(p.attn for p in block) == pytest.approx(1.0)
         assert sum(p.moe for p in block) == pytest.approx(1.0)
     moe = [p for p in plans if p.layer]
-    assert all(abs(p.attn) > 0.05 and abs(p.moe) > 0.05 for p in moe)  # no layer is silent
+    assert all(p.attn and p.moe for p in moe)
+    # DeepSeek-V2-Lite from small_deepseek (26 MoE layers from 3): no layer is near silent
+    real = layer_plan({"num_hidden_layers": 27, "n_routed_experts": 64},
+                      {"num_hidden_layers": 4, "first_k_dense_replace": 1})
+    assert [len([p for p in real if p.source == s]) for s in (1, 2, 3)] == [9, 9, 8]
+    assert min(min(abs(p.attn), abs(p.moe)) for p in real[1:]) > 0.15
     perms = [p.perm for p in moe]
     assert len(set(perms)) == len(perms) and all(sorted(p) == list(range(64)) for p in perms)
     big = inflate_module(tiny.model, _big())
@@ -99,8 +104,9 @@ def test_every_moe_layer_lives_with_scaled_permuted_copies(tiny):
                            src.mlp.experts.gate_up_proj[perm[5], :32])
         assert torch.allclose(layer.mlp.experts.down_proj[5, :64, :32],
                               src.mlp.experts.down_proj[perm[5]] * p.moe)
-        assert torch.allclose(layer.mlp.shared_experts.down_proj.weight[:64, :src.mlp.shared_experts.down_proj.weight.shape[1]],
-                              src.mlp.shared_experts.down_proj.weight * p.moe)
+        shared = src.mlp.shared_experts.down_proj.weight
+        assert torch.allclose(layer.mlp.shared_experts.down_proj.weight[:64, :shared.shape[1]],
+                              shared * p.moe)
         o = layer.self_attn.o_proj.weight.view(96, 6, 24)[:64, :4, :16]
         assert torch.allclose(o, src.self_attn.o_proj.weight.view(64, 4, 16) * p.attn)
 
@@ -111,7 +117,7 @@ def test_the_sign_walks_sum_to_zero_and_stay_near():
         assert len(s) == n and sum(s) == pytest.approx(0.0)
         walk = [sum(s[:i + 1]) for i in range(n)]
         assert max(map(abs, walk)) <= 2.0 + 1e-9
-        assert n == 1 or min(map(abs, s)) > 0.5  # no still step
+        assert n == 1 or min(map(abs, s)) >= 0.5  # no still step
     assert swing_signs(9, 7) == swing_signs(9, 7)
     assert 0 < MOE_SWING < ATTN_SWING < 1
 
