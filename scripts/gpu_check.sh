@@ -60,8 +60,8 @@ timeout -k 10 $((${CHECK_BUDGET_S%.*} + 30)) "$PY" -m experiments.gpu_check "$OU
 # about a minute, once for the whole sweep), in real CUDA time: specter, lru and specmoeoff at
 # budget.gb=16 and 24, then specter at 16 GiB with K per window chosen with the slots and the
 # link in view (spec.k=adaptive), then resident at budget=full, 3 gsm8k items x 64 tokens, RTN drafts;
-# small_deepseek's own specter run on the same prompts (the acceptance the inflated model must
-# match); launches and syncs per committed token of specter and lru at 16 GiB
+# small_deepseek's own specter run on the same prompts (its acceptance beside the inflated
+# model's); launches and syncs per committed token of specter and lru at 16 GiB
 # (experiments.hotpath, 1 item x 17 tokens); the link floor at the H2D rate measured there.
 # One process per part (scripts/real_size.sh; its chain runs on the CPU in
 # tests/test_real_size.py). The table (experiments.real_size): TPOT (all requests, and all but

@@ -32,8 +32,8 @@
 #                                (experiments.kernel_bench --quick --tokens 1 --write-choice:
 #                                quant.backend=auto then takes the fastest measured)
 #   SOURCE_CHECK (none)          a project-made model (e.g. small_deepseek) run as specter on the
-#                                same prompts, REAL_HW, budget=high: the acceptance the inflated
-#                                model must match (the verdict prints both)
+#                                same prompts, REAL_HW, budget=high: its acceptance beside the
+#                                inflated model's (the verdict prints both)
 #   HOTPATH      (none)          systems whose launches and syncs per committed token are counted
 #                                at the first budget (experiments.hotpath, 1 item x 17 tokens)
 #   H2D_GBPS     (measured)      the link's rate for the link floor (default: measured here, one

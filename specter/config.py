@@ -38,7 +38,7 @@ class ModelConfig:
     # the engine on a GPU; random weights do not route like the trained model)
     weights: str = "checkpoint"
     # "inflated": the named real model at its real sizes, built from a project-made model of
-    # its architecture so that it computes, routes and drafts like that trained model
+    # its architecture, every MoE layer live and routing with that model's trained routers
     # (specter/models/inflate.py; DeepSeek-V2-Lite from small_deepseek). `inflate_from` names
     # another source (e.g. tiny_deepseek); `layers` cuts a random or inflated model's depth
     # (real widths, fewer layers: CPU measurements at real size).

@@ -315,7 +315,8 @@ def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
     """The inflated stage's chain on the CPU at reduced size: DeepSeek-V2-Lite's layout grown
     from tiny_deepseek to small widths (model.narrow) and 4 layers, a virtual profile standing
     in for the real side; every part writes, and the verdict prints the stage table with the
-    source's acceptance beside the inflated model's (equal: the same draft)."""
+    source's acceptance beside the inflated model's (every layer of it live: its own draft and
+    tokens, so not equal; docs/measurements/inflate-fidelity-2026-12-06)."""
     out = tmp_path / "inf"
     done = _script({"MODEL": "deepseek", "WEIGHTS": "inflated", "REAL_HW": "a100_pcie4_hf",
                     "VIRTUAL_HW": "none", "SYSTEMS": "specter,lru", "BUDGET_GB": "16",
@@ -338,7 +339,7 @@ def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
     src = records.load(out / "source_records")
     adaptive = df["k_source"].str.startswith("adaptive")
     spec = df[(df["system"] == "specter") & ~adaptive]
-    assert spec["acceptance_rate"].mean() == pytest.approx(src["acceptance_rate"].mean(), abs=0.03)
+    assert spec["acceptance_rate"].mean() > 0.3 and src["acceptance_rate"].mean() > 0.3
     assert adaptive.sum() == 1 and "specter K=adaptive" in set(t["system"])
     assert df.loc[adaptive, "k_why"].iloc[0].startswith("K=")
     assert "acceptance: inflated" in done.stdout

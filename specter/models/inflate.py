@@ -1,10 +1,10 @@
-"""A real-size model that computes exactly like a trained small one: function-preserving inflation.
+"""A real-size model grown from a trained small one, every layer of it live.
 
 `model.weights=inflated` builds the named real model (its published config.json: every width,
 every layer, every expert, every byte and FLOP of it) from a project-made small model of the
-same architecture, so that it decodes the small model's tokens and routes as the small model's
-trained routers do. No download, no training: a GPU host builds DeepSeek-V2-Lite's 27 GiB of
-experts from the shipped `small_deepseek` in memory in about a minute (placement/loader.py
+same architecture, routing with the small model's trained routers in every one of its MoE
+layers. No download, no training: a GPU host builds DeepSeek-V2-Lite's 27 GiB of experts from
+the shipped `small_deepseek` in memory in about a minute (placement/loader.py
 `load_inflated`). Random weights (`model.weights=random`) have the real sizes too but route
 uniformly (17 tokens touch ~52 of 64 experts per layer where the trained model touches ~32) and
 accept at random, so they do not measure speculative prefetching; this does.
@@ -33,19 +33,42 @@ How the widths grow (DeepSeek-V2; each rule keeps the function exactly, up to fl
   copy win; the runner's greedy decoding masks none.)
 
 How the depth grows: the small model's dense layers map one to one onto the real model's
-(DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers. The
-first layer of each block is the small layer itself (live). The others are copies of it whose
-outputs are zero (attention output, shared expert and routed experts' down projections zero)
-but whose routers are the trained router, its expert ids permuted per layer (a fixed seeded
-permutation, so consecutive layers do not pick the same ids and a cross-layer predictor cannot
-copy the previous layer), applied to the residual stream at their depth. They compute, route,
-fetch and hold every expert like any layer; they do not change a token. Their INT4 drafts are
-zero too, so acceptance is the small model's.
+(DeepSeek: layer 0), and its S MoE layers onto S blocks of the real model's MoE layers (26 from
+small_deepseek's 3: blocks of 9, 9 and 8). Every layer of block b is a copy of small layer b
+(attention, norms, router, shared and routed experts), its expert ids permuted by a seeded
+permutation of its own (router rows and experts together, so the ids two layers pick are
+unrelated), and every one is live: the k-th of n copies writes (1/n + ATTN_SWING * s_k) of
+its attention output and (1/n + MOE_SWING * s_k) of its shared and routed experts' outputs,
+where s is a seeded walk of n steps up and down that sums to zero and strays at most two steps
+(`swing_signs`). Each scale sums to 1 over the block, so to first order the block adds the
+small layer's update once and the residual stream ends each block near the small model's;
+between layers it swings about as far as a trained layer moves it, so each layer's router sees
+an input of its own. On the benchmark prompts (experiments/inflate_fidelity.py,
+docs/measurements/inflate-fidelity-2026-12-06), layer l+1's router applied to layer l's router
+input predicts 0.81 of layer l+1's top-6 (0.66-0.88 by layer; small_deepseek's own two
+transitions: 0.72 and 0.68), where the zero-output copies this replaces predicted 1.0 in 20 of
+25 transitions; a 17-token window touches 31.6 distinct experts per layer (29.4-35.0 by layer;
+DeepSeek-V2-Lite: 31.7). A block of one (the small model's own depth) is the small layer
+itself, so at that depth the inflated model is the small one.
 
-Honest limits, stated in every record (`model.weights=inflated`, `model.inflated_from`):
-- the zero-output layers' routing is a trained router's on a stream one block behind it; the
-  distinct experts a window touches per layer are measured against the small model's
-  (experiments/inflate_fidelity.py), not assumed;
+What that costs: the real-depth model is not the small model. Its greedy tokens part from the
+small model's within a few tokens (0.1 of them equal at the same position), while its text is
+of the same kind (distinct-4 0.74, the small model's 0.73; held-out wikitext loss 6.78 nats
+per token, the small model's 6.81). Its INT4 draft errs in 26 live layers, not 3: at K = 16
+on the CPU, at widths whose INT4 groups are the real model's, it accepts 0.87 (GPTQ; RTN 0.86)
+where small_deepseek accepts 0.91 (0.90) and the paper reports 0.966 (the measurement's
+README).
+
+Honest limits, stated in every record (`model.weights=inflated`, `model.inflated_from`,
+`model.inflate_recipe`):
+- 26 layers route with 3 trained routers (each permuted), and a block's copies write its
+  source layer's update along one direction, back and forth: the stream returns near where it
+  was two layers before about half the time, so layer l+2's router predicts from layer l's
+  input as well as layer l+1's does (0.81; small_deepseek's falls from 0.70 to 0.53). No
+  predictor here looks two layers ahead; one that did would be flattered;
+- the swings (ATTN_SWING, MOE_SWING) were set on small_deepseek's measured routing, not
+  derived: agreement and distinct experts are measured (experiments/inflate_fidelity.py,
+  held by tests/test_inflate.py), not assumed;
 - 93% of each expert's weights are zeros: a dense kernel's bytes and FLOPs are the real ones, a
   kernel that skipped zeros would not be (none here does);
 - DeepSeek-V2 only. Phi-3.5-MoE cannot be inflated this way: its LayerNorm subtracts the mean
@@ -69,7 +92,11 @@ from specter.errors import UserError
 # The real model a project-made model inflates to, by the real model's config key.
 SOURCES = {"deepseek": "small_deepseek"}
 ARCHS = ("deepseek_v2",)
-_SEED = 20261204  # the zero-output layers' expert permutations
+_SEED = 20261204  # the copies' expert permutations and sign walks
+# Names how the depth grows: in the inflated folder's specter_inflated.json, the records
+# (`model.inflate_recipe`) and the made experts' checksum (so a draft quantized from another
+# recipe's experts is never reused). Before it: zero-output copies (2026-12-04).
+RECIPE = "live-swing-2026-12-06"
 
 
 def check_source(key: str, source: str | None) -> str:
@@ -146,31 +173,63 @@ def _check_widths(big: dict, small: dict) -> None:
 
 @dataclass(frozen=True)
 class LayerPlan:
-    """Where layer `layer` of the real model comes from: small layer `source`, `live` (its
-    output counts) or a zero-output copy, and the permutation of its experts' ids (None:
-    identity)."""
+    """Where layer `layer` of the real model comes from: small layer `source`, the scales of its
+    attention output (`attn`) and of its shared and routed experts' outputs (`moe`), and the
+    permutation of its experts' ids (None: identity). Every layer is live: no scale is zero."""
 
     layer: int
     source: int
-    live: bool
+    attn: float
+    moe: float
     perm: tuple[int, ...] | None
+
+
+# Each MoE layer of a block of n copies of one small layer writes (1/n + SWING * s_k) of that
+# layer's attention and expert outputs, s_k a zero-sum sign sequence: the block adds the small
+# layer's update once (to first order) while every layer moves the residual stream as far as a
+# trained layer does. The swings are set so that the next layer's router, applied to a layer's
+# input, predicts 0.75-0.85 of the next layer's experts and a 17-token window touches ~31.7
+# distinct experts per layer (DeepSeek-V2-Lite's published figure), on the project's benchmark
+# prompts (experiments/inflate_fidelity.py; docs/measurements/inflate-fidelity-2026-12-06).
+ATTN_SWING = 0.7
+MOE_SWING = 0.3
+MAX_EXCURSION = 2.0  # how far (in steps) a block's sign walk may stray from where it started
+
+
+def swing_signs(n: int, seed: int) -> list[float]:
+    """A seeded sign walk of `n` steps that sums to zero: ceil(n/2) steps up, floor(n/2) down
+    (the up steps floor/ceil long, so that an odd block has no still step), in an order whose
+    partial sums stay within MAX_EXCURSION; n = 1 gives [0.0]."""
+    up, down = (n + 1) // 2, n // 2
+    steps = [down / up] * up + [-1.0] * down
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        order = [steps[i] for i in torch.randperm(n, generator=g).tolist()]
+        walk, far = 0.0, 0.0
+        for step in order:
+            walk += step
+            far = max(far, abs(walk))
+        if far <= MAX_EXCURSION + 1e-9:
+            return order
 
 
 def layer_plan(big: dict, small: dict) -> list[LayerPlan]:
     dense = small["first_k_dense_replace"]
     n_small, n_big = small["num_hidden_layers"], big["num_hidden_layers"]
     moe_s, moe_b = n_small - dense, n_big - dense
-    plans = [LayerPlan(i, i, True, None) for i in range(dense)]
+    plans = [LayerPlan(i, i, 1.0, 1.0, None) for i in range(dense)]
     E = big["n_routed_experts"]
     sizes = [moe_b // moe_s + (1 if b < moe_b % moe_s else 0) for b in range(moe_s)]
     layer = dense
     for b, size in enumerate(sizes):
+        signs = swing_signs(size, _SEED + 1_000 * (b + 1))
         for k in range(size):
             perm = None
-            if k:
+            if size > 1:
                 g = torch.Generator().manual_seed(_SEED + layer)
                 perm = tuple(torch.randperm(E, generator=g).tolist())
-            plans.append(LayerPlan(layer, dense + b, k == 0, perm))
+            plans.append(LayerPlan(layer, dense + b, 1.0 / size + ATTN_SWING * signs[k],
+                                   1.0 / size + MOE_SWING * signs[k], perm))
             layer += 1
     return plans
 
@@ -257,17 +316,16 @@ class Inflation:
             return out.reshape(shape)
         if leaf == "o_proj":
             out = torch.zeros(H, self.heads_b, self.v[1])
-            if plan.live:
-                out[: self.h, : self.heads_s, : self.v[0]] = w.view(self.h, self.heads_s, self.v[0])
+            out[: self.h, : self.heads_s, : self.v[0]] = \
+                w.view(self.h, self.heads_s, self.v[0]) * plan.attn
             return out.reshape(shape)
         if leaf == "gate" and ".mlp.gate." in name:  # the router [E, H]
             out = self._pad(w, w.shape[0], H)
             return out[list(plan.perm)] if plan.perm is not None else out
         if leaf in ("gate_proj", "up_proj"):  # dense MLP and shared experts [I, H]
             return self._pad(w, shape[0], shape[1])
-        if leaf == "down_proj":  # [H, I]
-            out = self._pad(w, shape[0], shape[1])
-            return out if plan.live else out.zero_()
+        if leaf == "down_proj":  # [H, I]: a dense MLP's (scale 1) or the shared experts'
+            return self._pad(w * plan.moe, shape[0], shape[1])
         raise KeyError(f"inflation has no rule for {name}")
 
     # -- routed experts ----------------------------------------------------------------------
@@ -282,8 +340,7 @@ class Inflation:
         down.zero_()
         gate_up[:i_s, : self.h] = gu[:i_s]
         gate_up[I: I + i_s, : self.h] = gu[i_s:]
-        if plan.live:
-            down[: self.h, :i_s] = self.s[prefix + "down_proj"][src_e]
+        down[: self.h, :i_s] = self.s[prefix + "down_proj"][src_e].float() * plan.moe
 
     def moe_layers(self) -> list[int]:
         dense = self.big["first_k_dense_replace"]

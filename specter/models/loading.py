@@ -104,12 +104,13 @@ def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
     """`model.weights=inflated`: a folder holding the named real model's config.json as its
     inflation from a project-made model carries it (models/inflate.py), the small model's
     tokenizer and generation config, and `specter_inflated.json` naming the source (its folder
-    and weights' checksum); no weights (they are made at load from the source's). Written once
-    into the cache, keyed by the config and the source's checksum."""
+    and weights' checksum) and the recipe; no weights (they are made at load from the
+    source's). Written once into the cache, keyed by the config, the source's checksum and the
+    recipe."""
     import hashlib
     import shutil
 
-    from specter.models.inflate import check_source, inflated_config
+    from specter.models.inflate import RECIPE, check_source, inflated_config
     from specter.models.published import fixture_config
 
     source = check_source(cfg.name, cfg.inflate_from)
@@ -122,8 +123,9 @@ def inflated_folder(cfg: ModelConfig, cache_dir: Path | None, seed: int = 0,
         if (src / "specter_build.json").is_file() else {}
     meta = {"from": source, "source_folder": str(src.resolve()),
             "source_weights_sha256": build.get("weights_sha256", ""),
-            "source_origin": build.get("origin", "local")}
-    digest = hashlib.sha256(json.dumps([config, meta["source_weights_sha256"]], sort_keys=True,
+            "source_origin": build.get("origin", "local"), "recipe": RECIPE}
+    digest = hashlib.sha256(json.dumps([config, meta["source_weights_sha256"], RECIPE],
+                                       sort_keys=True,
                                        default=str).encode()).hexdigest()[:10]
     folder = (cache_dir or zoo.default_cache_dir()) / "inflated" / f"{cfg.name}-{digest}"
 

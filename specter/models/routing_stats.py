@@ -152,4 +152,7 @@ def checkpoint_record(checkpoint) -> dict:
             "model.train_seed": build.get("seed", math.nan),  # with $SPECTER_TRAIN_SEED_OFFSET
             "model.weights_sha256": (build.get("weights_sha256") or "")[:16] or math.nan,
             # model.weights=inflated: the project-made model it computes like
-            **({"model.inflated_from": inflated.get("from")} if inflated else {})}
+            **({"model.inflated_from": inflated.get("from"),
+                # how its depth grew (models/inflate.py RECIPE); none: zero-output copies
+                "model.inflate_recipe": inflated.get("recipe", "zero-output-2026-12-04")}
+               if inflated else {})}

@@ -398,6 +398,7 @@ class _InflatedMaker(_Maker):
                               RESIDENT)
         self.small_buffers = {n: b.detach().clone() for n, b in small.named_buffers()}
         self.source_sha = meta.get("source_weights_sha256", "")
+        self.recipe = meta.get("recipe", "")
         self.inf = Inflation({k: v.detach() for k, v in small.state_dict().items()},
                              src_config.to_dict(), config.to_dict())
         self.layers = self.inf.moe_layers()
@@ -420,7 +421,7 @@ class _InflatedMaker(_Maker):
         import json
 
         return (json.dumps(config.to_dict(), sort_keys=True, default=str), str(dtype),
-                self.source_sha, plan.pin, "inflated")
+                f"{self.source_sha}/{self.recipe}", plan.pin, "inflated")
 
 
 def _made_experts(store: HostExpertStore, maker: _Maker) -> None:
