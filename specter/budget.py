@@ -216,15 +216,19 @@ def fp16_spec(config) -> MoESpec:
     return moe_spec(meta)
 
 
-def bytes_spec(model: ModelConfig, checkpoint) -> tuple[MoESpec, str]:
+def bytes_spec(model: ModelConfig, checkpoint, charged_real: bool = False) -> tuple[MoESpec, str]:
     """Whose bytes a GiB budget is counted in: the real model a project-made one stands for
-    (its public config), else the checkpoint's own config; FP16 either way (the deployment
-    the paper's budgets describe)."""
+    (its public config), or the real model a narrowed one (`model.narrow`) is charged as
+    (`charged_real`: a virtual clock charging the real sizes, so that its slots are the real
+    model's at that budget), else the checkpoint's own config; FP16 either way (the
+    deployment the paper's budgets describe)."""
     from transformers import AutoConfig
 
     from specter.models.real_configs import REAL_CONFIGS
 
     real = REAL_CONFIGS.get(model.stands_for or "") if model.source == "project" else None
+    if real is None and charged_real and model.narrow:
+        real = REAL_CONFIGS.get(model.name)
     if real is not None:
         return fp16_spec(AutoConfig.for_model(**real)), f"real:{real['_name_or_path']} (FP16)"
     from pathlib import Path
@@ -241,7 +245,8 @@ def held_slots(budget: ResolvedBudget, footprint: Footprint) -> int:
 
 
 def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: int, top_k: int,
-            footprint: Footprint, kv_tokens: int, group: int = 128) -> ResolvedBudget:
+            footprint: Footprint, kv_tokens: int, group: int = 128,
+            charged_real: bool = False) -> ResolvedBudget:
     """The run's budget: `budget.gb` by the byte accounting, else the named/overridden slots;
     either way with the reference GiB it stands for, the staging buffers, and, for a system
     that keeps whole layers (accelerate), the layers that GiB holds."""
@@ -273,7 +278,7 @@ def resolve(budget: BudgetConfig, model: ModelConfig, checkpoint, num_experts: i
         return dataclasses.replace(r, staging=budget.staging, note=(r.note + "; " if r.note else "")
                                    + f"no reference GiB for budget={budget.name}: whole layers "
                                    "from the slot count")
-    spec, sizes_of = bytes_spec(model, checkpoint)
+    spec, sizes_of = bytes_spec(model, checkpoint, charged_real)
     r = resolve_gb(ref_gb, spec, sizes_of, footprint, kv_tokens, budget.staging, budget.reserve_gb,
                    minimum, group, name=budget.name)
     if by_bytes and budget.gb is None:  # keep the named budget's slots for the record

@@ -124,7 +124,7 @@ def plan(cfg: RunConfig, device: torch.device, log=print) -> Planned:
     budget = budget_mod.resolve(cfg.budget, cfg.model, checkpoint, n_experts, top_k,
                                 footprint(cfg.system),
                                 kv_tokens=w.batch * (w.prompt_tokens + w.max_new_tokens),
-                                group=cfg.quant.group)
+                                group=cfg.quant.group, charged_real=charged_real(cfg))
     if device.type == "cpu" and placement.experts == "host":
         from specter.placement.bytes import check_cpu_offload_fits
 
@@ -277,13 +277,21 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     if cfg.quant.graphs == "on" and device.type != "cuda" and footprint(cfg.system).int4_draft:
         raise UserError(f"quant.graphs=on replays CUDA graphs, and this run is on {device.type}; "
                         "use quant.graphs=auto or off.")
-    if cfg.hardware.clock in ("virtual", "emulated"):
-        charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
+    charged_real(cfg)  # hardware.charge checked
     offloads = recipe(cfg.system.name).offloads
     if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
             and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
         raise UserError(f"system={cfg.system.name}: {WALL_CLOCK_OFFLOAD}")
     check_host_holds(cfg, checkpoint, device, n_experts)
+
+
+def charged_real(cfg: RunConfig) -> bool:
+    """Whether the run's clock charges the real model's sizes (a modelled clock; hardware.charge
+    refused in one sentence where it names no real model)."""
+    from specter.clock.timing import charges_real_sizes
+
+    return cfg.hardware.clock in ("virtual", "emulated") and \
+        charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
 
 
 MEMINFO = Path("/proc/meminfo")  # its MemAvailable: what `check_host_holds` counts against

@@ -137,3 +137,20 @@ def test_cpu_offload_gb_is_what_the_device_gib_does_not_hold():
     assert resolve_gb(48, spec, "real", fp, 144, 0, 1.0, 6).offload_bytes == 0
     with pytest.raises(UserError, match="does not hold the weights outside the decoder layers"):
         resolve_gb(1.2, spec, "real", fp, 144, 0, 1.0, 6)
+
+
+def test_a_narrowed_model_charged_real_counts_the_real_models_gib(tmp_path):
+    """model.narrow on a real model's key, on a clock charging its real sizes: a GiB budget
+    holds the real model's slots (what the clock charges), not the narrow widths' many more;
+    charged at its own sizes it counts its own bytes."""
+    from specter.budget import bytes_spec
+    from specter.models.published import write_config_folder
+
+    narrow = {"hidden_size": 256, "moe_intermediate_size": 128, "vocab_size": 4096}
+    folder = write_config_folder("deepseek", tmp_path / "narrow", layers=3, narrow=narrow)
+    cfg = ModelConfig(name="deepseek", source="hf", narrow=narrow, layers=3)
+    real, label = bytes_spec(cfg, folder, charged_real=True)
+    own, own_label = bytes_spec(cfg, folder, charged_real=False)
+    assert label.startswith("real:") and own_label.startswith("own:")
+    assert real.num_experts == own.num_experts == 64
+    assert real.expert_bytes == 88 * own.expert_bytes  # 2048 x 1408 against 256 x 128
