@@ -44,6 +44,7 @@ from specter.clock.graph_kernels import KernelTally
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
+from specter.models import draft_rope
 from specter.errors import UserError
 from specter.quant.kernels import COMPILES
 
@@ -228,6 +229,7 @@ class StaticKV:
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
         torch._dynamo.reset()
+        draft_rope.install()  # the rotary embedding in real arithmetic in the step
         self.tally = KernelTally()  # the compiled step's kernels (graph_kernels.py)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
                                   backend=self.tally.backend(compiler) if mode is None
@@ -266,8 +268,8 @@ class StaticKV:
         after each warm-up run, whose K and V the step itself rewrites)."""
         began = time.perf_counter()
         warm = index_kept(self.cache, lambda: self.step(self._tok))
-        with compiled_region(count=False):  # no counter's dispatch mode under the compiler
-            self.replay = self.capture(self._whole_step, warm)
+        with compiled_region(count=False), draft_rope.real_rope():  # no counter's dispatch
+            self.replay = self.capture(self._whole_step, warm)  # mode under the compiler
         self.captures += 1
         self.compile_s += time.perf_counter() - began
         self.compiles, self._fresh = self.compiles + 1, False
@@ -391,7 +393,7 @@ class StaticKV:
             for i in range(len(chosen), k):
                 kv.announce(1, kv.length + i + 1, "draft", rows=1)
                 began = time.perf_counter()
-                with compiled_region():  # counted as one graph replay (experiments/hotpath.py)
+                with compiled_region(), draft_rope.real_rope():  # one graph replay (hotpath)
                     nxt, routes = self.step(tok)
                 if self._fresh:  # this call compiled (host wall time, whatever the clock)
                     self.compile_s += time.perf_counter() - began
@@ -428,8 +430,8 @@ class StaticKV:
                 self._capture_step()  # captured before its first step (no step's time holds it)
             for i in range(done, k):
                 kv.announce(1, kv.length + i + 1, "draft", rows=1)
-                with compiled_region():  # one graph replay (experiments/hotpath.py)
-                    routes = self.replay()
+                with compiled_region(), draft_rope.real_rope():  # one graph replay (hotpath;
+                    routes = self.replay()  # the switch as captured, where Python reruns it)
                 self.steps_run += 1
                 with self.clock.captured_step(self.step_kernels):
                     self.shared.replay(routes, captured=True)  # read before the next replay
