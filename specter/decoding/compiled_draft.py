@@ -44,10 +44,41 @@ from specter.clock.graph_kernels import KernelTally
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
-from specter.models import draft_rope
+from specter.models import draft_step
 from specter.errors import UserError
 from specter.quant.kernels import COMPILES
 
+
+
+def one_write_index(cache) -> torch.Tensor:
+    """Make every layer of a transformers `StaticCache` (initialized) write at one shared
+    index that its forward does not advance (`OneIndexLayer`); returns it. The caller
+    advances it once a forward, by the tokens fed: inside a compiled step one kernel, where
+    each layer's own index is one more (27 a step at DeepSeek-V2-Lite's depth)."""
+    index = cache.layers[0].cumulative_length
+    for layer in cache.layers:
+        layer.__class__ = _one_index_class(type(layer))
+        layer.cumulative_length = index
+    return index
+
+
+_ONE_INDEX: dict = {}
+
+
+def _one_index_class(layer_class):
+    """`layer_class` (transformers' StaticLayer) with an `update` that writes the new K and V
+    at the shared index and leaves it where it is."""
+    if layer_class in _ONE_INDEX.values():
+        return layer_class
+    if layer_class not in _ONE_INDEX:
+        def update(self, key_states, value_states, *args, **kwargs):
+            at = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+            self.keys.index_copy_(2, at, key_states)
+            self.values.index_copy_(2, at, value_states)
+            return self.keys, self.values
+        _ONE_INDEX[layer_class] = type("OneIndex" + layer_class.__name__, (layer_class,),
+                                       {"update": update})
+    return _ONE_INDEX[layer_class]
 
 
 # what a compiled draft step is on CUDA (the record's `draft_compile`)
@@ -221,6 +252,7 @@ class StaticKV:
         self.replay = None  # the captured step (new buffers drop it: captured again)
         self.on_copy, self.clock = on_copy, clock
         self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
+        self._index = None  # its layers' one write index (`one_write_index`)
         self.capacity = 0
         self.positions = positions
         self.synced = 0  # positions of the target's cache copied in
@@ -229,7 +261,7 @@ class StaticKV:
         # would add graphs to the same `_step` until its recompile limit. One engine drafts at a
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
         torch._dynamo.reset()
-        draft_rope.install()  # the rotary embedding in real arithmetic in the step
+        draft_step.install()  # DeepSeek-V2 written for the compiler (draft_step.py)
         self.tally = KernelTally()  # the compiled step's kernels (graph_kernels.py)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
                                   backend=self.tally.backend(compiler) if mode is None
@@ -245,18 +277,29 @@ class StaticKV:
 
     # -- the compiled step --------------------------------------------------------------------
     def _step(self, tok: torch.Tensor):
-        """tok [1, 1] -> (next token [1, 1], routes [L, 1, k]), both on the device (greedy: the
-        logits stay inside the graph); the draft's K and V written at the cache's index, which
-        advances by one."""
+        """tok [1, 1] -> (next token [1, 1], each MoE layer's routes [1, k]), on the device
+        (greedy: the logits stay inside the graph); the draft's K and V written at the cache's
+        index, which advances by one. The routes leave the graph as they are: stacked inside
+        it, each layer's would be one more copy kernel (`_stepped` stacks them in one)."""
         self.shared.routes = []
-        out = self.model(input_ids=tok, cache=self.cache, use_cache=True)
-        routes = torch.stack(self.shared.routes)
-        return out.logits[:, -1].argmax(dim=-1, keepdim=True), routes
+        out = self._forward(tok)
+        return out.logits[:, -1].argmax(dim=-1, keepdim=True), tuple(self.shared.routes)
+
+    def _forward(self, ids: torch.Tensor):
+        """The model over `ids` [1, T] into the buffers, their one write index then advanced."""
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
+        self._index.add_(ids.shape[1])
+        return out
+
+    def _stepped(self, tok: torch.Tensor):
+        """The compiled step, its routes stacked [L, 1, k] (one kernel)."""
+        nxt, routes = self.step(tok)
+        return nxt, torch.stack(routes)
 
     def _whole_step(self):
         """The captured step: the compiled forward on `_tok`, the graph-safe listeners, the
         proposal stored at `_at` and fed back as the next step's token. Returns the routes."""
-        nxt, routes = self.step(self._tok)
+        nxt, routes = self._stepped(self._tok)
         self.shared.in_graph(routes)
         self._proposals.index_copy_(1, self._at, nxt)
         self._at.add_(1)
@@ -268,15 +311,15 @@ class StaticKV:
         after each warm-up run, whose K and V the step itself rewrites)."""
         began = time.perf_counter()
         warm = index_kept(self.cache, lambda: self.step(self._tok))
-        with compiled_region(count=False), draft_rope.real_rope():  # no counter's dispatch
+        with compiled_region(count=False), draft_step.draft_step():  # no counter's dispatch
             self.replay = self.capture(self._whole_step, warm)  # mode under the compiler
         self.captures += 1
         self.compile_s += time.perf_counter() - began
         self.compiles, self._fresh = self.compiles + 1, False
 
     # the captured step's own operations beside the compiled forward (`_whole_step`: the
-    # proposal's index_copy_, the index's add_, the token's copy_)
-    WHOLE_STEP_OPS = 3
+    # routes' stack, the proposal's index_copy_, the index's add_, the token's copy_)
+    WHOLE_STEP_OPS = 4
 
     @property
     def step_kernels(self) -> int:
@@ -312,6 +355,7 @@ class StaticKV:
         self._fresh = True
         for src, dst in zip(target.layers, self.cache.layers):
             dst.lazy_initialization(src.keys, src.values)
+        self._index = one_write_index(self.cache)
         self.synced = 0
         self._held = cache_bytes(self.cache)
         self._per_position = sum(t.numel() // t.shape[2] * t.element_size()
@@ -337,8 +381,7 @@ class StaticKV:
                 dst.values[:, :, s:n].copy_(src.values[:, :, s:n])
             if self.on_copy is not None:
                 self.on_copy(n - s, 1, None, nbytes=(n - s) * self._per_position)
-        for dst in self.cache.layers:
-            dst.cumulative_length.fill_(n)
+        self._index.fill_(n)
         self.synced = n
 
     def _catch_up(self, kv: BatchCache, seq: list[int], k: int):
@@ -350,16 +393,14 @@ class StaticKV:
         n = len(seq) - 1  # committed positions; the last token is pending
         self._ensure(kv.cache, n + k + 1)  # the target's layers give the shapes (same model)
         s = self.synced
-        for dst in self.cache.layers:
-            dst.cumulative_length.fill_(s)
+        self._index.fill_(s)
         if n == s:
             return None
         with host_side():
             ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
         kv.announce(n + 1 - s, n + 1, "draft", rows=1)  # a forward outside the cache
         with self.shared.draft():
-            logits = self.model(input_ids=to_device(ids, kv.device), cache=self.cache,
-                                use_cache=True).logits
+            logits = self._forward(to_device(ids, kv.device)).logits
         self.synced = n
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
@@ -393,8 +434,8 @@ class StaticKV:
             for i in range(len(chosen), k):
                 kv.announce(1, kv.length + i + 1, "draft", rows=1)
                 began = time.perf_counter()
-                with compiled_region(), draft_rope.real_rope():  # one graph replay (hotpath)
-                    nxt, routes = self.step(tok)
+                with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath)
+                    nxt, routes = self._stepped(tok)
                 if self._fresh:  # this call compiled (host wall time, whatever the clock)
                     self.compile_s += time.perf_counter() - began
                     self.compiles, self._fresh = self.compiles + 1, False
@@ -430,7 +471,7 @@ class StaticKV:
                 self._capture_step()  # captured before its first step (no step's time holds it)
             for i in range(done, k):
                 kv.announce(1, kv.length + i + 1, "draft", rows=1)
-                with compiled_region(), draft_rope.real_rope():  # one graph replay (hotpath;
+                with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath;
                     routes = self.replay()  # the switch as captured, where Python reruns it)
                 self.steps_run += 1
                 with self.clock.captured_step(self.step_kernels):

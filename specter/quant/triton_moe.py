@@ -96,3 +96,22 @@ def moe_int4_pairs(x_ptr, codes_ptr, scales_ptr, index_ptr, weights_ptr, out_ptr
     if WEIGHTED:
         acc = acc * tl.load(weights_ptr + p).to(tl.float32)
     tl.store(out_ptr + p * stride_om + offs_n, acc, mask=n_ok)
+
+
+def softmax_topk(logits_ptr, weights_ptr, index_ptr, E, stride_l, scale,
+                 TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+    """One token's routing (a program per token): softmax over its E router logits (fp32),
+    then its TOPK largest probabilities, largest first, each times `scale`, and their experts'
+    ids (the first of equal maxima); DeepSeek's greedy top-k router after its GEMM."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    ok = offs < E
+    x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
+    p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)
+    for j in tl.static_range(TOPK):
+        best = tl.max(p, axis=0)
+        at = tl.argmax(p, axis=0)
+        tl.store(weights_ptr + t * TOPK + j, best * scale)
+        tl.store(index_ptr + t * TOPK + j, at.to(tl.int64))
+        p = tl.where(offs == at, -1.0, p)

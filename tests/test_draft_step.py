@@ -1,0 +1,133 @@
+"""The compiled draft step's formulations of DeepSeek-V2 (models/draft_step.py): the real
+rotary embedding and the fused router compute transformers' layers (same math, other rounding),
+are transformers' own code when off, and leave fewer kernels in the compiled step."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache, StaticCache
+
+from specter.models import draft_step
+from specter.quant import kernels
+
+
+def _logits(model, ids, cache):
+    with torch.no_grad():
+        return model(input_ids=ids, cache=cache, use_cache=True).logits
+
+
+def test_the_step_computes_transformers_layers(tiny_models):
+    """Prefill and a decode step over the static cache the compiled step uses: the logits of
+    transformers' own layers within float rounding."""
+    draft_step.install()
+    model = tiny_models("tiny_deepseek").model
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
+    ref_cache = DynamicCache(config=model.config)
+    ref = _logits(model, ids, ref_cache)
+    static = StaticCache(config=model.config, max_cache_len=32)
+    with draft_step.draft_step():
+        got = _logits(model, ids, static)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    step = torch.tensor([[11]])
+    ref2 = _logits(model, step, ref_cache)
+    with draft_step.draft_step():
+        got2 = _logits(model, step, static)
+    torch.testing.assert_close(got2, ref2, rtol=1e-5, atol=1e-5)
+
+
+def test_the_router_op_is_transformers_routing():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 64)
+    w, i = torch.ops.specter.softmax_topk(logits, 6, 2.5, False)
+    ref = torch.topk(torch.softmax(logits, -1), 6, sorted=True)
+    assert torch.equal(i, ref.indices) and torch.equal(w, ref.values * 2.5)
+
+
+def test_off_it_is_transformers_own_code(tiny_models):
+    draft_step.install()
+    draft_step.install()  # once
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+
+    rope, route = ds.apply_rotary_emb, ds.DeepseekV2TopkRouter.forward
+    for f in (rope, route):
+        assert f._specter_draft_step and not hasattr(f.__wrapped__, "_specter_draft_step")
+    model = tiny_models("tiny_deepseek").model
+    ids = torch.tensor([[5, 17, 300, 42]])
+    through = _logits(model, ids, DynamicCache(config=model.config))
+    ds.apply_rotary_emb, ds.DeepseekV2TopkRouter.forward = rope.__wrapped__, route.__wrapped__
+    try:
+        plain = _logits(model, ids, DynamicCache(config=model.config))
+    finally:
+        ds.apply_rotary_emb, ds.DeepseekV2TopkRouter.forward = rope, route
+    assert torch.equal(through, plain)
+
+
+ROUTER_CHECK = """
+import sys, torch
+from torch.utils._python_dispatch import TorchDispatchMode
+sys.path.insert(0, {root!r})
+from specter.clock.graph_kernels import DEVICE_LAUNCHES
+from specter.models import draft_step
+from specter.quant import kernels
+
+launches, seen, paused = [], [], []
+real = kernels._kernel
+
+class Counted:  # the jitted kernel: its launch counted, its interpreter's work not recorded
+    def __init__(self, k): self.k = k
+    def __getitem__(self, grid):
+        def launch(*a, **kw):
+            launches.append(grid)
+            paused.append(1)
+            try:
+                return self.k[grid](*a, **kw)
+            finally:
+                paused.pop()
+        return launch
+kernels._kernel = lambda name: Counted(real(name))
+
+class Ops(TorchDispatchMode):  # aten calls of the op's body: allocations only
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not paused and not func.is_view:
+            seen.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {{}}))
+
+torch.manual_seed(1)
+for T, E, k in ((1, 64, 6), (3, 60, 4), (2, 16, 2)):
+    logits = torch.randn(T, E)
+    launches.clear(); seen.clear()
+    with Ops():
+        w, i = draft_step.softmax_topk._init_fn(logits, k, 1.5, True)
+    assert len(launches) == DEVICE_LAUNCHES["specter::softmax_topk"] == 1, launches
+    assert set(seen) <= {{"empty", "_to_copy", "clone"}}, seen
+    ref = torch.topk(torch.softmax(logits, -1), k, sorted=True)
+    assert torch.equal(i, ref.indices), (i, ref.indices)
+    torch.testing.assert_close(w, ref.values * 1.5, rtol=1e-6, atol=1e-7)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
+def test_the_router_kernel_under_the_interpreter_is_one_launch():
+    root = Path(__file__).parents[1]
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    res = subprocess.run([sys.executable, "-c", ROUTER_CHECK.format(root=str(root))], env=env,
+                         capture_output=True, text=True, cwd=root, timeout=600)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+def test_the_compiled_step_has_fewer_kernels():
+    """Counted as experiments.kernel_count counts (3 layers, narrow): 95 compiled kernels
+    with transformers' layers as they were; the real rotary embedding (one a layer), the
+    fused router (three a MoE layer), the routes left unstacked in the graph (one a MoE layer)
+    and one write index for the draft cache (one a layer) leave 82."""
+    from experiments.kernel_count import count
+
+    row = count(3, True, log=lambda *_: None)
+    assert row["compiled_kernels"] <= 82, row
