@@ -156,3 +156,25 @@ def test_the_draft_charges_what_gather_int4_moves():
     assert gathered == pytest.approx(6 * (p / 2 + p / 128 * 2 + 4 * p) / 4e12)
     assert gathered / fused == pytest.approx((0.5 + 2 / 128 + 4) / (0.5 + 2 / 128))
     assert math.isfinite(gathered)
+
+
+def test_a_graph_from_inductors_cache_keeps_its_count(tmp_path):
+    """The caches stay on: a graph compiled again (a new process, a new engine) is a cache hit
+    that lowers nothing, and its count comes from the store beside the cache; with the store
+    empty it is counted afresh with the caches off."""
+    from specter.clock.graph_kernels import CountStore
+
+    def f(x):
+        return (torch.relu(x * 3 - 1) + x).mean(dim=-1)
+
+    x = torch.randn(4, 8)
+    counts = []
+    for store in (CountStore(tmp_path / "a"), CountStore(tmp_path / "a"), CountStore(tmp_path / "b")):
+        tally = KernelTally(store)
+        torch._dynamo.reset()
+        torch.compile(f, backend=tally.backend("inductor"), fullgraph=True)(x)
+        counts.append(tally.kernels)
+    torch._dynamo.reset()
+    assert counts[0] >= 1 and counts == [counts[0]] * 3
+    assert len(list((tmp_path / "a" / "specter_kernel_counts").glob("*.json"))) == 1
+    assert len(list((tmp_path / "b" / "specter_kernel_counts").glob("*.json"))) == 1

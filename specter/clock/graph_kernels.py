@@ -13,8 +13,10 @@ step is compiled or captured, never while it runs:
   an estimate of what its Triton code on a GPU launches: the same graph, fused by the same
   scheduler); with any other backend (`eager`, the tests' graph check), the graph's
   operations unfused (every call that is not a view or an item read: an upper bound).
-  Inductor's on-disk graph cache is bypassed for the compile it counts (a cached graph skips
-  the scheduler).
+  A graph inductor finds in its on-disk caches skips the scheduler, so each count is also
+  stored beside those caches (`CountStore`, keyed by the graph's code, its inputs' shapes,
+  dtypes, strides and devices, and torch's version); a cached graph whose count is not there
+  (compiled before the store existed) is compiled again with the caches off and counted.
 - `cuda_graph_kernels(graph)`: on CUDA, the kernel nodes of a captured graph itself
   (`torch.cuda.CUDAGraph.debug_dump`, read back), the count that settles the estimate.
 
@@ -25,10 +27,13 @@ step is charged (observer.py `ComputeClock.captured_step`).
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import re
 import tempfile
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -111,14 +116,55 @@ def _scheduler_tally(into: list):
         sched.Scheduler.codegen = codegen
 
 
+# what the count of a graph depends on beyond its code and inputs: this module's rules
+_COUNT_RULES = "launches-v1:" + json.dumps(sorted(DEVICE_LAUNCHES.items()))
+
+
+def graph_key(gm: torch.fx.GraphModule, example_inputs) -> str:
+    """A compiled graph's identity for its kernel count: its code, its inputs' shapes, strides,
+    dtypes and devices, torch's version and the counting rules."""
+    inputs = [(tuple(t.shape), tuple(t.stride()), str(t.dtype), t.device.type)
+              if isinstance(t, torch.Tensor) else repr(t) for t in example_inputs]
+    text = json.dumps([gm.code, inputs, torch.__version__, _COUNT_RULES], default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+class CountStore:
+    """Kernel counts of compiled graphs on disk, beside inductor's caches (its cache_dir, or
+    `root`), one small JSON file a graph."""
+
+    def __init__(self, root: Path | None = None):
+        if root is None:
+            from torch._inductor.runtime.cache_dir_utils import cache_dir
+            root = Path(cache_dir())
+        self.root = Path(root) / "specter_kernel_counts"
+
+    def get(self, key: str) -> list[int] | None:
+        try:
+            return json.loads((self.root / f"{key}.json").read_text())["graphs"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def put(self, key: str, graphs: list[int]) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump({"graphs": graphs}, f)
+            os.replace(tmp, self.root / f"{key}.json")
+        except OSError:
+            pass  # a count not stored is counted again next time
+
+
 class KernelTally:
     """The kernels of each graph a torch.compile call compiled (`graphs`, in compile order);
     `kernels` is the latest full set's total (a step that compiles again, for new buffers,
-    replaces it)."""
+    replaces it). `store`: where counts persist across processes (`CountStore`)."""
 
-    def __init__(self):
+    def __init__(self, store: CountStore | None = None):
         self.graphs: list[int] = []
         self.how = ""
+        self.store = store
 
     @property
     def kernels(self) -> int:
@@ -134,21 +180,34 @@ class KernelTally:
                 self.how = f"{compiler}: the graph's operations, unfused"
                 from torch._dynamo.backends.registry import lookup_backend
                 return lookup_backend(compiler)(gm, example_inputs)
-            from torch._functorch import config as functorch_config
-            from torch._inductor import config as inductor_config
-            from torch._inductor.compile_fx import compile_fx
-
-            found: list[int] = []
-            with _scheduler_tally(found), warnings.catch_warnings(), \
-                    inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
-                    functorch_config.patch(enable_autograd_cache=False):
-                # lowered afresh every time (no cache hit), so its once-a-graph notes too
-                warnings.filterwarnings("ignore", message="Torchinductor does not")
-                compiled = compile_fx(gm, example_inputs)
-            self.graphs.extend(found)
             self.how = f"inductor ({_device_of(example_inputs)}): kernels after fusion"
+            store = self.store or CountStore()
+            key = graph_key(gm, example_inputs)
+            found: list[int] = []
+            with _scheduler_tally(found):  # the caches on: a hit lowers nothing
+                compiled = _compile_quietly(gm, example_inputs)
+            if not found:  # a cached graph: its count as stored, else counted afresh
+                found = store.get(key) or []
+                if not found:
+                    from torch._functorch import config as functorch_config
+                    from torch._inductor import config as inductor_config
+                    with _scheduler_tally(found), \
+                            inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
+                            functorch_config.patch(enable_autograd_cache=False):
+                        compiled = _compile_quietly(gm, example_inputs)
+            if found:
+                store.put(key, found)
+            self.graphs.extend(found)
             return compiled
         return compile_counted
+
+
+def _compile_quietly(gm, example_inputs):
+    from torch._inductor.compile_fx import compile_fx
+
+    with warnings.catch_warnings():  # a graph lowered again repeats its once-a-graph notes
+        warnings.filterwarnings("ignore", message="Torchinductor does not")
+        return compile_fx(gm, example_inputs)
 
 
 def _device_of(example_inputs) -> str:
