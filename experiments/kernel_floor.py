@@ -10,7 +10,8 @@ captured CUDA graph, quant.backend gather_int4). Its draft took 87.5 and 94.9 ms
 seventh of that; a GPU runs a graph's kernels one after another, each costing a few
 microseconds whatever its size (docs/clocks.md, "The kernel floor").
 
-The twin: the inflated model decodes exactly small_deepseek's tokens (models/inflate.py), so
+The twin: that run's stand-in (the inflation before its live-swing recipe of 2026-12-06: 23 of
+26 MoE layers zero-output copies) decoded exactly small_deepseek's tokens, so
 `model=small_deepseek hardware=h200_realsize` on the same prompts is that run's virtual twin
 (checked here: the same tokens, the same windows), its draft charged at the real model's
 sizes. Run with `hardware.kernel_floor_s=0` (committed under
