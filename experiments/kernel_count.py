@@ -1,7 +1,7 @@
 """How many kernels one draft step runs on the device: counted, not assumed.
 
     python -m experiments.kernel_count [--layers 27] [--narrow] [--backend gather_int4]
-                                       [--compile-backend inductor] [--out FILE]
+                                       [--compile-backend inductor] [--list] [--out FILE]
 
 Builds `model=deepseek model.weights=random` (DeepSeek-V2-Lite's architecture; `--layers`
 cuts its depth, `--narrow` shrinks its widths so the whole depth fits a laptop: the kernels a
@@ -11,7 +11,9 @@ few tokens on the CPU, and prints the compiled step's kernels after inductor's f
 (specter/clock/graph_kernels.py `KernelTally`: what its generated code launches; on CUDA the
 captured graph's own count settles it) and, with `--compile-backend eager`, the step's
 operations unfused (an eager step's launches). The virtual clock charges each such kernel its
-floor (docs/clocks.md, "The kernel floor").
+floor (docs/clocks.md, "The kernel floor"). `--list` prints what each kernel is (the library
+call or custom op, or a generated kernel, and the graph's operations it was made from), in the
+order inductor emits them, with how often each line repeats (at 2-3 layers: one layer's kernels).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ NARROW = "{hidden_size: 256, intermediate_size: 512, moe_intermediate_size: 64}"
 
 
 def count(layers: int, narrow: bool, backend: str = "gather_int4",
-          compile_backend: str = "inductor", log=print) -> dict:
+          compile_backend: str = "inductor", log=print, listed: bool = False) -> dict:
     """One draft step's kernels at `layers` deep (the model's decoder layers)."""
     import specter
 
@@ -38,11 +40,17 @@ def count(layers: int, narrow: bool, backend: str = "gather_int4",
     llm = specter.load("deepseek", budget="full", hardware="h200_realsize", k=4,
                        max_prompt_tokens=32, max_new_tokens=16, overrides=over)
     layout = llm.engine.draft.layout
+    if listed:
+        layout.tally.labels = []  # each kernel's line (lowered afresh: graph_kernels.py)
     llm.generate("The kernels of one step", max_new_tokens=8)
     row = {"layers": layers, "narrow": narrow, "backend": backend,
            "compile_backend": compile_backend, "graphs": list(layout.tally.graphs),
            "compiled_kernels": layout.tally.kernels, "step_kernels": layout.step_kernels,
            "how": layout.tally.how, "seconds": round(time.time() - began, 1)}
+    if listed and layout.tally.labels:
+        from collections import Counter
+        for label, n in Counter(layout.tally.labels).items():  # first appearance order
+            log(f"{n:4d}  {label}")
     log(json.dumps(row))
     return row
 
@@ -53,9 +61,10 @@ def main(argv=None) -> None:
     ap.add_argument("--narrow", action="store_true")
     ap.add_argument("--backend", default="gather_int4")
     ap.add_argument("--compile-backend", default="inductor")
+    ap.add_argument("--list", action="store_true", help="print what each kernel is")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
-    rows = [count(n, a.narrow, a.backend, a.compile_backend) for n in a.layers]
+    rows = [count(n, a.narrow, a.backend, a.compile_backend, listed=a.list) for n in a.layers]
     if len(rows) >= 2:
         (x0, y0), (x1, y1) = [(r["layers"], r["step_kernels"]) for r in rows[:2]]
         per = (y1 - y0) / (x1 - x0)

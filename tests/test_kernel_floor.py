@@ -178,3 +178,20 @@ def test_a_graph_from_inductors_cache_keeps_its_count(tmp_path):
     assert counts[0] >= 1 and counts == [counts[0]] * 3
     assert len(list((tmp_path / "a" / "specter_kernel_counts").glob("*.json"))) == 1
     assert len(list((tmp_path / "b" / "specter_kernel_counts").glob("*.json"))) == 1
+
+
+def test_a_listed_tally_names_each_kernel(tmp_path):
+    """`experiments.kernel_count --list`: one line a kernel, lowered afresh even when cached."""
+    from specter.clock.graph_kernels import CountStore
+
+    def f(x):
+        return torch.softmax(x @ x.T, dim=-1).sum()
+
+    x = torch.randn(4, 8)
+    for _ in range(2):  # the second compile finds inductor's cache and still lists
+        tally = KernelTally(CountStore(tmp_path), labels=True)
+        torch._dynamo.reset()
+        torch.compile(f, backend=tally.backend("inductor"), fullgraph=True)(x)
+        assert len(tally.labels) == tally.kernels >= 2, tally.labels
+        assert any(label.startswith("aten.mm") for label in tally.labels), tally.labels
+    torch._dynamo.reset()

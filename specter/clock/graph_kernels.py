@@ -98,15 +98,31 @@ def _launches(node) -> int:
     return 1
 
 
+def node_label(node) -> str:
+    """A scheduler node as one line: what it is (a generated kernel, or the library call or
+    custom op it falls back to) and the graph's operations it was made from."""
+    buf = getattr(node, "node", None)
+    op = getattr(buf, "op_overload", None) or getattr(buf, "python_kernel_name", None)
+    kind = str(op) if op is not None else "generated"
+    origins = set()
+    for part in (node.get_nodes() if hasattr(node, "get_nodes") else [node]):
+        for origin in getattr(getattr(part, "node", None), "origins", None) or ():
+            origins.add(str(origin.target).replace("aten.", "").replace(".default", ""))
+    return f"{kind}: {' '.join(sorted(origins))}"
+
+
 @contextlib.contextmanager
-def _scheduler_tally(into: list):
-    """While inductor compiles: each graph's kernels after fusion appended to `into`."""
+def _scheduler_tally(into: list, labels: list | None = None):
+    """While inductor compiles: each graph's kernels after fusion appended to `into` (and,
+    given `labels`, each launching node's `node_label`)."""
     from torch._inductor import scheduler as sched
 
     codegen = sched.Scheduler.codegen
 
     def counted(self, *a, **k):
         into.append(sum(_launches(n) for n in self.nodes))
+        if labels is not None:
+            labels.extend(node_label(n) for n in self.nodes for _ in range(_launches(n)))
         return codegen(self, *a, **k)
 
     sched.Scheduler.codegen = counted
@@ -161,10 +177,12 @@ class KernelTally:
     `kernels` is the latest full set's total (a step that compiles again, for new buffers,
     replaces it). `store`: where counts persist across processes (`CountStore`)."""
 
-    def __init__(self, store: CountStore | None = None):
+    def __init__(self, store: CountStore | None = None, labels: bool = False):
         self.graphs: list[int] = []
         self.how = ""
         self.store = store
+        # each kernel's `node_label` (lowered afresh, the caches off), or None
+        self.labels: list[str] | None = [] if labels else None
 
     @property
     def kernels(self) -> int:
@@ -184,17 +202,20 @@ class KernelTally:
             store = self.store or CountStore()
             key = graph_key(gm, example_inputs)
             found: list[int] = []
-            with _scheduler_tally(found):  # the caches on: a hit lowers nothing
-                compiled = _compile_quietly(gm, example_inputs)
-            if not found:  # a cached graph: its count as stored, else counted afresh
-                found = store.get(key) or []
-                if not found:
-                    from torch._functorch import config as functorch_config
-                    from torch._inductor import config as inductor_config
-                    with _scheduler_tally(found), \
-                            inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
-                            functorch_config.patch(enable_autograd_cache=False):
-                        compiled = _compile_quietly(gm, example_inputs)
+            if self.labels is None:
+                with _scheduler_tally(found):  # the caches on: a hit lowers nothing
+                    compiled = _compile_quietly(gm, example_inputs)
+                if not found:  # a cached graph: its count as stored
+                    found = store.get(key) or []
+            else:
+                self.labels.clear()  # listed: always lowered afresh (below)
+            if not found:  # counted afresh, the caches off
+                from torch._functorch import config as functorch_config
+                from torch._inductor import config as inductor_config
+                with _scheduler_tally(found, self.labels), \
+                        inductor_config.patch(fx_graph_cache=False, autotune_local_cache=False), \
+                        functorch_config.patch(enable_autograd_cache=False):
+                    compiled = _compile_quietly(gm, example_inputs)
             if found:
                 store.put(key, found)
             self.graphs.extend(found)
