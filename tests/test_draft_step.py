@@ -131,3 +131,27 @@ def test_the_compiled_step_has_fewer_kernels():
 
     row = count(3, True, log=lambda *_: None)
     assert row["compiled_kernels"] <= 82, row
+
+
+def test_one_write_index_only_for_plain_static_layers(tiny_models):
+    """The draft buffers' layers share one write index where each is transformers' plain
+    StaticLayer; a sliding-window layer (its writes wrap around) keeps its own update."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    from specter.decoding.compiled_draft import one_write_index
+
+    model = tiny_models("tiny_deepseek").model
+    k = torch.zeros(1, 1, 2, 8)
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    for layer in cache.layers:
+        layer.lazy_initialization(k, k)
+    index = one_write_index(cache)
+    assert index is not None and all(l.cumulative_length is index for l in cache.layers)
+    cache.layers[0].update(torch.ones(1, 1, 2, 8), torch.ones(1, 1, 2, 8))
+    assert int(index) == 0 and cache.layers[0].keys[0, 0, :2].eq(1).all()  # written, not moved
+    mixed = StaticCache(config=model.config, max_cache_len=16)
+    mixed.layers[1] = StaticSlidingWindowLayer(max_cache_len=16, sliding_window=4)
+    for layer in mixed.layers:
+        layer.lazy_initialization(k, k)
+    assert one_write_index(mixed) is None
+    assert type(mixed.layers[0]) is StaticLayer

@@ -50,11 +50,17 @@ from specter.quant.kernels import COMPILES
 
 
 
-def one_write_index(cache) -> torch.Tensor:
+def one_write_index(cache) -> torch.Tensor | None:
     """Make every layer of a transformers `StaticCache` (initialized) write at one shared
-    index that its forward does not advance (`OneIndexLayer`); returns it. The caller
+    index that its forward does not advance (`_one_index_class`); returns it. The caller
     advances it once a forward, by the tokens fed: inside a compiled step one kernel, where
-    each layer's own index is one more (27 a step at DeepSeek-V2-Lite's depth)."""
+    each layer's own index is one more (27 a step at DeepSeek-V2-Lite's depth). None, and the
+    cache left as it is, where a layer is not a plain `StaticLayer` (a sliding window's
+    writes wrap around: its own update stays)."""
+    from transformers.cache_utils import StaticLayer
+
+    if any(type(layer) is not StaticLayer for layer in cache.layers):
+        return None
     index = cache.layers[0].cumulative_length
     for layer in cache.layers:
         layer.__class__ = _one_index_class(type(layer))
@@ -252,7 +258,7 @@ class StaticKV:
         self.replay = None  # the captured step (new buffers drop it: captured again)
         self.on_copy, self.clock = on_copy, clock
         self.cache = None  # transformers' StaticCache, kept across requests (one compilation)
-        self._index = None  # its layers' one write index (`one_write_index`)
+        self._index = None  # its layers' one write index (`one_write_index`), or None
         self.capacity = 0
         self.positions = positions
         self.synced = 0  # positions of the target's cache copied in
@@ -286,10 +292,18 @@ class StaticKV:
         return out.logits[:, -1].argmax(dim=-1, keepdim=True), tuple(self.shared.routes)
 
     def _forward(self, ids: torch.Tensor):
-        """The model over `ids` [1, T] into the buffers, their one write index then advanced."""
+        """The model over `ids` [1, T] into the buffers, their one write index then advanced
+        (layers with their own indices advance them themselves)."""
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True)
-        self._index.add_(ids.shape[1])
+        if self._index is not None:
+            self._index.add_(ids.shape[1])
         return out
+
+    def _set_index(self, n: int) -> None:
+        """Every layer of the buffers writes next at position `n`."""
+        for index in ([self._index] if self._index is not None
+                      else [layer.cumulative_length for layer in self.cache.layers]):
+            index.fill_(n)
 
     def _stepped(self, tok: torch.Tensor):
         """The compiled step, its routes stacked [L, 1, k] (one kernel)."""
@@ -381,7 +395,7 @@ class StaticKV:
                 dst.values[:, :, s:n].copy_(src.values[:, :, s:n])
             if self.on_copy is not None:
                 self.on_copy(n - s, 1, None, nbytes=(n - s) * self._per_position)
-        self._index.fill_(n)
+        self._set_index(n)
         self.synced = n
 
     def _catch_up(self, kv: BatchCache, seq: list[int], k: int):
@@ -393,7 +407,7 @@ class StaticKV:
         n = len(seq) - 1  # committed positions; the last token is pending
         self._ensure(kv.cache, n + k + 1)  # the target's layers give the shapes (same model)
         s = self.synced
-        self._index.fill_(s)
+        self._set_index(s)
         if n == s:
             return None
         with host_side():
