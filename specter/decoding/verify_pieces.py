@@ -75,6 +75,65 @@ class CapturedPieces:
             return replay()
 
 
+class ChargedPieces:
+    """On a virtual clock: each piece runs as it is and is charged as the replay of a captured
+    graph (`ComputeClock.captured_step`: one launch, the piece's kernels at the profile's
+    floor, the hooks' charges inside priced as captured), its kernels counted the first time
+    it runs (its launching operations: one kernel each on a GPU). The engine's counters see
+    one graph replay (`compiled_region`), as for a captured draft step."""
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.kernels: dict = {}
+        self.captures = self.replays = 0
+
+    def run(self, key, fn: Callable, *inputs):
+        from specter.counting import OpCounter, compiled_region
+
+        sig = (key, tuple((tuple(t.shape), t.dtype) for t in inputs))
+        self.replays += 1
+        counter = None
+        if sig not in self.kernels:
+            counter, self.captures = OpCounter(), self.captures + 1
+
+        def kernels() -> int:
+            if counter is not None:
+                self.kernels[sig] = sum(c["launching"] for c in counter.counts.values())
+            return self.kernels[sig]
+        with self.clock.captured_step(kernels), compiled_region():
+            with counter if counter is not None else contextlib.nullcontext():
+                return fn(*inputs)
+
+
+def pieces_for(job, timing, clock):
+    """(runner or None, the record's `verify_pieces`) for a speculative engine's verification
+    (`offload.verify_pieces`): captured on CUDA; on a virtual clock charged as captured where
+    its profile charges a kernel floor (auto) or always (on); else eager, saying why. `on`
+    refuses in one sentence where it cannot run."""
+    from specter.errors import UserError
+
+    setting = job.offload.verify_pieces
+    if setting == "off":
+        return None, "off"
+    arch = getattr(job.loaded.model.config, "model_type", "?")
+    cost = getattr(timing, "cost", None)
+    if arch != "deepseek_v2":
+        why = f"{arch} verifies eagerly (pieces are written for deepseek_v2)"
+    elif job.device.type == "cuda":
+        install()
+        return CapturedPieces(), "captured: each fixed-shape piece a CUDA graph"
+    elif timing.clock == "virtual" and cost is not None and (
+            setting == "on" or cost.hw.kernel_floor_s > 0):
+        install()
+        return ChargedPieces(clock), "charged as captured (virtual clock)"
+    else:
+        why = (f"no CUDA graph on {job.device.type}, and the {timing.clock} clock's profile "
+               "charges no kernel floor")
+    if setting == "on":
+        raise UserError(f"offload.verify_pieces=on cannot run here: {why}.")
+    return None, f"eager: {why}"
+
+
 class _Pieces:
     runner = None
     layer = None  # the decoder layer whose MoE block runs
