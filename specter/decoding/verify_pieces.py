@@ -1,6 +1,6 @@
 """Verification's forward in pieces: the fixed-shape stretches of each DeepSeek-V2 layer apart
-from what depends on the cache's length and from the experts' host read (work in progress,
-docs/wip/verification-graphs.md).
+from what depends on the cache's length and from the experts' host read
+(`offload.verify_pieces`; the plan's next steps: docs/wip/verification-graphs.md).
 
 A verification forward of width W runs, per layer, transformers' own kernels in transformers'
 order. Only two things in a layer change shape or need the host: attention over the growing
@@ -20,8 +20,12 @@ module calls (so every forward hook, the clock's included, fires as before):
   the sum; a dense MLP is one piece;
 - eager: the residual add.
 
-A runner's `run(key, fn, *inputs)` returns `fn(*inputs)`: `EagerPieces` calls it (the layout a
-capturing runner must reproduce bit for bit; tests/test_verify_pieces.py holds it).
+A runner's `run(key, fn, *inputs)` returns `fn(*inputs)`: `EagerPieces` calls it (the layout,
+bitwise transformers' forward); `CapturedPieces` captures each piece once per shape as a CUDA
+graph and replays it (its inputs copied into the graph's static buffers); `ChargedPieces`, on
+a virtual clock, runs it and charges it as a captured graph. `pieces_for` picks one for an
+engine; the batch cache (decoding/batch.py) runs its verification forwards through it.
+tests/test_verify_pieces.py holds the bitwise equality, the counts and the runner's tokens.
 """
 
 from __future__ import annotations
