@@ -84,7 +84,8 @@ def job_of(cfg: RunConfig, loaded: LoadedModel, budget: budget_mod.ResolvedBudge
     return Job(
         loaded=loaded, device=device, system=cfg.system, budget=budget,
         offload=OffloadSpec(slots=budget.slots, staging=budget.staging,
-                            policy=cfg.offload.policy, grouped=cfg.offload.grouped),
+                            policy=cfg.offload.policy, grouped=cfg.offload.grouped,
+                            verify_pieces=cfg.offload.verify_pieces),
         draft=DraftSpec(quant=cfg.quant, depth=depth_of(cfg), compile=cfg.spec.compile,
                         compile_backend=cfg.spec.compile_backend),
         clock=ClockSpec(hardware=cfg.hardware, model=cfg.model.name,

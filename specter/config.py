@@ -191,6 +191,10 @@ class OffloadConfig:
 
     policy: str = "lru"  # eviction: a name in specter/offload/policy.py POLICIES (lru | lfu)
     grouped: bool | str = "auto"  # resident experts' kernel: auto | true (grouped_mm) | padded | false (a loop)
+    # verification's DeepSeek-V2 layers in fixed-shape pieces (decoding/verify_pieces.py): auto
+    # (captured on CUDA; charged as captured on a virtual clock whose profile has a kernel
+    # floor) | on | off
+    verify_pieces: str = "auto"
 
 
 @dataclass
@@ -348,6 +352,9 @@ class RunConfig:
         self.system.validate()
         # offload.policy names a class of specter/offload/policy.py: the composition root
         # checks it (compose.settle), so this module imports nothing of the core
+        if self.offload.verify_pieces not in ("auto", "on", "off"):
+            raise UserError(f"offload.verify_pieces must be auto, on or off "
+                            f"(got {self.offload.verify_pieces!r}).")
         if self.offload.grouped not in ("auto", True, False, "padded"):
             raise UserError(f"offload.grouped must be auto, true, false or padded "
                             f"(got {self.offload.grouped!r}).")

@@ -35,6 +35,7 @@ class OffloadSpec:
     staging: int = 0  # expert-sized staging buffers shared by all layers
     policy: str = "lru"  # eviction: a name in offload/policy.py POLICIES
     grouped: bool | str = "auto"  # resident experts' kernel: auto | True | "padded" | False
+    verify_pieces: str = "auto"  # verification in pieces: auto | on | off (verify_pieces.py)
 
 
 @dataclass(frozen=True)

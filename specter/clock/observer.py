@@ -111,7 +111,7 @@ class ComputeClock(NullClock):
             lambda m, i, o: None if torch.compiler.is_compiling() else self.link.compute(seconds())))
 
     @contextlib.contextmanager
-    def captured_step(self, kernels: int = 0):
+    def captured_step(self, kernels=0):
         """The charges of one compiled step, made inside this block (the hooks' replay, the
         draft's listeners), as the modelled GPU runs a captured graph: each kernel's compute
         and memory time (`HardwareProfile.captured`), then the floor of each of the graph's
@@ -123,6 +123,7 @@ class ComputeClock(NullClock):
             yield
         finally:
             self.cost.hw = hw
+        kernels = kernels() if callable(kernels) else kernels  # (counted inside the block)
         self.link.compute(hw.launch_overhead_s + (self.cost.kernels_s(kernels) if kernels else 0.0))
 
     def compiled_step(self, routes: torch.Tensor | None = None) -> None:

@@ -13,6 +13,8 @@ Systems differ in policy, not in model code: each one drives the same transforme
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -137,6 +139,7 @@ class BatchCache:
     def __init__(self, model, device: torch.device, rows: int, announce=None):
         self.model, self.device = model, device
         self.announce = announce or _unheard
+        self.pieces = None  # verification's runner (decoding/verify_pieces.py), or None
         self.cache = new_cache(model)
         self.mask = torch.ones(rows, 0, dtype=torch.bool)  # [B, columns]: real positions
         self.valid = [0] * rows  # real tokens per row (the next token's position id)
@@ -182,9 +185,17 @@ class BatchCache:
             kwargs = {"attention_mask": to_device(mask, self.device),
                       "position_ids": to_device(pos, self.device)}
         ids = to_device(ids, self.device) if device_ids is None else device_ids
-        out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
-                         logits_to_keep=logits_to_keep, **kwargs)
+        with self._in_pieces(phase):
+            out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
+                             logits_to_keep=logits_to_keep, **kwargs)
         return out.logits
+
+    def _in_pieces(self, phase: str):
+        """Verification's forwards in pieces where the engine gave a runner."""
+        if phase != "verify" or self.pieces is None:
+            return contextlib.nullcontext()
+        from specter.decoding.verify_pieces import pieces
+        return pieces(self.pieces)
 
     def copy_for(self, model) -> "BatchCache":
         """A copy of this cache (every layer's K and V) that `model` continues."""

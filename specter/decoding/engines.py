@@ -122,8 +122,11 @@ class SpeculativeEngine:
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
                  runtime: OffloadRuntime, draft, depth: Depth,
                  clock: NullClock = NULL_CLOCK, window: WindowPrefetcher | None = None,
-                 stop_on_eos: bool = True, temperature: float = 0.0, compiled: dict | None = None):
+                 stop_on_eos: bool = True, temperature: float = 0.0, compiled: dict | None = None,
+                 pieces: tuple = (None, "off")):
         self.name, self.model, self.device = name, model, device
+        # verification's runner (decoding/verify_pieces.py `pieces_for`) and its record
+        self.pieces, self.pieces_why = pieces
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.depth = depth  # how deep it drafts, settled once (decoding/depth.py)
         self.k, self.k_source = depth.k, depth.source
@@ -191,11 +194,11 @@ class SpeculativeEngine:
                                  self.stop, self.memory, self._before_forward,
                                  prefetcher=self.window,
                                  accept=acceptance(self.temperature, self.generators, len(prompts)),
-                                 depth=self.adaptive, on_commit=on_commit)
+                                 depth=self.adaptive, on_commit=on_commit, pieces=self.pieces)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),
                   **self.draft.as_record(),
                   **self.draft.compiled_record(self.compiled, len(prompts)),
-                  "k_source": self.k_source,
+                  "k_source": self.k_source, "verify_pieces": self.pieces_why,
                   "k_why": self.adaptive.why if self.adaptive is not None else self.k_source,
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
@@ -255,13 +258,16 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
     # own instance is charged by it after the step runs (its hooks do not run inside)
     clock = timing.observer(job.loaded.model, charge_experts=False)
     compiled = compiled_mode(job, int4, timing.clock, depth.k_max, clock, copied_kv)
+    from specter.decoding.verify_pieces import pieces_for
+
+    pieces = pieces_for(job, timing, clock)
     draft = make_draft(timing, runtime, compiled)
     if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
         draft.warm_graphs(job.rows, depth.k_max)
     return SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
                              clock=clock, window=window(runtime, timing, draft) if window else None,
                              stop_on_eos=job.stop_on_eos, temperature=job.temperature,
-                             compiled=compiled.record)
+                             compiled=compiled.record, pieces=pieces)
 
 
 def resident_engine(model, device: torch.device, stop_on_eos: bool = True,

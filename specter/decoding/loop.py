@@ -38,7 +38,8 @@ from specter.offload.prefetch import WindowPrefetcher
 def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int, k: int,
                       device: torch.device, clock, stop: set[int], memory,
                       before_forward=None, prefetcher: WindowPrefetcher | None = None,
-                      accept=None, depth=None, on_commit: list | None = None) -> list[Generation]:
+                      accept=None, depth=None, on_commit: list | None = None,
+                      pieces=None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
     `draft` is where and how the draft runs, over which cache (draft.py: `SharedKV`, the
     target's own instance in draft mode over its cache; `OwnKV`, `CopiedKV`: a second model;
@@ -48,13 +49,15 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     steps and hears each window's end; `accept` (`acceptance`: `Greedy`, the default, or
     `Sampled`) picks and accepts tokens; `depth` (an `AdaptiveDepth`) chooses each window's K
     instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s), called
-    with each commit's new tokens (`Rows._commit`); None: no listener at all."""
+    with each commit's new tokens (`Rows._commit`); None: no listener at all. `pieces`:
+    verification's runner (decoding/verify_pieces.py), or None (transformers' forward)."""
     _check(prompts, k)
     prefetch = prefetcher or WindowPrefetcher()
     accept = accept or Greedy()
     depths = WindowDepth(k, depth, clock)
     memory.start()
     kv = BatchCache(model, device, len(prompts), announce=before_forward)
+    kv.pieces = pieces
     rows = Rows(prompts, max_new_tokens, k, stop, clock.mark(), on_commit)
 
     # 0. Prefill: each row's last logits give the target's first token, committed at once
