@@ -85,6 +85,9 @@ def case_of(cfg: RunConfig, slots: int) -> dict[str, Any]:
         del d["quant"]["graphs"]
     if d["offload"]["grouped"] == "auto":  # the same timeline either way: runs before the knob
         del d["offload"]["grouped"]
+    if d["offload"].get("verify_pieces") == "auto" and not d["hardware"].get("kernel_floor_s"):
+        # a virtual clock without a kernel floor verifies eagerly at auto: runs before the knob
+        del d["offload"]["verify_pieces"]
     if "spec" in d and not d["spec"]["tune_own_k"]:  # the case of runs before the knob
         del d["spec"]["tune_own_k"]
     # spec.compile / system.compile: a setting (auto compiles where it can); the case holds

@@ -174,6 +174,20 @@ def test_grouped_experts_at_auto_keep_the_case_of_runs_before_the_knob():
     assert case(False)["offload"] == {"policy": "lru", "grouped": False}
 
 
+def test_verify_pieces_at_auto_keep_the_case_where_no_floor_is_charged():
+    """offload.verify_pieces=auto verifies eagerly on a virtual clock without a kernel floor:
+    the case of runs before the knob; off, or auto under a floor, is a case of its own."""
+    def case(setting, floor=0.0):
+        d = smoke_cfg("x").to_dict()
+        d["offload"] = {**d["offload"], "verify_pieces": setting}
+        d["hardware"] = {**d["hardware"], "kernel_floor_s": floor}
+        return runner.case_of(RunConfig.from_dict(d), 4)
+
+    assert "verify_pieces" not in case("auto")["offload"]
+    assert case("off")["offload"]["verify_pieces"] == "off"
+    assert case("auto", 4e-6)["offload"]["verify_pieces"] == "auto"
+
+
 def test_auto_hardware_keeps_real_clocks_where_asked(tmp_path):
     import torch
 
