@@ -16,13 +16,13 @@ Attach an `OffloadRuntime` before the `DraftMode` so target mode goes through it
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
 from specter.models.introspect import experts_modules
+from specter.switch import switched
 from specter.quant.calibrate import QuantizedExperts
 from specter.quant.formats import draft_expert_bytes
 from specter.quant.kernels import GraphedExperts, layers_nbytes, make_experts
@@ -110,14 +110,9 @@ class DraftMode:
         self.capture = False
         self.routes: list = []
 
-    @contextmanager
     def capturing(self):
         """Draft layers keep their routing in `routes` instead of telling the listeners."""
-        previous, self.capture = self.capture, True
-        try:
-            yield self
-        finally:
-            self.capture = previous
+        return switched(self, "capture", True, self)
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         """`fn(layer, top_k_index)` hears each draft MoE layer; `all_layers(routes)`, when
@@ -177,14 +172,9 @@ class DraftMode:
             self.draft_listeners = listeners
         return sum(len(layer.graphs) for layer in graphed) - before
 
-    @contextmanager
     def draft(self):
         """Run the model as the draft inside the block."""
-        previous, self.mode = self.mode, "draft"
-        try:
-            yield self
-        finally:
-            self.mode = previous
+        return switched(self, "mode", "draft", self)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ from typing import Callable
 
 import torch
 
+from specter.switch import switched
+
 
 class EagerPieces:
     """Runs each piece as it is, recording the keys in order (what a capture would hold)."""
@@ -146,14 +148,9 @@ class _Pieces:
 PIECES = _Pieces()
 
 
-@contextlib.contextmanager
 def pieces(runner):
     """Inside the block, DeepSeek-V2 layers run in pieces through `runner`."""
-    previous, PIECES.runner = PIECES.runner, runner
-    try:
-        yield runner
-    finally:
-        PIECES.runner = previous
+    return switched(PIECES, "runner", runner, runner)
 
 
 def _attention_pre(attn, hidden_states, position_embeddings):

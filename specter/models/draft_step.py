@@ -27,10 +27,10 @@ bit. The draft rounds differently in the last bits; a draft only proposes.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch.nn import functional as F
+
+from specter.switch import switched
 
 
 class _Switch:
@@ -40,14 +40,9 @@ class _Switch:
 DRAFT_STEP = _Switch()
 
 
-@contextlib.contextmanager
 def draft_step():
     """Inside the block, DeepSeek-V2's layers run this module's formulations."""
-    previous, DRAFT_STEP.on = DRAFT_STEP.on, True
-    try:
-        yield
-    finally:
-        DRAFT_STEP.on = previous
+    return switched(DRAFT_STEP, "on", True)
 
 
 def rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
