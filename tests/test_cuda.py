@@ -359,3 +359,32 @@ def test_grouped_experts_on_cuda_match_the_loop(dtype, tmp_path):
         assert (df["experts_kernel"] == kernel).all(), (grouped, df["experts_kernel"].tolist())
         tokens[grouped] = df["output_tokens"].map(tuple).tolist()
     assert tokens["auto"] == tokens["false"] and tokens["padded"] == tokens["false"]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_the_draft_attention_kernels_match_transformers_on_cuda(dtype, tol):
+    """`specter::mla_decode`'s two Triton launches (models/triton_mla.py) against its torch
+    body (transformers' attention) at DeepSeek-V2-Lite's head widths, on the device."""
+    from specter.models import draft_step
+
+    dev, dt = torch.device("cuda"), getattr(torch, dtype)
+    torch.manual_seed(0)
+    B, T, H, dn, dr, dv, R, L, idx = 1, 1, 16, 128, 64, 128, 512, 256, 140
+    q, kv = torch.randn(B, T, H * (dn + dr), device=dev, dtype=dt), torch.randn(
+        B, T, R + dr, device=dev, dtype=dt)
+    norm_w = (torch.rand(R, device=dev) + 0.5).to(dt)
+    w_kvb = (torch.randn(H * (dn + dv), R, device=dev) / R ** 0.5).to(dt)
+    ang = torch.randn(1, T, dr // 2, device=dev)
+    rot = torch.stack((ang.cos(), ang.sin()), -1).contiguous()
+    latent = torch.randn(B, 1, L, R, device=dev, dtype=dt)
+    pe = torch.randn(B, 1, L, dr, device=dev, dtype=dt)
+    index = torch.tensor(idx, device=dev)
+    outs = []
+    for use_triton in (False, True):
+        lat, p = latent.clone(), pe.clone()
+        out = torch.ops.specter.mla_decode(q, kv, norm_w, 1e-6, rot, lat, p, index, w_kvb, H,
+                                           dn, dr, dv, 0.1, use_triton)
+        outs.append((out.float(), lat.float(), p.float()))
+    for got, ref in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, ref, rtol=tol, atol=tol)

@@ -68,7 +68,7 @@ def test_off_it_is_transformers_own_code(tiny_models):
     assert torch.equal(through, plain)
 
 
-ROUTER_CHECK = """
+INTERPRETED = """
 import sys, torch
 from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, {root!r})
@@ -90,14 +90,16 @@ class Counted:  # the jitted kernel: its launch counted, its interpreter's work 
             finally:
                 paused.pop()
         return launch
-kernels._kernel = lambda name: Counted(real(name))
+kernels._kernel = lambda *a, **kw: Counted(real(*a, **kw))
 
 class Ops(TorchDispatchMode):  # aten calls of the op's body: allocations only
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not paused and not func.is_view:
             seen.append(func.overloadpacket.__name__)
         return func(*args, **(kwargs or {{}}))
+"""
 
+ROUTER_CHECK = INTERPRETED + """
 torch.manual_seed(1)
 for T, E, k in ((1, 64, 6), (3, 60, 4), (2, 16, 2)):
     logits = torch.randn(T, E)
@@ -113,24 +115,97 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
-def test_the_router_kernel_under_the_interpreter_is_one_launch():
+MLA_CHECK = INTERPRETED + """
+torch.manual_seed(2)
+# (B, T, heads, dn, dr, dv, R, L, index, rot's batch): DeepSeek-V2-Lite's head widths, odd ones
+for B, T, H, dn, dr, dv, R, L, idx, rb in ((1, 1, 2, 128, 64, 128, 512, 64, 37, 1),
+                                           (2, 3, 3, 12, 8, 10, 24, 40, 17, 1),
+                                           (2, 1, 2, 16, 4, 16, 20, 33, 32, 2)):
+    q, kv = torch.randn(B, T, H * (dn + dr)), torch.randn(B, T, R + dr)
+    norm_w, w_kvb = torch.rand(R) + 0.5, torch.randn(H * (dn + dv), R) / R ** 0.5
+    ang = torch.randn(rb, T, dr // 2)
+    rot = torch.stack((ang.cos(), ang.sin()), -1).contiguous()
+    latent, pe, index = torch.randn(B, 1, L, R), torch.randn(B, 1, L, dr), torch.tensor(idx)
+    args = lambda lat, p: (q, kv, norm_w, 1e-6, rot, lat, p, index, w_kvb, H, dn, dr, dv, 0.2)
+    ref_lat, ref_pe = latent.clone(), pe.clone()
+    ref = draft_step._mla_decode_torch(*args(ref_lat, ref_pe))
+    launches.clear(); seen.clear()
+    with Ops():
+        out = draft_step.mla_decode._init_fn(*args(latent, pe), True)
+    assert len(launches) == DEVICE_LAUNCHES["specter::mla_decode"] == 2, launches
+    assert set(seen) <= {{"empty", "new_empty"}}, seen
+    torch.testing.assert_close(latent, ref_lat, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pe, ref_pe, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def _interpreted(check: str) -> None:
     root = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", ROUTER_CHECK.format(root=str(root))], env=env,
+    res = subprocess.run([sys.executable, "-c", check.format(root=str(root))], env=env,
                          capture_output=True, text=True, cwd=root, timeout=600)
     assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
+def test_the_router_kernel_under_the_interpreter_is_one_launch():
+    _interpreted(ROUTER_CHECK)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
+def test_the_attention_kernels_under_the_interpreter_are_two_launches():
+    """`specter::mla_decode` on CUDA: the cache written (normed latent, rotated key) as
+    transformers writes it, and the heads' outputs computed absorbed within float rounding of
+    transformers' own attention, in two launches and no other kernel."""
+    _interpreted(MLA_CHECK)
+
+
+def test_the_attention_op_is_transformers_attention(tiny_models, monkeypatch):
+    """Decode steps over the draft's static cache with one write index (as the compiled step
+    runs them): DeepSeek-V2's attention is the op (`specter::mla_decode`, its torch body on
+    the CPU) and the logits are transformers' own within float rounding."""
+    from specter.decoding.compiled_draft import one_write_index
+
+    draft_step.install()
+    calls = []
+    body = draft_step._mla_decode_torch
+    monkeypatch.setattr(draft_step, "_mla_decode_torch",
+                        lambda *a: calls.append(a[7].item()) or body(*a))
+    model = tiny_models("tiny_deepseek").model
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
+    ref_cache = DynamicCache(config=model.config)
+    static = StaticCache(config=model.config, max_cache_len=32)
+    _logits(model, ids, ref_cache)
+    with draft_step.draft_step():
+        _logits(model, ids, static)  # a prefill: transformers' attention (T > 1)
+    assert not calls
+    index = one_write_index(static)
+    for n, tok in enumerate((11, 23, 7)):
+        step = torch.tensor([[tok]])
+        ref = _logits(model, step, ref_cache)
+        with draft_step.draft_step():
+            got = _logits(model, step, static)
+        index.add_(1)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        assert calls[-1] == ids.shape[1] + n
+    layers = model.config.num_hidden_layers
+    assert len(calls) == 3 * layers
 
 
 def test_the_compiled_step_has_fewer_kernels():
     """Counted as experiments.kernel_count counts (3 layers, narrow): 95 compiled kernels
     with transformers' layers as they were; the real rotary embedding (one a layer), the
     fused router (three a MoE layer), the routes left unstacked in the graph (one a MoE layer)
-    and one write index for the draft cache (one a layer) leave 82."""
+    and one write index for the draft cache (one a layer) left 82; the attention as one op
+    (two launches for about ten kernels a layer: the latent's norm, the rotations, the cache
+    writes, kv_b_proj over the cache, the key's and the query's assembly, the two products
+    and the softmax) leaves 58."""
     from experiments.kernel_count import count
 
     row = count(3, True, log=lambda *_: None)
-    assert row["compiled_kernels"] <= 82, row
+    assert row["compiled_kernels"] <= 58, row
 
 
 def test_one_write_index_only_for_plain_static_layers(tiny_models):

@@ -83,7 +83,7 @@ def _one_index_class(layer_class):
             self.values.index_copy_(2, at, value_states)
             return self.keys, self.values
         _ONE_INDEX[layer_class] = type("OneIndex" + layer_class.__name__, (layer_class,),
-                                       {"update": update})
+                                       {"update": update, "one_write_index": True})
     return _ONE_INDEX[layer_class]
 
 

@@ -94,6 +94,87 @@ def _(logits, k, scale, use_triton):
             logits.new_empty((T, k), dtype=torch.int64))
 
 
+# -- the attention of one step as one op ---------------------------------------------------------
+def _mla_decode_torch(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv,
+                      scaling):
+    """transformers' DeepSeek-V2 attention after its projections, over a static cache written
+    at `index` (the rotation in real arithmetic, `rotate_real`), causal: the mask
+    transformers makes for it."""
+    B, T, _ = q.shape
+    R, L = latent.shape[-1], latent.shape[2]
+    x, k_pe = kv.split([R, dr], dim=-1)
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    k_nope = norm_w * xf.to(x.dtype)
+    cos, sin = rot[..., 0].unsqueeze(1), rot[..., 1].unsqueeze(1)  # [b, 1, T, dr/2]
+    at = torch.arange(T, device=q.device) + index
+    latent.index_copy_(2, at, k_nope.view(B, 1, T, R).to(latent.dtype))
+    pe.index_copy_(2, at, rotate_real(k_pe.view(B, 1, T, dr), cos, sin).to(pe.dtype))
+    qh = q.view(B, T, heads, dn + dr).transpose(1, 2)
+    q_nope, q_pe = qh.split([dn, dr], dim=-1)
+    query = torch.cat((q_nope, rotate_real(q_pe, cos, sin)), dim=-1)
+    kvb = F.linear(latent, w_kvb).view(B, L, heads, dn + dv).transpose(1, 2)
+    k_nope_all, value = kvb.split([dn, dv], dim=-1)
+    key = torch.cat((k_nope_all, pe.expand(B, heads, L, dr)), dim=-1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    future = torch.arange(L, device=q.device) > at[:, None]  # [T, L]
+    scores = scores.masked_fill(future, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).reshape(B, T, heads * dv)
+
+
+def _mla_decode_launch(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv,
+                       scaling):
+    import triton
+
+    from specter.counting import launched
+    from specter.quant.kernels import _kernel
+
+    B, T, _ = q.shape
+    R, L = latent.shape[-1], latent.shape[2]
+    for name, t in (("q", q), ("kv", kv), ("rot", rot), ("latent", latent), ("pe", pe),
+                    ("kv_b_proj", w_kvb)):
+        if not t.is_contiguous():
+            raise ValueError(f"mla_decode: {name} must be contiguous")
+    rot_b = rot.stride(0) if rot.shape[0] > 1 else 0
+    out = q.new_empty(B, T, heads * dv)
+    mod = "specter.models.triton_mla"
+    block_r, block_p = triton.next_power_of_2(R), triton.next_power_of_2(max(dr // 2, 1))
+    launched("triton")
+    _kernel("mla_write", mod)[(B * T,)](kv, norm_w, rot, latent, pe, index, float(eps), T, L,
+                                         rot_b, R=R, DR=dr, BLOCK_R=block_r, BLOCK_P=block_p)
+    launched("triton")
+    _kernel("mla_attend", mod)[(B * T * heads,)](
+        q, rot, latent, pe, index, w_kvb, out, float(scaling), T, L, heads, rot_b, R=R, DN=dn,
+        DR=dr, DV=dv, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_D=16, BLOCK_L=16)
+    return out
+
+
+@torch.library.custom_op("specter::mla_decode", mutates_args=("latent", "pe"))
+def mla_decode(q: torch.Tensor, kv: torch.Tensor, norm_w: torch.Tensor, eps: float,
+               rot: torch.Tensor, latent: torch.Tensor, pe: torch.Tensor, index: torch.Tensor,
+               w_kvb: torch.Tensor, heads: int, dn: int, dr: int, dv: int, scaling: float,
+               use_triton: bool) -> torch.Tensor:
+    """DeepSeek-V2's attention of T new tokens after q_proj and kv_a_proj_with_mqa, over the
+    static draft cache: q [B, T, heads (dn + dr)], kv [B, T, R + dr]; the latent normed
+    (`norm_w`, `eps`) and the rotary key rotated by rot [B or 1, T, dr/2, 2] (cos, sin) are
+    written into latent [B, 1, L, R] and pe [B, 1, L, dr] at index [1] + 0..T-1; returns the
+    heads' outputs [B, T, heads dv] (before o_proj), token i attending to positions up to
+    index + i: the causal mask transformers makes over the draft's static cache, which holds
+    one row filled up to its write index (so the mask itself need not be made or read: one
+    kernel a layer fewer). `use_triton`: two Triton
+    launches (models/triton_mla.py; CUDA, or the CPU under TRITON_INTERPRET=1), attention
+    absorbed into the latent; else transformers' own formulation in torch."""
+    run = _mla_decode_launch if use_triton else _mla_decode_torch
+    return run(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv, scaling)
+
+
+@mla_decode.register_fake
+def _(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv, scaling,
+      use_triton):
+    return q.new_empty(q.shape[0], q.shape[1], heads * dv)
+
+
 def _use_triton(t: torch.Tensor) -> bool:
     from specter.quant.kernels import triton_available
 
@@ -132,3 +213,39 @@ def install() -> None:
         forward._specter_draft_step = True
         forward.__wrapped__ = route
         ds.DeepseekV2TopkRouter.forward = forward
+
+    attend = ds.DeepseekV2Attention.forward
+    if not getattr(attend, "_specter_draft_step", False):
+        def forward(self, hidden_states, attention_mask=None, cache=None,
+                    position_embeddings=None, **kwargs):
+            layer = _one_index_layer(cache, self.layer_idx)
+            if (not DRAFT_STEP.on or layer is None or hidden_states.shape[1] != 1
+                    or kwargs.get("_specter_pieces") is not None):
+                return attend(self, hidden_states=hidden_states, attention_mask=attention_mask,
+                              cache=cache, position_embeddings=position_embeddings, **kwargs)
+            B, T = hidden_states.shape[:2]
+            if self.q_lora_rank is None:
+                q = self.q_proj(hidden_states)
+            else:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            kv = self.kv_a_proj_with_mqa(hidden_states)
+            rot = torch.view_as_real(position_embeddings.to(q.device))
+            out = torch.ops.specter.mla_decode(
+                q, kv, self.kv_a_layernorm.weight, float(self.kv_a_layernorm.variance_epsilon),
+                rot, layer.keys, layer.values, layer.cumulative_length, self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim,
+                self.qk_rope_head_dim, self.v_head_dim, float(self.scaling), _use_triton(q))
+            return self.o_proj(out), None
+
+        forward._specter_draft_step = True
+        forward.__wrapped__ = attend
+        ds.DeepseekV2Attention.forward = forward
+
+
+def _one_index_layer(cache, layer_idx: int):
+    """The draft buffers' layer `layer_idx` where it writes at the shared index
+    (compiled_draft.one_write_index: keys the latent, values the rotary key), else None."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or layer_idx >= len(layers):
+        return None
+    layer = layers[layer_idx]
+    return layer if getattr(type(layer), "one_write_index", False) else None

@@ -245,20 +245,21 @@ def triton_available() -> bool:
     return True
 
 
-_KERNELS: dict[tuple[str, bool], object] = {}
+_KERNELS: dict[tuple[str, str, bool], object] = {}
 
 
-def _kernel(name: str = "moe_int4_gemm"):
-    """Build a Triton kernel of triton_moe.py on first use (importing triton is slow and
-    optional); one per mode, since `triton.jit` reads TRITON_INTERPRET when it decorates."""
-    key = (name, interpret_mode())
+def _kernel(name: str = "moe_int4_gemm", module: str = "specter.quant.triton_moe"):
+    """Build a Triton kernel (a plain function of `module`: triton_moe.py, or the draft step's
+    models/triton_mla.py) on first use (importing triton is slow and optional); one per mode,
+    since `triton.jit` reads TRITON_INTERPRET when it decorates."""
+    key = (module, name, interpret_mode())
     if key in _KERNELS:
         return _KERNELS[key]
+    import importlib
+
     import triton
 
-    from specter.quant import triton_moe
-
-    kernel = triton.jit(getattr(triton_moe, name))
+    kernel = triton.jit(getattr(importlib.import_module(module), name))
     _KERNELS[key] = kernel
     return kernel
 
