@@ -230,3 +230,43 @@ def test_one_write_index_only_for_plain_static_layers(tiny_models):
         layer.lazy_initialization(k, k)
     assert one_write_index(mixed) is None
     assert type(mixed.layers[0]) is StaticLayer
+
+
+def test_merged_projections_keep_the_target_and_its_bytes():
+    """`merge_projections`: each attention's q and kv_a projections and each MLP's gate and
+    up become views of one weight (no byte added), the target's logits stay bit for bit, and
+    the draft step multiplies each merged pair in one GEMM (within float rounding)."""
+    from specter.config import ModelConfig
+    from specter.decoding.compiled_draft import one_write_index
+    from specter.placement.loader import load_model
+
+    draft_step.install()
+    model = load_model(ModelConfig(name="tiny_deepseek", source="project"),
+                       torch.device("cpu"), progress=False).model
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
+    before = _logits(model, ids, DynamicCache(config=model.config))
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    attn = model.model.layers[1].self_attn
+    shared = model.model.layers[1].mlp.shared_experts
+    merged = draft_step.merge_projections(model)
+    assert merged == 2 * model.config.num_hidden_layers  # every attention and every MLP
+    assert draft_step.merge_projections(model) == 0  # once
+    whole = getattr(attn, draft_step.MERGED)
+    assert attn.q_proj.weight.data_ptr() == whole.data_ptr()
+    assert attn.kv_a_proj_with_mqa.weight.untyped_storage().data_ptr() == whole.data_ptr()
+    assert shared.up_proj.weight.untyped_storage().data_ptr() == getattr(
+        shared, draft_step.MERGED).data_ptr()
+    assert sum(p.numel() * p.element_size() for p in model.parameters()) == nbytes
+    assert len({p.untyped_storage().data_ptr() for p in model.parameters()}) < len(storages)
+    assert torch.equal(_logits(model, ids, DynamicCache(config=model.config)), before)
+    static = StaticCache(config=model.config, max_cache_len=32)
+    ref_cache = DynamicCache(config=model.config)
+    _logits(model, ids, ref_cache)
+    with draft_step.draft_step():
+        _logits(model, ids, static)
+    one_write_index(static)
+    step = torch.tensor([[11]])
+    with draft_step.draft_step():
+        got = _logits(model, step, static)
+    torch.testing.assert_close(got, _logits(model, step, ref_cache), rtol=1e-5, atol=1e-5)

@@ -132,21 +132,24 @@ def _mla_decode_launch(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads,
 
     B, T, _ = q.shape
     R, L = latent.shape[-1], latent.shape[2]
-    for name, t in (("q", q), ("kv", kv), ("rot", rot), ("latent", latent), ("pe", pe),
-                    ("kv_b_proj", w_kvb)):
+    for name, t in (("rot", rot), ("latent", latent), ("pe", pe), ("kv_b_proj", w_kvb)):
         if not t.is_contiguous():
             raise ValueError(f"mla_decode: {name} must be contiguous")
+    for name, t in (("q", q), ("kv", kv)):  # rows of one GEMM's output (merged_projections)
+        if t.stride(2) != 1 or (B > 1 and t.stride(0) != T * t.stride(1)):
+            raise ValueError(f"mla_decode: {name}'s rows must be evenly spaced")
     rot_b = rot.stride(0) if rot.shape[0] > 1 else 0
     out = q.new_empty(B, T, heads * dv)
     mod = "specter.models.triton_mla"
     block_r, block_p = triton.next_power_of_2(R), triton.next_power_of_2(max(dr // 2, 1))
     launched("triton")
     _kernel("mla_write", mod)[(B * T,)](kv, norm_w, rot, latent, pe, index, float(eps), T, L,
-                                         rot_b, R=R, DR=dr, BLOCK_R=block_r, BLOCK_P=block_p)
+                                         kv.stride(1), rot_b, R=R, DR=dr, BLOCK_R=block_r,
+                                         BLOCK_P=block_p)
     launched("triton")
     _kernel("mla_attend", mod)[(B * T * heads,)](
-        q, rot, latent, pe, index, w_kvb, out, float(scaling), T, L, heads, rot_b, R=R, DN=dn,
-        DR=dr, DV=dv, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_D=16, BLOCK_L=16)
+        q, rot, latent, pe, index, w_kvb, out, float(scaling), T, L, heads, q.stride(1), rot_b,
+        R=R, DN=dn, DR=dr, DV=dv, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_D=16, BLOCK_L=16)
     return out
 
 
@@ -223,12 +226,7 @@ def install() -> None:
                     or kwargs.get("_specter_pieces") is not None):
                 return attend(self, hidden_states=hidden_states, attention_mask=attention_mask,
                               cache=cache, position_embeddings=position_embeddings, **kwargs)
-            B, T = hidden_states.shape[:2]
-            if self.q_lora_rank is None:
-                q = self.q_proj(hidden_states)
-            else:
-                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-            kv = self.kv_a_proj_with_mqa(hidden_states)
+            q, kv = _query_and_latent(self, hidden_states)
             rot = torch.view_as_real(position_embeddings.to(q.device))
             out = torch.ops.specter.mla_decode(
                 q, kv, self.kv_a_layernorm.weight, float(self.kv_a_layernorm.variance_epsilon),
@@ -239,6 +237,85 @@ def install() -> None:
         forward._specter_draft_step = True
         forward.__wrapped__ = attend
         ds.DeepseekV2Attention.forward = forward
+
+
+    mlp = ds.DeepseekV2MLP.forward
+    if not getattr(mlp, "_specter_draft_step", False):
+        def forward(self, x):
+            gate_up = getattr(self, MERGED, None)
+            if not DRAFT_STEP.on or gate_up is None:
+                return mlp(self, x)
+            gate, up = F.linear(x, gate_up).split(self.intermediate_size, dim=-1)
+            return self.down_proj(self.act_fn(gate) * up)
+
+        forward._specter_draft_step = True
+        forward.__wrapped__ = mlp
+        ds.DeepseekV2MLP.forward = forward
+
+
+def _query_and_latent(attn, hidden_states):
+    """The attention's query (q_proj, or q_a -> norm -> q_b) and its latent's projection
+    (kv_a_proj_with_mqa): one GEMM for both where they are merged (`merge_projections`)."""
+    merged = getattr(attn, MERGED, None)
+    if merged is not None:
+        first, kv = F.linear(hidden_states, merged).split(
+            [merged.shape[0] - attn.kv_a_proj_with_mqa.out_features,
+             attn.kv_a_proj_with_mqa.out_features], dim=-1)
+    else:
+        first = attn.q_proj(hidden_states) if attn.q_lora_rank is None else attn.q_a_proj(
+            hidden_states)
+        kv = attn.kv_a_proj_with_mqa(hidden_states)
+    if attn.q_lora_rank is None:
+        return first, kv
+    return attn.q_b_proj(attn.q_a_layernorm(first)), kv
+
+
+# -- GEMMs that read one input, merged ------------------------------------------------------------
+MERGED = "_specter_merged"  # the module's merged weight (a plain attribute: not a parameter)
+
+
+def merge_projections(model) -> int:
+    """Each DeepSeek-V2 attention's first projections (q_proj or q_a_proj, and
+    kv_a_proj_with_mqa) and each MLP's gate_proj and up_proj (the dense layers' and the
+    shared experts') made views of one weight, which the draft step multiplies in one GEMM
+    (as vLLM's merged linear layers): one kernel fewer each. The parts keep their values and
+    their places (the target runs its own GEMMs on them, bit for bit as before: each view
+    starts where a lone weight would, on a 64-byte boundary; a module whose parts are not
+    so placed, or have biases, stays as it is), and no byte is added. Returns how many
+    modules were merged."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+
+    merged = 0
+    for m in model.modules():
+        if isinstance(m, ds.DeepseekV2Attention):
+            first = m.q_proj if m.q_lora_rank is None else m.q_a_proj
+            merged += _merge(m, (first, m.kv_a_proj_with_mqa))
+        elif isinstance(m, ds.DeepseekV2MLP):
+            merged += _merge(m, (m.gate_proj, m.up_proj))
+    return merged
+
+
+def _merge(owner, linears) -> int:
+    if getattr(owner, MERGED, None) is not None:
+        return 0
+    ws = [lin.weight for lin in linears]
+    w0 = ws[0]
+    if any(lin.bias is not None for lin in linears) or any(
+            w.device != w0.device or w.dtype != w0.dtype or w.shape[1] != w0.shape[1]
+            or w.is_meta or not w.is_contiguous() for w in ws):
+        return 0
+    row_bytes = w0.shape[1] * w0.element_size()
+    if any(sum(w.shape[0] for w in ws[:i]) * row_bytes % 64 for i in range(1, len(ws))):
+        return 0
+    with torch.no_grad():
+        whole = torch.cat(ws)
+    start = 0
+    for lin, w in zip(linears, ws):
+        n = w.shape[0]
+        lin.weight = torch.nn.Parameter(whole[start:start + n], requires_grad=w.requires_grad)
+        start += n
+    object.__setattr__(owner, MERGED, whole)
+    return 1
 
 
 def _one_index_layer(cache, layer_idx: int):

@@ -19,16 +19,17 @@ import triton.language as tl
 
 
 def mla_write(kv_ptr, norm_ptr, rot_ptr, latent_ptr, pe_ptr, index_ptr, eps, T, L,
-              stride_rot_b, R: tl.constexpr, DR: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_P: tl.constexpr):
-    """kv [B*T, R + DR] (kv_a_proj's output) -> latent [B, 1, L, R] and pe [B, 1, L, DR] at
-    position index[0] + the token's offset; rot [B or 1, T, DR/2, 2] (cos, sin)."""
+              stride_kv, stride_rot_b, R: tl.constexpr, DR: tl.constexpr,
+              BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr):
+    """kv [B*T, R + DR] (kv_a_proj's output; rows `stride_kv` apart) -> latent [B, 1, L, R]
+    and pe [B, 1, L, DR] at position index[0] + the token's offset; rot [B or 1, T, DR/2, 2]
+    (cos, sin)."""
     bt = tl.program_id(0).to(tl.int64)
     b, i = bt // T, bt % T
     pos = tl.load(index_ptr).to(tl.int64) + i
     offs_r = tl.arange(0, BLOCK_R)
     rm = offs_r < R
-    x = tl.load(kv_ptr + bt * (R + DR) + offs_r, mask=rm, other=0.0).to(tl.float32)
+    x = tl.load(kv_ptr + bt * stride_kv + offs_r, mask=rm, other=0.0).to(tl.float32)
     var = tl.sum(x * x, axis=0) / R
     w = tl.load(norm_ptr + offs_r, mask=rm, other=0.0).to(tl.float32)
     y = w * (x * tl.rsqrt(var + eps))
@@ -36,8 +37,8 @@ def mla_write(kv_ptr, norm_ptr, rot_ptr, latent_ptr, pe_ptr, index_ptr, eps, T, 
              mask=rm)
     offs_p = tl.arange(0, BLOCK_P)
     pm = offs_p < DR // 2
-    k0 = tl.load(kv_ptr + bt * (R + DR) + R + 2 * offs_p, mask=pm, other=0.0).to(tl.float32)
-    k1 = tl.load(kv_ptr + bt * (R + DR) + R + 2 * offs_p + 1, mask=pm, other=0.0).to(tl.float32)
+    k0 = tl.load(kv_ptr + bt * stride_kv + R + 2 * offs_p, mask=pm, other=0.0).to(tl.float32)
+    k1 = tl.load(kv_ptr + bt * stride_kv + R + 2 * offs_p + 1, mask=pm, other=0.0).to(tl.float32)
     rot = rot_ptr + b * stride_rot_b + i * DR + 2 * offs_p
     c = tl.load(rot, mask=pm, other=0.0).to(tl.float32)
     s = tl.load(rot + 1, mask=pm, other=0.0).to(tl.float32)
@@ -47,10 +48,11 @@ def mla_write(kv_ptr, norm_ptr, rot_ptr, latent_ptr, pe_ptr, index_ptr, eps, T, 
 
 
 def mla_attend(q_ptr, rot_ptr, latent_ptr, pe_ptr, index_ptr, w_ptr, out_ptr, scaling, T, L,
-               H, stride_rot_b, R: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr,
+               H, stride_q, stride_rot_b, R: tl.constexpr, DN: tl.constexpr, DR: tl.constexpr,
                DV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
-    """q [B*T, H*(DN+DR)] (q_proj's output, rope part not yet rotated), w = kv_b_proj's weight
+    """q [B*T, H*(DN+DR)] (q_proj's output, rope part not yet rotated; rows `stride_q`
+    apart), w = kv_b_proj's weight
     [H*(DN+DV), R] -> out [B*T, H*DV]; token i attends to the cache's positions up to its
     own, index[0] + i (causal over a cache filled up to the write index)."""
     pid = tl.program_id(0).to(tl.int64)
@@ -59,7 +61,7 @@ def mla_attend(q_ptr, rot_ptr, latent_ptr, pe_ptr, index_ptr, w_ptr, out_ptr, sc
     b, i = bt // T, bt % T
     offs_r = tl.arange(0, BLOCK_R)
     rm = offs_r < R
-    q_row = q_ptr + bt * H * (DN + DR) + h * (DN + DR)
+    q_row = q_ptr + bt * stride_q + h * (DN + DR)
     w_head = w_ptr + h * (DN + DV) * R
     # the query absorbed into the key rows of kv_b_proj: q_lat [R]
     q_lat = tl.zeros([BLOCK_R], dtype=tl.float32)
