@@ -43,9 +43,11 @@ def test_the_step_computes_transformers_layers(tiny_models):
 
 def test_the_router_op_is_transformers_routing():
     torch.manual_seed(0)
-    logits = torch.randn(5, 64)
-    w, i = torch.ops.specter.softmax_topk(logits, 6, 2.5, False)
-    ref = torch.topk(torch.softmax(logits, -1), 6, sorted=True)
+    x, weight = torch.randn(5, 32, dtype=torch.bfloat16), torch.randn(64, 32, dtype=torch.bfloat16)
+    logits, w, i = torch.ops.specter.route_topk(x, weight, 6, 2.5, False)
+    ref_logits = torch.nn.functional.linear(x.float(), weight.float())
+    ref = torch.topk(torch.softmax(ref_logits, -1), 6, sorted=True)
+    assert torch.equal(logits, ref_logits)
     assert torch.equal(i, ref.indices) and torch.equal(w, ref.values * 2.5)
 
 
@@ -101,13 +103,15 @@ class Ops(TorchDispatchMode):  # aten calls of the op's body: allocations only
 
 ROUTER_CHECK = INTERPRETED + """
 torch.manual_seed(1)
-for T, E, k in ((1, 64, 6), (3, 60, 4), (2, 16, 2)):
-    logits = torch.randn(T, E)
+for T, E, H, k in ((1, 64, 2048, 6), (3, 60, 40, 4), (2, 16, 300, 2)):
+    x, weight = torch.randn(T, H), torch.randn(E, H) / H ** 0.5
     launches.clear(); seen.clear()
     with Ops():
-        w, i = draft_step.softmax_topk._init_fn(logits, k, 1.5, True)
-    assert len(launches) == DEVICE_LAUNCHES["specter::softmax_topk"] == 1, launches
-    assert set(seen) <= {{"empty", "_to_copy", "clone"}}, seen
+        logits, w, i = draft_step.route_topk._init_fn(x, weight, k, 1.5, True)
+    assert len(launches) == DEVICE_LAUNCHES["specter::route_topk"] == 1, launches
+    assert set(seen) <= {{"empty"}}, seen
+    ref_logits = x @ weight.T
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
     ref = torch.topk(torch.softmax(logits, -1), k, sorted=True)
     assert torch.equal(i, ref.indices), (i, ref.indices)
     torch.testing.assert_close(w, ref.values * 1.5, rtol=1e-6, atol=1e-7)

@@ -9,15 +9,26 @@ for the compiler where transformers' eager code costs kernels that no fusion rem
   compiler cannot generate code for complex tensors: each complex multiply stays a library
   call and each view a copy. Here the same rotation in real arithmetic, pair (x0, x1) by
   (cos, sin) -> (x0 cos - x1 sin, x0 sin + x1 cos): pointwise, fused with its neighbours.
-- the router: transformers' greedy top-k router is its GEMM, a softmax and a top-k, which the
-  compiler makes five kernels (the softmax's max, sum and division, the top-k, a copy). Here
-  the GEMM and one custom op (`specter::softmax_topk`): on CUDA one Triton kernel a token
-  (quant/triton_moe.py `softmax_topk`), as vLLM's fused top-k softmax; elsewhere the same in
-  torch. The experts come largest first (transformers' order is unspecified: sorted=False).
+- the router: transformers' greedy top-k router is its GEMM (in fp32: the weight converted
+  each step), a softmax and a top-k, which the compiler makes six kernels or more. Here one
+  custom op (`specter::route_topk`): on CUDA one Triton kernel a token (quant/triton_moe.py
+  `route_topk`: the GEMM, as vLLM's fused top-k softmax after it); elsewhere transformers' own
+  router in torch. The experts come largest first (transformers' order is unspecified:
+  sorted=False).
+- the attention: transformers' DeepSeek-V2 attention after its projections (the latent's
+  norm, the rotations, the cache writes, kv_b_proj over every cached position, the key's and
+  the query's assembly, the products and the softmax: about ten kernels) as one custom op
+  (`specter::mla_decode`): on CUDA two Triton launches (models/triton_mla.py: the cache
+  written, then attention computed absorbed over the latent, as DeepSeek's own decoder does);
+  elsewhere transformers' formulation in torch. It runs where the draft's static cache has
+  one write index (compiled_draft.one_write_index) and a step feeds one token.
+- GEMMs of one input: q (or q_a) with kv_a, and each MLP's gate with up, multiplied as one
+  (`merge_projections` makes the pairs views of one weight: no byte added, the target's own
+  GEMMs unchanged).
 
-Counted by experiments.kernel_count (DeepSeek-V2-Lite's depth; docs/clocks.md). The whole
-attention computed absorbed (the query multiplied into kv_b_proj's key half, scores against
-the cached latent), as DeepSeek's own decoder does, counted the same on the CPU and is not kept.
+Counted by experiments.kernel_count (DeepSeek-V2-Lite's depth; docs/clocks.md). The absorbed
+attention written in torch ops counted the same as transformers' on the CPU; it pays as a
+kernel of its own (the op above).
 
 Only the compiled draft step uses these (`compiled_draft.StaticKV` turns `DRAFT_STEP` on around
 its steps and its capture; the compiler guards on the switch): the target, its verification
@@ -54,44 +65,52 @@ def rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return out.flatten(-2).type_as(x)
 
 
-# -- the router's softmax and top-k as one op ---------------------------------------------------
-def _softmax_topk_torch(logits: torch.Tensor, k: int, scale: float):
-    probs = torch.softmax(logits.float(), dim=-1)
+# -- the router as one op ----------------------------------------------------------------------
+def _route_topk_torch(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float):
+    """transformers' greedy router: the GEMM in fp32, the softmax, the top k."""
+    logits = F.linear(x.float(), weight.float())
+    probs = torch.softmax(logits, dim=-1)
     weights, index = torch.topk(probs, k, dim=-1, sorted=True)
-    return weights * scale, index
+    return logits, weights * scale, index
 
 
-def _softmax_topk_launch(logits: torch.Tensor, k: int, scale: float):
+def _route_topk_launch(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float):
     import triton
 
     from specter.counting import launched
     from specter.quant.kernels import _kernel
 
-    T, E = logits.shape
-    logits = logits.float().contiguous()
-    weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
-    index = torch.empty(T, k, dtype=torch.int64, device=logits.device)
+    (T, H), E = x.shape, weight.shape[0]
+    if x.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("route_topk: the hidden states' rows and the router's weight must be "
+                         "contiguous")
+    logits = torch.empty(T, E, dtype=torch.float32, device=x.device)
+    weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
+    index = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    block_e = triton.next_power_of_2(E)
     launched("triton")
-    _kernel("softmax_topk")[(T,)](logits, weights, index, E, logits.stride(0), float(scale),
-                                  TOPK=k, BLOCK_E=triton.next_power_of_2(E))
-    return weights, index
+    _kernel("route_topk")[(T,)](x, weight, logits, weights, index, E, H, x.stride(0),
+                                float(scale), TOPK=k, BLOCK_E=block_e,
+                                BLOCK_H=max(16, min(128, 8192 // block_e)))
+    return logits, weights, index
 
 
-@torch.library.custom_op("specter::softmax_topk", mutates_args=())
-def softmax_topk(logits: torch.Tensor, k: int, scale: float,
-                 use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (weights [T, k] fp32: the k largest softmax probabilities times
-    `scale`, largest first; index [T, k] int64: their experts). `use_triton`: one Triton
-    launch (CUDA, or the CPU under TRITON_INTERPRET=1); else the same in torch."""
-    run = _softmax_topk_launch if use_triton else _softmax_topk_torch
-    return run(logits, k, scale)
+@torch.library.custom_op("specter::route_topk", mutates_args=())
+def route_topk(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float,
+               use_triton: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] (the hidden states), weight [E, H] (the router's) -> (logits [T, E] fp32;
+    weights [T, k] fp32: the k largest softmax probabilities times `scale`, largest first;
+    index [T, k] int64: their experts). `use_triton`: one Triton launch (CUDA, or the CPU
+    under TRITON_INTERPRET=1); else transformers' router in torch."""
+    run = _route_topk_launch if use_triton else _route_topk_torch
+    return run(x, weight, k, scale)
 
 
-@softmax_topk.register_fake
-def _(logits, k, scale, use_triton):
-    T = logits.shape[0]
-    return (logits.new_empty((T, k), dtype=torch.float32),
-            logits.new_empty((T, k), dtype=torch.int64))
+@route_topk.register_fake
+def _(x, weight, k, scale, use_triton):
+    T, E = x.shape[0], weight.shape[0]
+    return (x.new_empty((T, E), dtype=torch.float32), x.new_empty((T, k), dtype=torch.float32),
+            x.new_empty((T, k), dtype=torch.int64))
 
 
 # -- the attention of one step as one op ---------------------------------------------------------
@@ -207,11 +226,9 @@ def install() -> None:
         def forward(self, hidden_states):
             if not DRAFT_STEP.on or self.topk_method != "greedy":
                 return route(self, hidden_states)
-            logits = F.linear(hidden_states.view(-1, self.hidden_dim).float(),
-                              self.weight.float())
-            weights, index = torch.ops.specter.softmax_topk(
-                logits, self.top_k, float(self.routed_scaling_factor), _use_triton(logits))
-            return logits, weights, index
+            x = hidden_states.view(-1, self.hidden_dim)
+            return torch.ops.specter.route_topk(x, self.weight, self.top_k,
+                                                float(self.routed_scaling_factor), _use_triton(x))
 
         forward._specter_draft_step = True
         forward.__wrapped__ = route

@@ -98,15 +98,25 @@ def moe_int4_pairs(x_ptr, codes_ptr, scales_ptr, index_ptr, weights_ptr, out_ptr
     tl.store(out_ptr + p * stride_om + offs_n, acc, mask=n_ok)
 
 
-def softmax_topk(logits_ptr, weights_ptr, index_ptr, E, stride_l, scale,
-                 TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
-    """One token's routing (a program per token): softmax over its E router logits (fp32),
-    then its TOPK largest probabilities, largest first, each times `scale`, and their experts'
-    ids (the first of equal maxima); DeepSeek's greedy top-k router after its GEMM."""
+def route_topk(x_ptr, w_ptr, logits_ptr, weights_ptr, index_ptr, E, H, stride_x, scale,
+               TOPK: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One token's routing (a program per token): its E router logits (x . w_e over the H
+    hidden features, in fp32), their softmax, then the TOPK largest probabilities, largest
+    first, each times `scale`, and their experts' ids (the first of equal maxima); DeepSeek's
+    greedy top-k router, GEMM included."""
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < E
-    x = tl.load(logits_ptr + t * stride_l + offs, mask=ok, other=-float("inf")).to(tl.float32)
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for h0 in range(0, H, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        x = tl.load(x_ptr + t * stride_x + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs[:, None] * H + offs_h[None, :], mask=ok[:, None] & h_ok[None, :],
+                    other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(logits_ptr + t * E + offs, acc, mask=ok)
+    x = tl.where(ok, acc, -float("inf"))
     e = tl.where(ok, tl.exp(x - tl.max(x, axis=0)), 0.0)
     p = tl.where(ok, e / tl.sum(e, axis=0), -1.0)
     for j in tl.static_range(TOPK):
