@@ -18,8 +18,8 @@ for the compiler where transformers' eager code costs kernels that no fusion rem
 - the attention: transformers' DeepSeek-V2 attention after its projections (the latent's
   norm, the rotations, the cache writes, kv_b_proj over every cached position, the key's and
   the query's assembly, the products and the softmax: about ten kernels) as one custom op
-  (`specter::mla_decode`): on CUDA two Triton launches (models/triton_mla.py: the cache
-  written, then attention computed absorbed over the latent, as DeepSeek's own decoder does);
+  (`specter::mla_decode`): on CUDA one Triton launch (models/triton_mla.py: the cache
+  written, and attention computed absorbed over the latent, as DeepSeek's own decoder does);
   elsewhere transformers' formulation in torch. It runs where the draft's static cache has
   one write index (compiled_draft.one_write_index) and a step feeds one token.
 - GEMMs of one input: q (or q_a) with kv_a, and each MLP's gate with up, multiplied as one
@@ -151,24 +151,21 @@ def _mla_decode_launch(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads,
 
     B, T, _ = q.shape
     R, L = latent.shape[-1], latent.shape[2]
+    if T != 1:
+        raise ValueError("mla_decode: the Triton kernel takes one new token a row")
     for name, t in (("rot", rot), ("latent", latent), ("pe", pe), ("kv_b_proj", w_kvb)):
         if not t.is_contiguous():
             raise ValueError(f"mla_decode: {name} must be contiguous")
     for name, t in (("q", q), ("kv", kv)):  # rows of one GEMM's output (merged_projections)
-        if t.stride(2) != 1 or (B > 1 and t.stride(0) != T * t.stride(1)):
-            raise ValueError(f"mla_decode: {name}'s rows must be evenly spaced")
-    rot_b = rot.stride(0) if rot.shape[0] > 1 else 0
+        if t.stride(2) != 1:
+            raise ValueError(f"mla_decode: {name}'s rows must be contiguous")
     out = q.new_empty(B, T, heads * dv)
-    mod = "specter.models.triton_mla"
-    block_r, block_p = triton.next_power_of_2(R), triton.next_power_of_2(max(dr // 2, 1))
     launched("triton")
-    _kernel("mla_write", mod)[(B * T,)](kv, norm_w, rot, latent, pe, index, float(eps), T, L,
-                                         kv.stride(1), rot_b, R=R, DR=dr, BLOCK_R=block_r,
-                                         BLOCK_P=block_p)
-    launched("triton")
-    _kernel("mla_attend", mod)[(B * T * heads,)](
-        q, rot, latent, pe, index, w_kvb, out, float(scaling), T, L, heads, q.stride(1), rot_b,
-        R=R, DN=dn, DR=dr, DV=dv, BLOCK_R=block_r, BLOCK_P=block_p, BLOCK_D=16, BLOCK_L=16)
+    _kernel("mla_decode_step", "specter.models.triton_mla")[(B * heads,)](
+        q, kv, norm_w, rot, latent, pe, index, w_kvb, out, float(eps), float(scaling), L, heads,
+        q.stride(0), kv.stride(0), rot.stride(0) if rot.shape[0] > 1 else 0, R=R, DN=dn, DR=dr,
+        DV=dv, BLOCK_R=triton.next_power_of_2(R),
+        BLOCK_P=triton.next_power_of_2(max(dr // 2, 1)), BLOCK_D=16, BLOCK_L=16)
     return out
 
 
@@ -184,9 +181,9 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, norm_w: torch.Tensor, eps: flo
     heads' outputs [B, T, heads dv] (before o_proj), token i attending to positions up to
     index + i: the causal mask transformers makes over the draft's static cache, which holds
     one row filled up to its write index (so the mask itself need not be made or read: one
-    kernel a layer fewer). `use_triton`: two Triton
-    launches (models/triton_mla.py; CUDA, or the CPU under TRITON_INTERPRET=1), attention
-    absorbed into the latent; else transformers' own formulation in torch."""
+    kernel a layer fewer). `use_triton`: one Triton launch (models/triton_mla.py; CUDA, or
+    the CPU under TRITON_INTERPRET=1; T = 1, a draft step's), attention absorbed into the
+    latent; else transformers' own formulation in torch."""
     run = _mla_decode_launch if use_triton else _mla_decode_torch
     return run(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv, scaling)
 
