@@ -364,7 +364,7 @@ def test_grouped_experts_on_cuda_match_the_loop(dtype, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_the_draft_attention_kernels_match_transformers_on_cuda(dtype, tol):
-    """`specter::mla_decode`'s two Triton launches (models/triton_mla.py) against its torch
+    """`specter::mla_decode`'s Triton launch (models/triton_draft.py) against its torch
     body (transformers' attention) at DeepSeek-V2-Lite's head widths, on the device."""
     from specter.models import draft_step
 

@@ -69,7 +69,8 @@ def _is_view(op) -> bool:
 # none), by the op's qualified name: inductor sees each call as one fallback whatever it runs
 # inside, and on the CPU its body may be another implementation (specter/quant/kernels.py).
 DEVICE_LAUNCHES = {"specter::int4_moe_pairs": 2, "specter::int4_moe_proj": 1,
-                   "specter::route_topk": 1, "specter::mla_decode": 1}
+                   "specter::route_topk": 1, "specter::mla_decode": 1,
+                   "specter::add_rms_norm": 1}
 
 
 def _op_name(op) -> str:

@@ -268,7 +268,7 @@ class StaticKV:
         # time (a sweep builds one after another), so a new one drops the last one's graphs.
         torch._dynamo.reset()
         draft_step.install()  # DeepSeek-V2 written for the compiler (draft_step.py)
-        draft_step.merge_projections(self.model)  # GEMMs of one input as one (same bytes)
+        draft_step.prepare(self.model)  # merged projections (same bytes), chained norms
         self.tally = KernelTally()  # the compiled step's kernels (graph_kernels.py)
         self.step = torch.compile(self._step, fullgraph=True, dynamic=False,
                                   backend=self.tally.backend(compiler) if mode is None

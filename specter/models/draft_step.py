@@ -18,7 +18,7 @@ for the compiler where transformers' eager code costs kernels that no fusion rem
 - the attention: transformers' DeepSeek-V2 attention after its projections (the latent's
   norm, the rotations, the cache writes, kv_b_proj over every cached position, the key's and
   the query's assembly, the products and the softmax: about ten kernels) as one custom op
-  (`specter::mla_decode`): on CUDA one Triton launch (models/triton_mla.py: the cache
+  (`specter::mla_decode`): on CUDA one Triton launch (models/triton_draft.py: the cache
   written, and attention computed absorbed over the latent, as DeepSeek's own decoder does);
   elsewhere transformers' formulation in torch. It runs where the draft's static cache has
   one write index (compiled_draft.one_write_index) and a step feeds one token.
@@ -39,6 +39,8 @@ bit. The draft rounds differently in the last bits; a draft only proposes.
 from __future__ import annotations
 
 import torch
+from typing import NamedTuple
+
 from torch.nn import functional as F
 
 from specter.switch import switched
@@ -161,7 +163,7 @@ def _mla_decode_launch(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads,
             raise ValueError(f"mla_decode: {name}'s rows must be contiguous")
     out = q.new_empty(B, T, heads * dv)
     launched("triton")
-    _kernel("mla_decode_step", "specter.models.triton_mla")[(B * heads,)](
+    _kernel("mla_decode_step", DRAFT_KERNELS)[(B * heads,)](
         q, kv, norm_w, rot, latent, pe, index, w_kvb, out, float(eps), float(scaling), L, heads,
         q.stride(0), kv.stride(0), rot.stride(0) if rot.shape[0] > 1 else 0, R=R, DN=dn, DR=dr,
         DV=dv, BLOCK_R=triton.next_power_of_2(R),
@@ -181,7 +183,7 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, norm_w: torch.Tensor, eps: flo
     heads' outputs [B, T, heads dv] (before o_proj), token i attending to positions up to
     index + i: the causal mask transformers makes over the draft's static cache, which holds
     one row filled up to its write index (so the mask itself need not be made or read: one
-    kernel a layer fewer). `use_triton`: one Triton launch (models/triton_mla.py; CUDA, or
+    kernel a layer fewer). `use_triton`: one Triton launch (models/triton_draft.py; CUDA, or
     the CPU under TRITON_INTERPRET=1; T = 1, a draft step's), attention absorbed into the
     latent; else transformers' own formulation in torch."""
     run = _mla_decode_launch if use_triton else _mla_decode_torch
@@ -192,6 +194,101 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, norm_w: torch.Tensor, eps: flo
 def _(q, kv, norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv, scaling,
       use_triton):
     return q.new_empty(q.shape[0], q.shape[1], heads * dv)
+
+
+# -- a residual add and the norm after it as one op ------------------------------------------------
+DRAFT_KERNELS = "specter.models.triton_draft"
+
+
+def _add_rms_norm_torch(x, y, z, weight, eps):
+    """transformers' order: y cast to x's dtype (+ z), added to x; then its RMSNorm."""
+    y = y.to(x.dtype)
+    total = x + (y if z is None else y + z)
+    v = total.float()
+    v = v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + eps)
+    return total, weight * v.to(total.dtype)
+
+
+def _add_rms_norm_launch(x, y, z, weight, eps):
+    import triton
+
+    from specter.counting import launched
+    from specter.quant.kernels import _kernel
+
+    H = x.shape[-1]
+    rows = x.numel() // H
+    parts = [t.reshape(rows, H) for t in ((x, y) if z is None else (x, y, z))]
+    if any(t.stride(1) != 1 for t in parts) or not weight.is_contiguous():
+        raise ValueError("add_rms_norm: rows must be contiguous")
+    total = torch.empty_like(x)
+    out = x.new_empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype))
+    third = parts[2] if z is not None else parts[0]
+    launched("triton")
+    _kernel("add_rms_norm", DRAFT_KERNELS)[(rows,)](
+        parts[0], parts[1], third, weight, total, out, H, float(eps), parts[0].stride(0),
+        parts[1].stride(0), third.stride(0), HAS_Z=z is not None,
+        BLOCK_H=triton.next_power_of_2(H))
+    return total, out
+
+
+@torch.library.custom_op("specter::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, use_triton: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x + y (+ z) [..., H] in x's dtype (the next residual; y may be fp32: the routed
+    experts' sum) and its RMSNorm times `weight`, as transformers' DeepSeek-V2 decoder layer
+    computes them. `use_triton`: one Triton launch (models/triton_draft.py, as vLLM's fused
+    add and norm: the compiler's CPU code makes a norm two kernels, a reduction and its use);
+    else transformers' order in torch."""
+    run = _add_rms_norm_launch if use_triton else _add_rms_norm_torch
+    return run(x, y, z, weight, eps)
+
+
+@add_rms_norm.register_fake
+def _(x, y, z, weight, eps, use_triton):
+    return torch.empty_like(x), x.new_empty(x.shape,
+                                            dtype=torch.promote_types(weight.dtype, x.dtype))
+
+
+class Carried(NamedTuple):
+    """A draft-step layer's output handed to the next layer: the sum (its residual) and that
+    sum already normed by the next layer's input norm (or the model's final norm)."""
+    out: torch.Tensor
+    normed: torch.Tensor
+
+
+NEXT_NORM = "_specter_next_norm"  # a decoder layer's successor's input norm (`chain_norms`)
+
+
+def chain_norms(model) -> int:
+    """Tell each DeepSeek-V2 decoder layer the norm that reads its output (the next layer's
+    input norm, the last layer the model's final norm), so that a draft step ends each layer
+    with the add and that norm in one op (`Carried`). A plain attribute, not a submodule.
+    Returns the layers chained."""
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, ds.DeepseekV2Model):
+        return 0
+    layers = list(inner.layers[: inner.config.num_hidden_layers])
+    norms = [layer.input_layernorm for layer in layers[1:]] + [inner.norm]
+    for layer, norm in zip(layers, norms):
+        object.__setattr__(layer, NEXT_NORM, norm)
+    return len(layers)
+
+
+def prepare(model) -> None:
+    """What the compiled draft step needs of a model once: merged projections (one GEMM where
+    two read one input) and chained norms."""
+    merge_projections(model)
+    chain_norms(model)
+
+
+def _moe_parts(moe, x):
+    """transformers' DeepseekV2Moe.forward without its last add: (routed experts' output,
+    shared experts' output), in its order (router, experts, shared experts)."""
+    _, weights, index = moe.gate(x)
+    routed = moe.experts(x.view(-1, x.shape[-1]), index, weights).view(*x.shape[:-1], -1)
+    return routed, moe.shared_experts(x)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -265,6 +362,53 @@ def install() -> None:
         forward._specter_draft_step = True
         forward.__wrapped__ = mlp
         ds.DeepseekV2MLP.forward = forward
+
+
+    layer_forward = ds.DeepseekV2DecoderLayer.forward
+    if not getattr(layer_forward, "_specter_draft_step", False):
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                    use_cache=False, position_embeddings=None, **kwargs):
+            nxt = getattr(self, NEXT_NORM, None)
+            if not DRAFT_STEP.on or nxt is None:
+                if isinstance(hidden_states, Carried):
+                    hidden_states = hidden_states.out
+                return layer_forward(self, hidden_states, attention_mask=attention_mask,
+                                     position_ids=position_ids, cache=cache,
+                                     use_cache=use_cache,
+                                     position_embeddings=position_embeddings, **kwargs)
+            if isinstance(hidden_states, Carried):
+                residual, x = hidden_states
+            else:
+                residual, x = hidden_states, self.input_layernorm(hidden_states)
+            attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask,
+                                     position_ids=position_ids, cache=cache,
+                                     use_cache=use_cache, position_embeddings=position_embeddings,
+                                     **kwargs)
+            fused = _use_triton(residual)
+            post = self.post_attention_layernorm
+            hidden, x = torch.ops.specter.add_rms_norm(residual, attn, None, post.weight,
+                                                       float(post.variance_epsilon), fused)
+            if isinstance(self.mlp, ds.DeepseekV2Moe):
+                routed, shared = _moe_parts(self.mlp, x)
+            else:
+                routed, shared = self.mlp(x), None
+            return Carried(*torch.ops.specter.add_rms_norm(
+                hidden, routed, shared, nxt.weight, float(nxt.variance_epsilon), fused))
+
+        forward._specter_draft_step = True
+        forward.__wrapped__ = layer_forward
+        ds.DeepseekV2DecoderLayer.forward = forward
+
+    norm_forward = ds.DeepseekV2RMSNorm.forward
+    if not getattr(norm_forward, "_specter_draft_step", False):
+        def forward(self, hidden_states):
+            if isinstance(hidden_states, Carried):  # normed by the layer that made it
+                return hidden_states.normed
+            return norm_forward(self, hidden_states)
+
+        forward._specter_draft_step = True
+        forward.__wrapped__ = norm_forward
+        ds.DeepseekV2RMSNorm.forward = forward
 
 
 def _query_and_latent(attn, hidden_states):

@@ -250,7 +250,7 @@ _KERNELS: dict[tuple[str, str, bool], object] = {}
 
 def _kernel(name: str = "moe_int4_gemm", module: str = "specter.quant.triton_moe"):
     """Build a Triton kernel (a plain function of `module`: triton_moe.py, or the draft step's
-    models/triton_mla.py) on first use (importing triton is slow and optional); one per mode,
+    models/triton_draft.py) on first use (importing triton is slow and optional); one per mode,
     since `triton.jit` reads TRITON_INTERPRET when it decorates."""
     key = (module, name, interpret_mode())
     if key in _KERNELS:
@@ -436,23 +436,24 @@ FUSED_BLOCK_N, FUSED_BLOCK_K = 32, 64
 
 
 def _pairs_launch(x, codes, scales, group, top_k_index, top_k_weights, topk: int, gated: bool,
-                  weighted: bool) -> torch.Tensor:
-    """One launch of triton_moe.moe_int4_pairs: [P, N] fp32, P = top_k_index.numel()."""
+                  weighted: bool, summed: int = 1, dtype=torch.float32) -> torch.Tensor:
+    """One launch of triton_moe.moe_int4_pairs: [P / summed, N] in `dtype`, P =
+    top_k_index.numel(); `summed` consecutive pairs summed into a row (a token's k)."""
     P, (E, N, half) = top_k_index.numel(), codes.shape
     K = x.shape[1] // 2 if gated else x.shape[1]
-    out = torch.empty(P, N, dtype=torch.float32, device=x.device)  # every element written
-    grid = (P, (N + FUSED_BLOCK_N - 1) // FUSED_BLOCK_N)
+    out = torch.empty(P // summed, N, dtype=dtype, device=x.device)  # every element written
+    grid = (P // summed, (N + FUSED_BLOCK_N - 1) // FUSED_BLOCK_N)
     launched("triton")
     _kernel("moe_int4_pairs")[grid](
         x, codes, scales, top_k_index, top_k_weights, out, N, K, x.stride(0), codes.stride(0),
         codes.stride(1), scales.stride(0), scales.stride(1), out.stride(0), TOPK=topk,
         GROUP=group, BLOCK_N=FUSED_BLOCK_N, BLOCK_K=FUSED_BLOCK_K, GATED=gated,
-        WEIGHTED=weighted)
+        WEIGHTED=weighted, SUM=summed)
     return out
 
 
 def _pairs_torch(x, codes, scales, group, top_k_index, top_k_weights, topk: int, gated: bool,
-                 weighted: bool) -> torch.Tensor:
+                 weighted: bool, summed: int = 1, dtype=torch.float32) -> torch.Tensor:
     """`_pairs_launch` in torch (the CPU's): each pair's expert dequantized in fp32, one bmm."""
     idx = top_k_index.reshape(-1)
     x = x.float()
@@ -466,7 +467,9 @@ def _pairs_torch(x, codes, scales, group, top_k_index, top_k_weights, topk: int,
     out = torch.bmm(w, x.unsqueeze(-1)).squeeze(-1)
     if weighted:
         out = out * top_k_weights.reshape(-1, 1).float()
-    return out
+    if summed > 1:
+        out = out.view(-1, summed, out.shape[-1]).sum(dim=1)
+    return out.to(dtype)
 
 
 @torch.library.custom_op("specter::int4_moe_pairs", mutates_args=())
@@ -474,21 +477,21 @@ def int4_moe_pairs(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weight
                    gu_codes: torch.Tensor, gu_scales: torch.Tensor, dn_codes: torch.Tensor,
                    dn_scales: torch.Tensor, gu_group: int, dn_group: int,
                    use_triton: bool) -> torch.Tensor:
-    """A layer's routed experts, SiLU-gated, for every (token, k-slot) pair: [T k, H] fp32,
-    each row its pair's expert output times its routing weight (the caller sums each token's
-    k rows). `use_triton`: two launches of the fused INT4 GEMV (CUDA, or the CPU under
-    TRITON_INTERPRET=1); else the same in torch."""
+    """A layer's routed experts, SiLU-gated: [T, H] in hidden's dtype, each token's k expert
+    outputs times their routing weights, summed in fp32 (the down projection's kernel sums
+    them: no kernel after it). `use_triton`: two launches of the fused INT4 GEMV (CUDA, or
+    the CPU under TRITON_INTERPRET=1); else the same in torch."""
     T, k = top_k_index.shape
     idx, w = top_k_index.contiguous(), top_k_weights.contiguous()
     run = _pairs_launch if use_triton else _pairs_torch
     h = run(hidden.contiguous(), gu_codes, gu_scales, gu_group, idx, w, k, False, False)
-    return run(h, dn_codes, dn_scales, dn_group, idx, w, 1, True, True)
+    return run(h, dn_codes, dn_scales, dn_group, idx, w, 1, True, True, k, hidden.dtype)
 
 
 @int4_moe_pairs.register_fake
 def _(hidden, top_k_index, top_k_weights, gu_codes, gu_scales, dn_codes, dn_scales, gu_group,
       dn_group, use_triton):
-    return hidden.new_empty((top_k_index.numel(), dn_codes.shape[1]), dtype=torch.float32)
+    return hidden.new_empty((top_k_index.shape[0], dn_codes.shape[1]))
 
 
 @torch.library.custom_op("specter::int4_moe_proj", mutates_args=())
@@ -544,16 +547,15 @@ class FusedInt4Experts(GatherInt4Experts):
         T, k = top_k_index.shape
         if not self.fixed_shape(T, k):
             return super().__call__(hidden, top_k_index, top_k_weights)
-        if self.gated:
-            out = torch.ops.specter.int4_moe_pairs(
+        if self.gated:  # summed and cast inside the op
+            return torch.ops.specter.int4_moe_pairs(
                 hidden, top_k_index, top_k_weights, self.gu_codes, self.gu_scales,
                 self.dn_codes, self.dn_scales, self.gu_group, self.dn_group, self.use_triton)
-        else:
-            proj = torch.ops.specter.int4_moe_proj
-            h = proj(hidden, top_k_index, top_k_weights, self.gu_codes, self.gu_scales,
-                     self.gu_group, k, False, self.use_triton)
-            out = proj(self.act(h), top_k_index, top_k_weights, self.dn_codes, self.dn_scales,
-                       self.dn_group, 1, True, self.use_triton)
+        proj = torch.ops.specter.int4_moe_proj
+        h = proj(hidden, top_k_index, top_k_weights, self.gu_codes, self.gu_scales,
+                 self.gu_group, k, False, self.use_triton)
+        out = proj(self.act(h), top_k_index, top_k_weights, self.dn_codes, self.dn_scales,
+                   self.dn_group, 1, True, self.use_triton)
         # outside the op: inductor fuses the sum and the cast into its next kernel
         return out.view(T, k, -1).sum(dim=1).to(hidden.dtype)
 

@@ -53,49 +53,56 @@ def moe_int4_gemm(x_ptr, codes_ptr, scales_ptr, out_ptr, src_row_ptr, dst_row_pt
 def moe_int4_pairs(x_ptr, codes_ptr, scales_ptr, index_ptr, weights_ptr, out_ptr, N, K,
                    stride_xm, stride_ce, stride_cn, stride_se, stride_sn, stride_om,
                    TOPK: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr):
-    """out[p, n-block] = x[row] @ dequant(W[e_p]).T for one (token, k-slot) pair p (a GEMV:
-    a draft step routes a few tokens, each its own expert): e_p = top_k_index.flat[p], read
-    on the device; row = p // TOPK (TOPK = k: the token's hidden state for gate_up; 1: the
-    pair's own row for down). Grid (P pairs, cdiv(N, BLOCK_N)).
+                   BLOCK_K: tl.constexpr, GATED: tl.constexpr, WEIGHTED: tl.constexpr,
+                   SUM: tl.constexpr):
+    """out[r, n-block] = the sum over SUM consecutive (token, k-slot) pairs p = r SUM + j of
+    x[row] @ dequant(W[e_p]).T (a GEMV: a draft step routes a few tokens, each its own
+    expert): e_p = top_k_index.flat[p], read on the device; row = p // TOPK (TOPK = k: the
+    token's hidden state for gate_up; 1: the pair's own row for down). SUM = 1: a row a pair;
+    SUM = k: a row a token, its k experts summed. Grid (P / SUM, cdiv(N, BLOCK_N)).
 
     Codes as moe_int4_gemm's ([E, N, K/2], low nibble first, w = (q - 8) * scale per GROUP),
     read a byte at a time: its low code multiplies x[2b], its high code x[2b + 1] (GROUP is
     even, so both share a scale). K is the width of x's row, BLOCK_K is in x's columns.
     GATED: x is gate_up's output [P, 2K]: silu(gate) * up, in fp32, on the fly.
-    WEIGHTED: the row times top_k_weights.flat[p]. fp32 accumulation and output."""
-    p, pid_n = tl.program_id(0), tl.program_id(1)
-    e = tl.load(index_ptr + p).to(tl.int64)
-    row = (p // TOPK).to(tl.int64)
+    WEIGHTED: each pair's row times top_k_weights.flat[p]. fp32 accumulation, stored in
+    out's dtype."""
+    r, pid_n = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     HALF: tl.constexpr = BLOCK_K // 2
-    for k0 in range(0, K, BLOCK_K):
-        offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns
-        b_ok = offs_b * 2 < K
-        x_row = x_ptr + row * stride_xm
-        if GATED:
-            g_lo = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
-            g_hi = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
-            u_lo = tl.load(x_row + K + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
-            u_hi = tl.load(x_row + K + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
-            x_lo = g_lo * tl.sigmoid(g_lo) * u_lo
-            x_hi = g_hi * tl.sigmoid(g_hi) * u_hi
-        else:
-            x_lo = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
-            x_hi = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
-        mask = n_ok[:, None] & b_ok[None, :]
-        byte = tl.load(codes_ptr + e * stride_ce + offs_n[:, None] * stride_cn + offs_b[None, :],
-                       mask=mask, other=0).to(tl.int32)
-        s = tl.load(scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
-                    + (2 * offs_b[None, :]) // GROUP, mask=mask, other=0.0).to(tl.float32)
-        lo = ((byte & 0xF) - 8).to(tl.float32)
-        hi = (((byte >> 4) & 0xF) - 8).to(tl.float32)
-        acc += tl.sum((lo * x_lo[None, :] + hi * x_hi[None, :]) * s, axis=1)
-    if WEIGHTED:
-        acc = acc * tl.load(weights_ptr + p).to(tl.float32)
-    tl.store(out_ptr + p * stride_om + offs_n, acc, mask=n_ok)
+    for j in range(SUM):
+        p = r * SUM + j
+        e = tl.load(index_ptr + p).to(tl.int64)
+        row = (p // TOPK).to(tl.int64)
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_b = k0 // 2 + tl.arange(0, HALF)  # byte columns
+            b_ok = offs_b * 2 < K
+            x_row = x_ptr + row * stride_xm
+            if GATED:
+                g_lo = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
+                g_hi = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
+                u_lo = tl.load(x_row + K + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
+                u_hi = tl.load(x_row + K + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
+                x_lo = g_lo * tl.sigmoid(g_lo) * u_lo
+                x_hi = g_hi * tl.sigmoid(g_hi) * u_hi
+            else:
+                x_lo = tl.load(x_row + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
+                x_hi = tl.load(x_row + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
+            mask = n_ok[:, None] & b_ok[None, :]
+            byte = tl.load(codes_ptr + e * stride_ce + offs_n[:, None] * stride_cn
+                           + offs_b[None, :], mask=mask, other=0).to(tl.int32)
+            s = tl.load(scales_ptr + e * stride_se + offs_n[:, None] * stride_sn
+                        + (2 * offs_b[None, :]) // GROUP, mask=mask, other=0.0).to(tl.float32)
+            lo = ((byte & 0xF) - 8).to(tl.float32)
+            hi = (((byte >> 4) & 0xF) - 8).to(tl.float32)
+            acc += tl.sum((lo * x_lo[None, :] + hi * x_hi[None, :]) * s, axis=1)
+        if WEIGHTED:
+            acc = acc * tl.load(weights_ptr + p).to(tl.float32)
+        total += acc
+    tl.store(out_ptr + r * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def route_topk(x_ptr, w_ptr, logits_ptr, weights_ptr, index_ptr, E, H, stride_x, scale,

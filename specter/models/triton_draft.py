@@ -1,17 +1,21 @@
-"""DeepSeek-V2's multi-head latent attention for one draft step, as a plain function for
-`triton.jit` (quant/kernels.py `_kernel` jits it once per mode: compiled on CUDA, or
-interpreted on the CPU with TRITON_INTERPRET=1). draft_step.py `mla_decode` launches it.
+"""The compiled draft step's own kernels for DeepSeek-V2's layers (models/draft_step.py), as
+plain functions for `triton.jit` (quant/kernels.py `_kernel` jits them once per mode: compiled
+on CUDA, or interpreted on the CPU with TRITON_INTERPRET=1).
 
-`mla_decode_step` (a program per row and head, one new token a row): the new token's latent
-normed (RMSNorm, fp32) and its rotary key rotated (interleaved pairs by cos, sin), kept in
-registers (the head-0 program also writes both into the static draft cache at the write
-index); then attention over the cache's positions before the index and the new token,
-computed absorbed, as DeepSeek's own decoder does: the query's no-rope part multiplied into
-kv_b_proj's key rows (q_lat = W_UK[h]^T q_nope, over the latent), scores q_lat . latent[t] +
-rot(q_pe) . pe[t] (times `scaling`), an online softmax summing the latents, and kv_b_proj's
-value rows mapping that sum to the head's output. All in fp32, stored in the output's dtype.
-What transformers computes as the norm, two rotations, two cache writes, kv_b_proj over every
-cached position, two concatenations and two batched products is one launch here.
+`mla_decode_step` (a program per row and head, one new token a row): multi-head latent
+attention. The new token's latent normed (RMSNorm, fp32) and its rotary key rotated
+(interleaved pairs by cos, sin), kept in registers (the head-0 program also writes both into
+the static draft cache at the write index); then attention over the cache's positions before
+the index and the new token, computed absorbed, as DeepSeek's own decoder does: the query's
+no-rope part multiplied into kv_b_proj's key rows (q_lat = W_UK[h]^T q_nope, over the
+latent), scores q_lat . latent[t] + rot(q_pe) . pe[t] (times `scaling`), an online softmax
+summing the latents, and kv_b_proj's value rows mapping that sum to the head's output. All in
+fp32, stored in the output's dtype. What transformers computes as the norm, two rotations,
+two cache writes, kv_b_proj over every cached position, two concatenations and two batched
+products is one launch here.
+
+`add_rms_norm` (a program per row): a residual add (two or three terms) and the RMSNorm
+after it, as vLLM's fused_add_rms_norm: the sum and its norm in one launch.
 """
 
 import triton.language as tl
@@ -98,3 +102,24 @@ def mla_decode_step(q_ptr, kv_ptr, norm_ptr, rot_ptr, latent_ptr, pe_ptr, index_
         o = tl.sum(w * acc[None, :], axis=1)
         tl.store(out_ptr + b * H * DV + h * DV + offs_e, o.to(out_ptr.dtype.element_ty),
                  mask=em)
+
+
+def add_rms_norm(x_ptr, y_ptr, z_ptr, w_ptr, sum_ptr, out_ptr, H, eps, stride_x, stride_y,
+                 stride_z, HAS_Z: tl.constexpr, BLOCK_H: tl.constexpr):
+    """sum[t] = x[t] + y[t] (+ z[t]) (fp32, stored in sum's dtype) and out[t] = w * norm(sum[t])
+    (the stored sum read back, normed in fp32, rounded to sum's dtype, times w: transformers'
+    RMSNorm), over rows of H."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_H)
+    ok = offs < H
+    v = (tl.load(x_ptr + t * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+         + tl.load(y_ptr + t * stride_y + offs, mask=ok, other=0.0).to(tl.float32))
+    if HAS_Z:
+        v += tl.load(z_ptr + t * stride_z + offs, mask=ok, other=0.0).to(tl.float32)
+    v = v.to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + t * H + offs, v, mask=ok)
+    v = v.to(tl.float32)
+    n = v * tl.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    n = n.to(sum_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * H + offs, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
