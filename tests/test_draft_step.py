@@ -145,6 +145,36 @@ print("ok")
 """
 
 
+NORM_AND_GEMV_CHECK = INTERPRETED + """
+torch.manual_seed(3)
+F = torch.nn.functional
+for rows, H, three, dtype, tol in ((1, 2048, True, torch.float32, 1e-5),
+                                   (3, 200, False, torch.float32, 1e-5),
+                                   (2, 256, True, torch.bfloat16, 2e-2)):
+    x, z = torch.randn(rows, H).to(dtype), torch.randn(rows, H).to(dtype)
+    y, w = torch.randn(rows, H), (torch.rand(H) + 0.5).to(dtype)  # y fp32: the routed sum
+    launches.clear(); seen.clear()
+    with Ops():
+        total, normed = draft_step.add_rms_norm._init_fn(x, y, z if three else None, w, 1e-6,
+                                                         True)
+    assert len(launches) == DEVICE_LAUNCHES["specter::add_rms_norm"] == 1, launches
+    assert set(seen) <= {{"empty_like", "new_empty", "promote_types"}}, seen  # no kernel
+    ref_total, ref = draft_step._add_rms_norm_torch(x, y, z if three else None, w, 1e-6)
+    torch.testing.assert_close(total.float(), ref_total.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(normed.float(), ref.float(), rtol=tol, atol=tol)
+for T, I, N in ((1, 2816, 64), (2, 100, 37)):
+    gu, w = torch.randn(1, T, 2 * I), torch.randn(N, I) / I ** 0.5
+    launches.clear(); seen.clear()
+    with Ops():
+        out = draft_step.silu_mul_gemv._init_fn(gu, w, True)
+    assert len(launches) == DEVICE_LAUNCHES["specter::silu_mul_gemv"] == 1, launches
+    assert set(seen) <= {{"new_empty"}}, seen
+    g, u = gu.chunk(2, -1)
+    torch.testing.assert_close(out, F.linear(F.silu(g) * u, w), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
 def _interpreted(check: str) -> None:
     root = Path(__file__).parents[1]
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -165,6 +195,14 @@ def test_the_attention_kernel_under_the_interpreter_is_one_launch():
     transformers' own attention (the first position of a cache, and later ones), in one
     launch and no other kernel."""
     _interpreted(MLA_CHECK)
+
+
+@pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")
+def test_the_norm_and_down_kernels_under_the_interpreter_are_one_launch_each():
+    """`specter::add_rms_norm` (two or three terms, fp32 and bf16) and
+    `specter::silu_mul_gemv` on CUDA: transformers' sums, norms and down projections within
+    float rounding, one launch each and no other kernel."""
+    _interpreted(NORM_AND_GEMV_CHECK)
 
 
 def test_the_attention_op_is_transformers_attention(tiny_models, monkeypatch):
@@ -276,3 +314,39 @@ def test_merged_projections_keep_the_target_and_its_bytes():
     with draft_step.draft_step():
         got = _logits(model, step, static)
     torch.testing.assert_close(got, _logits(model, step, ref_cache), rtol=1e-5, atol=1e-5)
+
+
+def test_a_prepared_model_steps_as_transformers_layers(monkeypatch):
+    """`prepare` (merged projections, chained norms): a decode step under the draft step's
+    formulations runs each layer's adds and norms as `specter::add_rms_norm` (the last one the
+    model's final norm), each MLP's activation and down projection as
+    `specter::silu_mul_gemv`, and its logits are transformers' within float rounding."""
+    from specter.config import ModelConfig
+    from specter.decoding.compiled_draft import one_write_index
+    from specter.placement.loader import load_model
+
+    draft_step.install()
+    model = load_model(ModelConfig(name="tiny_deepseek", source="project"),
+                       torch.device("cpu"), progress=False).model
+    draft_step.prepare(model)
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
+    ref_cache, static = DynamicCache(config=model.config), StaticCache(config=model.config,
+                                                                         max_cache_len=32)
+    _logits(model, ids, ref_cache)
+    with draft_step.draft_step():
+        _logits(model, ids, static)
+    index = one_write_index(static)
+    seen = []
+    for name in ("add_rms_norm", "silu_mul_gemv"):
+        body = getattr(draft_step, f"_{name}_torch")
+        monkeypatch.setattr(draft_step, f"_{name}_torch",
+                            lambda *a, _b=body, _n=name: seen.append(_n) or _b(*a))
+    for tok in (11, 23):
+        step = torch.tensor([[tok]])
+        with draft_step.draft_step():
+            got = _logits(model, step, static)
+        index.add_(1)
+        torch.testing.assert_close(got, _logits(model, step, ref_cache), rtol=1e-5, atol=1e-5)
+    layers = model.config.num_hidden_layers
+    assert seen.count("add_rms_norm") == 2 * 2 * layers
+    assert seen.count("silu_mul_gemv") == 2 * layers  # the dense MLPs and the shared experts

@@ -70,7 +70,7 @@ def _is_view(op) -> bool:
 # inside, and on the CPU its body may be another implementation (specter/quant/kernels.py).
 DEVICE_LAUNCHES = {"specter::int4_moe_pairs": 2, "specter::int4_moe_proj": 1,
                    "specter::route_topk": 1, "specter::mla_decode": 1,
-                   "specter::add_rms_norm": 1}
+                   "specter::add_rms_norm": 1, "specter::silu_mul_gemv": 1}
 
 
 def _op_name(op) -> str:

@@ -249,6 +249,41 @@ def _(x, y, z, weight, eps, use_triton):
                                             dtype=torch.promote_types(weight.dtype, x.dtype))
 
 
+def _silu_mul_gemv_torch(gu, weight):
+    gate, up = gu.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, weight)
+
+
+def _silu_mul_gemv_launch(gu, weight):
+    from specter.counting import launched
+    from specter.quant.kernels import _kernel
+
+    (N, I), rows = weight.shape, gu.numel() // gu.shape[-1]
+    flat = gu.reshape(rows, gu.shape[-1])
+    if flat.stride(1) != 1 or not weight.is_contiguous():
+        raise ValueError("silu_mul_gemv: rows must be contiguous")
+    out = gu.new_empty(*gu.shape[:-1], N)
+    block_n = 16
+    launched("triton")
+    _kernel("silu_mul_gemv", DRAFT_KERNELS)[(rows, (N + block_n - 1) // block_n)](
+        flat, weight, out, N, I, flat.stride(0), BLOCK_N=block_n, BLOCK_K=256)
+    return out
+
+
+@torch.library.custom_op("specter::silu_mul_gemv", mutates_args=())
+def silu_mul_gemv(gu: torch.Tensor, weight: torch.Tensor, use_triton: bool) -> torch.Tensor:
+    """An MLP's down projection of silu(gate) * up: gu [..., 2I] (the merged gate_up GEMM's
+    output), weight [N, I] -> [..., N]. `use_triton`: one Triton launch (the activation read
+    on the fly); else transformers' MLP in torch."""
+    run = _silu_mul_gemv_launch if use_triton else _silu_mul_gemv_torch
+    return run(gu, weight)
+
+
+@silu_mul_gemv.register_fake
+def _(gu, weight, use_triton):
+    return gu.new_empty(*gu.shape[:-1], weight.shape[0])
+
+
 class Carried(NamedTuple):
     """A draft-step layer's output handed to the next layer: the sum (its residual) and that
     sum already normed by the next layer's input norm (or the model's final norm)."""
@@ -289,6 +324,12 @@ def _moe_parts(moe, x):
     _, weights, index = moe.gate(x)
     routed = moe.experts(x.view(-1, x.shape[-1]), index, weights).view(*x.shape[:-1], -1)
     return routed, moe.shared_experts(x)
+
+
+def _is_silu(act) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return isinstance(act, (torch.nn.SiLU, SiLUActivation))
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -356,7 +397,11 @@ def install() -> None:
             gate_up = getattr(self, MERGED, None)
             if not DRAFT_STEP.on or gate_up is None:
                 return mlp(self, x)
-            gate, up = F.linear(x, gate_up).split(self.intermediate_size, dim=-1)
+            gu = F.linear(x, gate_up)
+            if self.down_proj.bias is None and _is_silu(self.act_fn):
+                return torch.ops.specter.silu_mul_gemv(gu, self.down_proj.weight,
+                                                       _use_triton(gu))
+            gate, up = gu.split(self.intermediate_size, dim=-1)
             return self.down_proj(self.act_fn(gate) * up)
 
         forward._specter_draft_step = True

@@ -16,6 +16,10 @@ products is one launch here.
 
 `add_rms_norm` (a program per row): a residual add (two or three terms) and the RMSNorm
 after it, as vLLM's fused_add_rms_norm: the sum and its norm in one launch.
+
+`silu_mul_gemv` (a program per row and block of outputs): an MLP's down projection reading
+silu(gate) * up on the fly from the merged gate_up GEMM's output: the activation and the
+GEMV in one launch (a few tokens a step: the weight's bytes are the cost).
 """
 
 import triton.language as tl
@@ -123,3 +127,23 @@ def add_rms_norm(x_ptr, y_ptr, z_ptr, w_ptr, sum_ptr, out_ptr, H, eps, stride_x,
     n = n.to(sum_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * H + offs, (w * n).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def silu_mul_gemv(gu_ptr, w_ptr, out_ptr, N, I, stride_gu, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """out[t, n] = sum_i w[n, i] silu(gu[t, i]) gu[t, I + i] (fp32, stored in out's dtype);
+    gu [T, 2I] (gate then up), w [N, I] (down_proj's weight)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < I
+        g = tl.load(gu_ptr + t * stride_gu + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + t * stride_gu + I + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        x = g * tl.sigmoid(g) * u
+        w = tl.load(w_ptr + offs_n[:, None] * I + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * x[None, :], axis=1)
+    tl.store(out_ptr + t * N + offs_n, acc.to(out_ptr.dtype.element_ty), mask=n_ok)
