@@ -157,6 +157,7 @@ def test_captured_pieces_on_cuda_are_bitwise_eager(tiny_models):
         ref_cache, cache = DynamicCache(config=model.config), DynamicCache(config=model.config)
         _logits(model, prompt, ref_cache), _logits(model, prompt, cache)
         runner = vp.CapturedPieces()
+        reserved = torch.cuda.memory_reserved()
         for window in windows:
             ref = _logits(model, window, ref_cache)
             with vp.pieces(runner):
@@ -164,3 +165,7 @@ def test_captured_pieces_on_cuda_are_bitwise_eager(tiny_models):
             torch.cuda.synchronize()
             assert torch.equal(got, ref), (dtype, (got - ref).abs().max())
         assert runner.replays == 2 * runner.captures
+        # one pool for every piece: the allocator's reserve grows by a few segments, not by
+        # one 2 MiB segment a graph (what a pool each would hold)
+        grown = torch.cuda.memory_reserved() - reserved
+        assert grown < runner.captures * (2 << 20) / 2, (grown, runner.captures)

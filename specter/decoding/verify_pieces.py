@@ -54,11 +54,20 @@ class CapturedPieces:
     `capture(fn, warm)` (quant/kernels.py `capture_graph`; tests/fake_cuda.py's on the CPU)
     over static copies of its inputs, then replayed: the inputs copied in, one replay. The
     warm-up and the capture run the piece on the static inputs (a piece writes no state: no
-    cache, no buffer). `replays` and `captures` count them."""
+    cache, no buffer). `replays` and `captures` count them.
+
+    On CUDA the graphs share one memory pool (as vLLM's captured batch sizes do): a
+    verification forward of width W replays its pieces in the order the first forward of
+    that width captured them, and each piece's outputs are used within its layer, before any
+    earlier-captured piece replays; own pools would hold at least a 2 MiB segment for each of
+    a few hundred graphs (27 layers x 4 pieces x each width)."""
 
     def __init__(self, capture: Callable | None = None):
         if capture is None:
-            from specter.quant.kernels import capture_graph as capture
+            import functools
+
+            from specter.quant.kernels import capture_graph
+            capture = functools.partial(capture_graph, pool=torch.cuda.graph_pool_handle())
         self.capture = capture
         self.graphs: dict = {}
         self.captures = self.replays = 0

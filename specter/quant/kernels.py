@@ -576,13 +576,16 @@ class CapturedGraph:
         return self.outputs
 
 
-def capture_graph(fn, warm, cuda=None) -> CapturedGraph:
+def capture_graph(fn, warm, cuda=None, pool=None) -> CapturedGraph:
     """`fn()` (device work only: no host read, no allocation whose size depends on data)
     captured as one CUDA graph. `warm()` runs twice first, on a side stream (allocations,
     torch.compile's code generation, Triton's JIT, cuBLAS's workspaces), and must leave the
     state as it found it. The capture (`torch.cuda.graph`) synchronizes the device once:
     capture at build time or in an untimed warm-up, never in a timed window. `cuda`:
-    torch.cuda (a stand-in in tests)."""
+    torch.cuda (a stand-in in tests). `pool`: a memory pool shared with graphs captured
+    before (`torch.cuda.graph_pool_handle()`), safe where graphs replay in the order they
+    were captured and each graph's outputs are used before an earlier one replays; None: the
+    graph's own pool (at least one 2 MiB segment of the caching allocator each)."""
     if cuda is None:
         import torch.cuda as cuda
     side = cuda.Stream()
@@ -594,7 +597,7 @@ def capture_graph(fn, warm, cuda=None) -> CapturedGraph:
     graph = cuda.CUDAGraph()
     if hasattr(graph, "enable_debug_mode"):  # keeps the graph for its kernels' count
         graph.enable_debug_mode()
-    with cuda.graph(graph):
+    with cuda.graph(graph, pool=pool):
         outputs = fn()
     return CapturedGraph(graph, outputs)
 
