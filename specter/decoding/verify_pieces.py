@@ -49,12 +49,90 @@ class EagerPieces:
         return fn(*inputs)
 
 
-class CapturedPieces:
+def copy_into(static, fresh) -> None:
+    """`fresh` results copied into `static` outputs of the same structure (tensors, in tuples
+    and lists): a graph's outputs stay where its first run put them."""
+    if isinstance(static, torch.Tensor):
+        with torch.no_grad():
+            static.copy_(fresh)
+    elif isinstance(static, (tuple, list)):
+        for a, b in zip(static, fresh):
+            copy_into(a, b)
+
+
+def _storages(out) -> set[int]:
+    """The storages of a piece's output tensors (in tuples and lists)."""
+    if isinstance(out, torch.Tensor):
+        return {out.untyped_storage().data_ptr()}
+    if isinstance(out, (tuple, list)):
+        return set().union(*(_storages(o) for o in out)) if out else set()
+    return set()
+
+
+class _Statics:
+    """A runner's static inputs: each piece's input is a buffer, copied into before each
+    replay (one copy kernel each), except where it is already there:
+    - (a view of) an earlier piece's output, which stays where that piece's graph writes it
+      (a graph's outputs are static): the piece reads it in place, as vLLM's captured layers
+      read the previous one's output;
+    - a tensor an earlier piece's buffer already holds (the same tensor, not written since:
+      its `_version`; e.g. the rotary embedding every layer reads): that buffer is the piece's
+      too, filled once."""
+
+    def __init__(self):
+        self.outputs: set[int] = set()  # the storages of the pieces' (static) outputs
+        self.holds: dict[int, tuple] = {}  # id(buffer) -> (the tensor copied in, its version)
+        self.buffer_of: dict[tuple, torch.Tensor] = {}  # the tensor's place -> a buffer of it
+        self.copies = 0  # input copies issued
+
+    @staticmethod
+    def _place(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+    def _holding(self, buffer: torch.Tensor, t: torch.Tensor) -> bool:
+        held = self.holds.get(id(buffer))
+        return held is not None and held[0] is t and held[1] == t._version
+
+    def chained(self, t: torch.Tensor) -> bool:
+        return t.untyped_storage().data_ptr() in self.outputs
+
+    def statics(self, inputs) -> list[torch.Tensor]:
+        """Static inputs for a new capture: an earlier piece's output as it is, a buffer
+        already holding the tensor, else a clone (its own buffer)."""
+        out = []
+        for t in inputs:
+            if self.chained(t):
+                out.append(t)
+                continue
+            buffer = self.buffer_of.get(self._place(t))
+            if buffer is None or not self._holding(buffer, t):
+                buffer = t.clone()
+                self.buffer_of[self._place(t)] = buffer
+                self.holds[id(buffer)] = (t, t._version)
+            out.append(buffer)
+        return out
+
+    def fill(self, static, inputs) -> None:
+        """Before a replay: each input not already where the piece reads it copied in."""
+        for buffer, t in zip(static, inputs):
+            if buffer.data_ptr() == t.data_ptr() and buffer.stride() == t.stride():
+                continue  # an earlier piece's output, read in place
+            if self._holding(buffer, t):
+                continue  # copied in already for an earlier piece
+            buffer.copy_(t)
+            self.holds[id(buffer)] = (t, t._version)
+            self.copies += 1
+
+    def produced(self, out) -> None:
+        self.outputs |= _storages(out)
+
+
+class CapturedPieces(_Statics):
     """Each piece captured once per (key, its inputs' shapes and dtypes) as a CUDA graph by
     `capture(fn, warm)` (quant/kernels.py `capture_graph`; tests/fake_cuda.py's on the CPU)
-    over static copies of its inputs, then replayed: the inputs copied in, one replay. The
-    warm-up and the capture run the piece on the static inputs (a piece writes no state: no
-    cache, no buffer). `replays` and `captures` count them.
+    over static inputs (`_Statics`: copied in, or an earlier piece's output read in place),
+    then replayed. The warm-up and the capture run the piece on the static inputs (a piece
+    writes no state: no cache, no buffer). `replays`, `captures` and `copies` count them.
 
     On CUDA the graphs share one memory pool (as vLLM's captured batch sizes do): a
     verification forward of width W replays its pieces in the order the first forward of
@@ -63,6 +141,7 @@ class CapturedPieces:
     a few hundred graphs (27 layers x 4 pieces x each width)."""
 
     def __init__(self, capture: Callable | None = None):
+        super().__init__()
         if capture is None:
             import functools
 
@@ -76,30 +155,38 @@ class CapturedPieces:
         sig = (key, tuple((tuple(t.shape), t.dtype) for t in inputs))
         held = self.graphs.get(sig)
         if held is None:
-            static = [t.clone() for t in inputs]
+            static = self.statics(inputs)
             replay = self.capture(lambda: fn(*static), lambda: fn(*static))
             held = self.graphs[sig] = (static, replay)
             self.captures += 1
         static, replay = held
-        for buffer, t in zip(static, inputs):
-            buffer.copy_(t)
+        self.fill(static, inputs)
         self.replays += 1
         from specter.counting import compiled_region
 
         with compiled_region():  # one graph replay, as the draft step's (counting.py)
-            return replay()
+            out = replay()
+        self.produced(out)
+        return out
 
 
-class ChargedPieces:
+class ChargedPieces(_Statics):
     """On a virtual clock: each piece runs as it is and is charged as the replay of a captured
     graph (`ComputeClock.captured_step`: one launch, the piece's kernels at the profile's
     floor, the hooks' charges inside priced as captured), its kernels counted the first time
     it runs (its launching operations: one kernel each on a GPU). The engine's counters see
-    one graph replay (`compiled_region`), as for a captured draft step."""
+    one graph replay (`compiled_region`), as for a captured draft step. Its inputs go through
+    static buffers as `CapturedPieces`' do (`_Statics`): the copies a GPU would issue are
+    issued here too, eagerly, so the clock charges them as it charges any eager kernel; each
+    piece's outputs stay where its first run put them (later runs copied into them, not
+    counted), as a graph's outputs do."""
 
     def __init__(self, clock):
+        super().__init__()
         self.clock = clock
         self.kernels: dict = {}
+        self.static: dict = {}
+        self.held: dict = {}
         self.captures = self.replays = 0
 
     def run(self, key, fn: Callable, *inputs):
@@ -110,6 +197,9 @@ class ChargedPieces:
         counter = None
         if sig not in self.kernels:
             counter, self.captures = OpCounter(), self.captures + 1
+            self.static[sig] = self.statics(inputs)
+        static = self.static[sig]
+        self.fill(static, inputs)
 
         def kernels() -> int:
             if counter is not None:
@@ -117,7 +207,14 @@ class ChargedPieces:
             return self.kernels[sig]
         with self.clock.captured_step(kernels), compiled_region():
             with counter if counter is not None else contextlib.nullcontext():
-                return fn(*inputs)
+                out = fn(*static)
+            if sig in self.held:  # the outputs stay where the first run put them, as a graph's
+                copy_into(self.held[sig], out)
+            else:
+                self.held[sig] = out
+        out = self.held[sig]
+        self.produced(out)
+        return out
 
 
 def pieces_for(job, timing, clock):
@@ -152,6 +249,7 @@ def pieces_for(job, timing, clock):
 class _Pieces:
     runner = None
     layer = None  # the decoder layer whose MoE block runs
+    residual = None  # its residual, added after the block (inside piece D)
 
 
 PIECES = _Pieces()
@@ -215,12 +313,15 @@ def install() -> None:
             hidden = residual + self.self_attn.o_proj(a)
             return hidden, self.post_attention_layernorm(hidden)
         residual, hidden = run.run((i, "B"), b, attn_output, hidden_states)
+        # the layer's last residual add runs inside its last piece (D, or M): the layer's
+        # output is a piece's, which the next layer's first piece reads in place
         if isinstance(self.mlp, ds.DeepseekV2Moe):
-            PIECES.layer = i  # the MoE block's pieces are this layer's
-            hidden = self.mlp(hidden)
-        else:
-            hidden = run.run((i, "M"), self.mlp, hidden)
-        return residual + hidden
+            PIECES.layer, PIECES.residual = i, residual  # the MoE block's pieces are this layer's
+            try:
+                return self.mlp(hidden)
+            finally:
+                PIECES.residual = None
+        return run.run((i, "M"), lambda h, res: res + self.mlp(h), hidden, residual)
 
     def attention(self, *args, _specter_pieces=None, **kwargs):
         if _specter_pieces is None:
@@ -253,7 +354,9 @@ def install() -> None:
         _, topk_weights, topk_indices = run.run((i, "C"), self.gate, hidden_states)
         hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
         routed = self.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)
-        return run.run((i, "D"), lambda r, x: r + self.shared_experts(x), routed, residuals)
+        # (the decoder layer's residual add after the block, as transformers orders it)
+        return run.run((i, "D"), lambda r, x, res: res + (r + self.shared_experts(x)), routed,
+                       residuals, PIECES.residual)
 
     for f in (decoder_layer, attention, moe):
         f._specter_pieces = True
