@@ -28,18 +28,28 @@ class ExpertGroups:
         return self.pos[s:s + n], self.token[s:s + n]
 
 
-def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups:
-    """top_k_index [T, k] -> its pairs grouped by expert; one host read (the counts)."""
+def route_order(top_k_index: torch.Tensor, num_experts: int):
+    """The device half of `group_by_expert` (fixed shapes, no host read: what a captured piece
+    can hold): (pairs per expert [E], each grouped pair's k-slot [T*k], its token [T*k])."""
     T = top_k_index.shape[0]
     flat = top_k_index.T.reshape(-1)  # pair i = (k-slot i // T, token i % T)
     order = torch.sort(flat, stable=True).indices  # ties keep (k-slot, token) order
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device)
     counts.index_add_(0, flat, torch.ones_like(flat))  # fixed shape: no sync
+    return counts, torch.div(order, T, rounding_mode="floor"), order % T
+
+
+def read_groups(counts: torch.Tensor, pos: torch.Tensor, token: torch.Tensor) -> ExpertGroups:
+    """The host half: the counts read (the layer's one host read), the groups' bounds."""
     per_expert = counts.tolist()  # the layer's one host read
     needed = [e for e, n in enumerate(per_expert) if n]
     starts, s = {}, 0
     for e in needed:
         starts[e] = s
         s += per_expert[e]
-    return ExpertGroups(needed, {e: per_expert[e] for e in needed}, starts,
-                        torch.div(order, T, rounding_mode="floor"), order % T)
+    return ExpertGroups(needed, {e: per_expert[e] for e in needed}, starts, pos, token)
+
+
+def group_by_expert(top_k_index: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """top_k_index [T, k] -> its pairs grouped by expert; one host read (the counts)."""
+    return read_groups(*route_order(top_k_index, num_experts))

@@ -260,6 +260,37 @@ def pieces(runner):
     return switched(PIECES, "runner", runner, runner)
 
 
+def _moe_routed(moe, runtime, run, i: int, hidden_states):
+    """A DeepSeek-V2 MoE block over the offload runtime in two pieces around its experts call:
+    C, the router and everything of the routing that has fixed shapes (its grouping on the
+    device and the sum's tensors: grouping.route_order, LayerSum.make), handed to the call
+    (`runtime.routed`), which then reads the groups' counts, copies, and computes in rounds;
+    D, the products summed rank by rank (`sum_ranks`), the shared experts, the sum and the
+    decoder layer's residual add. The same operations in transformers' and the runtime's
+    order: bitwise the eager forward."""
+    from specter.grouping import route_order
+    from specter.offload.grouped import LayerSum, sum_ranks
+    from specter.offload.runtime import Routed
+
+    orig_shape, num_experts = hidden_states.shape, runtime.cache.store.layout.num_experts
+
+    def c(h):
+        _, weights, index = moe.gate(h)
+        counts, pos, token = route_order(index, num_experts)
+        made = LayerSum.make(h.view(-1, h.shape[-1]), index, pos, token, weights)
+        return (weights, index, counts, pos, token, *made)
+    weights, index, counts, pos, token, *made = run.run((i, "C"), c, hidden_states)
+    routed = runtime.routed = Routed(index, counts, pos, token, tuple(made))
+    out = moe.experts(hidden_states.view(-1, hidden_states.shape[-1]), index, weights)
+    runtime.routed = None  # (taken by the call, or not wanted)
+    k = index.shape[1]
+
+    def d(parts, x, res):
+        summed = sum_ranks(parts, k) if routed.deferred else parts
+        return res + (summed.view(*orig_shape) + moe.shared_experts(x))
+    return run.run((i, "D"), d, out, hidden_states, PIECES.residual)
+
+
 def _attention_pre(attn, hidden_states, position_embeddings):
     """transformers' DeepseekV2Attention.forward up to the cache update, as it is written."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
@@ -351,6 +382,9 @@ def install() -> None:
         i = PIECES.layer
         residuals = hidden_states
         orig_shape = hidden_states.shape
+        runtime = getattr(self.experts, "_specter_runtime", None)
+        if runtime is not None and runtime.takes_routed:
+            return _moe_routed(self, runtime, run, i, hidden_states)
         _, topk_weights, topk_indices = run.run((i, "C"), self.gate, hidden_states)
         hidden_states = hidden_states.view(-1, hidden_states.shape[-1])
         routed = self.experts(hidden_states, topk_indices, topk_weights).view(*orig_shape)

@@ -67,16 +67,23 @@ class LayerSum:
     of its pairs and places their products with one index each."""
 
     def __init__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, groups: ExpertGroups,
-                 top_k_weights: torch.Tensor):
+                 top_k_weights: torch.Tensor, made=None):
         T, k = top_k_index.shape
         self.T, self.k = T, k
+        self.rank, self.parts, self.x, self.w, self.at = made or self.make(
+            hidden, top_k_index, groups.pos, groups.token, top_k_weights)
+
+    @staticmethod
+    def make(hidden, top_k_index, pos, token, top_k_weights):
+        """The device tensors of a layer's sum (fixed shapes: what a captured piece can make
+        before the routing's host read): (rank, parts, x, w, at)."""
+        T, k = top_k_index.shape
         # rank[t, j]: how many of token t's chosen experts have a smaller id than its j-th
-        self.rank = (top_k_index.unsqueeze(1) < top_k_index.unsqueeze(2)).sum(-1)
-        self.parts = torch.zeros(k * T, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
+        rank = (top_k_index.unsqueeze(1) < top_k_index.unsqueeze(2)).sum(-1)
+        parts = torch.zeros(k * T, hidden.shape[-1], dtype=hidden.dtype, device=hidden.device)
         # per pair, in `groups`' order: its input row, its routing weight, where it goes
-        self.x = hidden[groups.token]
-        self.w = top_k_weights[groups.token, groups.pos].unsqueeze(-1)
-        self.at = self.rank[groups.token, groups.pos] * T + groups.token
+        return (rank, parts, hidden[token], top_k_weights[token, pos].unsqueeze(-1),
+                rank[token, pos] * T + token)
 
     def place(self, pos: torch.Tensor, token: torch.Tensor, out: torch.Tensor) -> None:
         """Products `out` [n, H] of the pairs (k-slot `pos`, `token`), weighted already."""
@@ -88,11 +95,17 @@ class LayerSum:
         self.parts.index_copy_(0, self.at[pairs], (y * self.w[pairs]).to(self.parts.dtype))
 
     def result(self) -> torch.Tensor:
-        T, parts = self.T, self.parts
-        final = torch.zeros_like(parts[:T])  # 0 + x: as index_add_ into zeros
-        for r in range(self.k):
-            final = final + parts[r * T:(r + 1) * T]
-        return final
+        return sum_ranks(self.parts, self.k)
+
+
+def sum_ranks(parts: torch.Tensor, k: int) -> torch.Tensor:
+    """A layer's sum from its `parts` [k T, H]: rank by rank, as `index_add_` into zeros per
+    expert in expert-id order adds (fixed shapes: a captured piece can run it)."""
+    T = parts.shape[0] // k
+    final = torch.zeros_like(parts[:T])  # 0 + x: as index_add_ into zeros
+    for r in range(k):
+        final = final + parts[r * T:(r + 1) * T]
+    return final
 
 
 def grouped_products(kernel: str, groups: ExpertGroups, slot_of: dict[int, int],

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from specter.errors import UserError
-from specter.grouping import group_by_expert
+from specter.grouping import group_by_expert, read_groups
 from specter.models.introspect import experts_modules
 from specter.offload.cache import ExpertCache
 from specter.clock.costmodel import CostModel
@@ -85,6 +85,23 @@ class DemandStats:
                                                  if self.forward_distinct else float("nan"))}
 
 
+@dataclass
+class Routed:
+    """A layer's routing grouped on the device before its experts call, by whoever ran the
+    router (verification's router piece, decoding/verify_pieces.py, captured with it): the
+    call reads the groups' counts (its one host read) and skips the launches that made them.
+    `defer_sum`: the caller sums the products itself (a later piece): the call returns the
+    per-rank products [k T, H] (`LayerSum.parts`) and says so in `deferred`."""
+
+    index: torch.Tensor  # the top_k_index the experts call gets
+    counts: torch.Tensor  # grouping.route_order's
+    pos: torch.Tensor
+    token: torch.Tensor
+    made: tuple  # LayerSum.make's
+    defer_sum: bool = True
+    deferred: bool = False
+
+
 @dataclass(frozen=True)
 class Layer:
     """One call of a MoE layer's routed experts: its inputs and its routing, grouped on the host
@@ -96,6 +113,7 @@ class Layer:
     top_k_index: torch.Tensor  # [T, k]
     top_k_weights: torch.Tensor  # [T, k]
     groups: object  # grouping.ExpertGroups
+    made: tuple | None = None  # its sum's device tensors made already (`Routed.made`)
 
     def expert(self, e: int, views: tuple[torch.Tensor, torch.Tensor], serial: bool = False):
         """Expert `e` over its tokens from the (gate_up, down) `views`: (token_idx, out)."""
@@ -130,7 +148,8 @@ class Rounds:
         while later rounds wait. Host work per round, not per expert: one upload, no host
         read. Returns the layer's sum so far (`LayerSum`)."""
         cache, l, groups = rt.cache, layer.l, layer.groups
-        total = LayerSum(layer.hidden, layer.top_k_index, groups, layer.top_k_weights)
+        total = LayerSum(layer.hidden, layer.top_k_index, groups, layer.top_k_weights,
+                         layer.made)
         todo = hits + misses
         chunk = max(1, -(-len(todo) // self.MISS_ROUNDS))
         while todo:
@@ -258,6 +277,7 @@ class OffloadRuntime:
         self.host_compute, self.host_all = host_misses, host_all
         self.stats = DemandStats()
         self.record_demand = True  # False during prefill (hit rate excludes it)
+        self.routed: Routed | None = None  # the next call's routing, grouped by its caller
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
         self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
@@ -271,6 +291,11 @@ class OffloadRuntime:
             # The fused copies are already gone: the store (store.py) took every expert.
             assert m.gate_up_proj.numel() == 0, "build the HostExpertStore before the runtime"
         model.config._experts_implementation = IMPL_NAME
+
+    @property
+    def takes_routed(self) -> bool:
+        """Whether a caller may hand the next call its routing grouped (`routed`)."""
+        return isinstance(self.compute, Rounds) and not self.host_all
 
     @property
     def serial(self) -> bool:
@@ -294,13 +319,20 @@ class OffloadRuntime:
         """hidden [T, H], top_k_index / top_k_weights [T, k] -> [T, H]: route, demand, host,
         copy, compute, sum."""
         cache = self.cache
+        routed, self.routed = self.routed, None
+        if routed is not None and (routed.index is not top_k_index or not self.takes_routed):
+            routed = None
         self.clock.router(hidden.shape[0])  # the router that just ran
         self.clock.offload_layer(hidden.shape[0])  # this method's own host work
         if self.host_all:  # every expert on the host: the routing is grouped there
             return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
         # 1. Route: the layer's one host read (residency is a host decision: specter/grouping.py).
-        layer = Layer(l, module, hidden, top_k_index, top_k_weights,
-                      group_by_expert(top_k_index, cache.store.layout.num_experts))
+        if routed is not None:  # grouped on the device by the caller
+            layer = Layer(l, module, hidden, top_k_index, top_k_weights,
+                          read_groups(routed.counts, routed.pos, routed.token), routed.made)
+        else:
+            layer = Layer(l, module, hidden, top_k_index, top_k_weights,
+                          group_by_expert(top_k_index, cache.store.layout.num_experts))
         needed = layer.groups.needed
         # 2. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits, misses = self._demand(layer)
@@ -324,8 +356,12 @@ class OffloadRuntime:
                                              for job in jobs])
         for e in host:
             cache.unprotect(l, e)
-        # 6. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs).
-        final = self.compute.result(part, layer)
+        # 6. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs), or leave
+        # the sum to the caller (`Routed.defer_sum`: its next piece sums them the same way).
+        if routed is not None and routed.defer_sum:
+            routed.deferred, final = True, part.parts
+        else:
+            final = self.compute.result(part, layer)
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
         return final
