@@ -339,121 +339,121 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 
 def install() -> None:
-    """Wrap transformers' DeepSeek-V2 `apply_rotary_emb` and greedy router once: each
-    unchanged unless `DRAFT_STEP.on`."""
+    """Wrap transformers' DeepSeek-V2 code once with this module's formulations: each
+    unchanged unless `DRAFT_STEP.on` (and, for the layer's and the MLP's, the model
+    `prepare`d)."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
 
-    rope = ds.apply_rotary_emb
-    if not getattr(rope, "_specter_draft_step", False):
-        def apply_rotary_emb(xq, xk, freqs_cis):
-            if not DRAFT_STEP.on:
-                return rope(xq, xk, freqs_cis)
-            rot = torch.view_as_real(freqs_cis.unsqueeze(1).to(xq.device))  # [b, 1, s, d/2, 2]
-            cos, sin = rot[..., 0], rot[..., 1]
-            return rotate_real(xq, cos, sin), rotate_real(xk, cos, sin)
-
-        apply_rotary_emb._specter_draft_step = True
-        apply_rotary_emb.__wrapped__ = rope
-        ds.apply_rotary_emb = apply_rotary_emb
-
-    route = ds.DeepseekV2TopkRouter.forward
-    if not getattr(route, "_specter_draft_step", False):
-        def forward(self, hidden_states):
-            if not DRAFT_STEP.on or self.topk_method != "greedy":
-                return route(self, hidden_states)
-            x = hidden_states.view(-1, self.hidden_dim)
-            return torch.ops.specter.route_topk(x, self.weight, self.top_k,
-                                                float(self.routed_scaling_factor), _use_triton(x))
-
-        forward._specter_draft_step = True
-        forward.__wrapped__ = route
-        ds.DeepseekV2TopkRouter.forward = forward
-
-    attend = ds.DeepseekV2Attention.forward
-    if not getattr(attend, "_specter_draft_step", False):
-        def forward(self, hidden_states, attention_mask=None, cache=None,
-                    position_embeddings=None, **kwargs):
-            layer = _one_index_layer(cache, self.layer_idx)
-            if (not DRAFT_STEP.on or layer is None or hidden_states.shape[1] != 1
-                    or kwargs.get("_specter_pieces") is not None):
-                return attend(self, hidden_states=hidden_states, attention_mask=attention_mask,
-                              cache=cache, position_embeddings=position_embeddings, **kwargs)
-            q, kv = _query_and_latent(self, hidden_states)
-            rot = torch.view_as_real(position_embeddings.to(q.device))
-            out = torch.ops.specter.mla_decode(
-                q, kv, self.kv_a_layernorm.weight, float(self.kv_a_layernorm.variance_epsilon),
-                rot, layer.keys, layer.values, layer.cumulative_length, self.kv_b_proj.weight, self.num_heads, self.qk_nope_head_dim,
-                self.qk_rope_head_dim, self.v_head_dim, float(self.scaling), _use_triton(q))
-            return self.o_proj(out), None
-
-        forward._specter_draft_step = True
-        forward.__wrapped__ = attend
-        ds.DeepseekV2Attention.forward = forward
+    _patch(ds, "apply_rotary_emb", _rope)
+    _patch(ds.DeepseekV2TopkRouter, "forward", _router)
+    _patch(ds.DeepseekV2Attention, "forward", _attention)
+    _patch(ds.DeepseekV2MLP, "forward", _mlp)
+    _patch(ds.DeepseekV2DecoderLayer, "forward", _decoder_layer)
+    _patch(ds.DeepseekV2RMSNorm, "forward", _norm)
 
 
-    mlp = ds.DeepseekV2MLP.forward
-    if not getattr(mlp, "_specter_draft_step", False):
-        def forward(self, x):
-            gate_up = getattr(self, MERGED, None)
-            if not DRAFT_STEP.on or gate_up is None:
-                return mlp(self, x)
-            gu = F.linear(x, gate_up)
-            if self.down_proj.bias is None and _is_silu(self.act_fn):
-                return torch.ops.specter.silu_mul_gemv(gu, self.down_proj.weight,
-                                                       _use_triton(gu))
-            gate, up = gu.split(self.intermediate_size, dim=-1)
-            return self.down_proj(self.act_fn(gate) * up)
-
-        forward._specter_draft_step = True
-        forward.__wrapped__ = mlp
-        ds.DeepseekV2MLP.forward = forward
+def _patch(owner, name: str, make) -> None:
+    """`owner.name` replaced, once, by `make(the original)`, which keeps it as `__wrapped__`."""
+    original = getattr(owner, name)
+    if getattr(original, "_specter_draft_step", False):
+        return
+    new = make(original)
+    new._specter_draft_step = True
+    new.__wrapped__ = original
+    setattr(owner, name, new)
 
 
-    layer_forward = ds.DeepseekV2DecoderLayer.forward
-    if not getattr(layer_forward, "_specter_draft_step", False):
-        def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
-                    use_cache=False, position_embeddings=None, **kwargs):
-            nxt = getattr(self, NEXT_NORM, None)
-            if not DRAFT_STEP.on or nxt is None:
-                if isinstance(hidden_states, Carried):
-                    hidden_states = hidden_states.out
-                return layer_forward(self, hidden_states, attention_mask=attention_mask,
-                                     position_ids=position_ids, cache=cache,
-                                     use_cache=use_cache,
-                                     position_embeddings=position_embeddings, **kwargs)
+def _rope(rope):
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        if not DRAFT_STEP.on:
+            return rope(xq, xk, freqs_cis)
+        rot = torch.view_as_real(freqs_cis.unsqueeze(1).to(xq.device))  # [b, 1, s, d/2, 2]
+        cos, sin = rot[..., 0], rot[..., 1]
+        return rotate_real(xq, cos, sin), rotate_real(xk, cos, sin)
+    return apply_rotary_emb
+
+
+def _router(route):
+    def forward(self, hidden_states):
+        if not DRAFT_STEP.on or self.topk_method != "greedy":
+            return route(self, hidden_states)
+        x = hidden_states.view(-1, self.hidden_dim)
+        return torch.ops.specter.route_topk(x, self.weight, self.top_k,
+                                            float(self.routed_scaling_factor), _use_triton(x))
+    return forward
+
+
+def _attention(attend):
+    def forward(self, hidden_states, attention_mask=None, cache=None, position_embeddings=None,
+                **kwargs):
+        layer = _one_index_layer(cache, self.layer_idx)
+        if (not DRAFT_STEP.on or layer is None or hidden_states.shape[1] != 1
+                or kwargs.get("_specter_pieces") is not None):
+            return attend(self, hidden_states=hidden_states, attention_mask=attention_mask,
+                          cache=cache, position_embeddings=position_embeddings, **kwargs)
+        q, kv = _query_and_latent(self, hidden_states)
+        rot = torch.view_as_real(position_embeddings.to(q.device))
+        norm = self.kv_a_layernorm
+        out = torch.ops.specter.mla_decode(
+            q, kv, norm.weight, float(norm.variance_epsilon), rot, layer.keys, layer.values,
+            layer.cumulative_length, self.kv_b_proj.weight, self.num_heads,
+            self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim, float(self.scaling),
+            _use_triton(q))
+        return self.o_proj(out), None
+    return forward
+
+
+def _mlp(mlp):
+    def forward(self, x):
+        gate_up = getattr(self, MERGED, None)
+        if not DRAFT_STEP.on or gate_up is None:
+            return mlp(self, x)
+        gu = F.linear(x, gate_up)
+        if self.down_proj.bias is None and _is_silu(self.act_fn):
+            return torch.ops.specter.silu_mul_gemv(gu, self.down_proj.weight, _use_triton(gu))
+        gate, up = gu.split(self.intermediate_size, dim=-1)
+        return self.down_proj(self.act_fn(gate) * up)
+    return forward
+
+
+def _decoder_layer(layer_forward):
+    from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, cache=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        nxt = getattr(self, NEXT_NORM, None)
+        if not DRAFT_STEP.on or nxt is None:
             if isinstance(hidden_states, Carried):
-                residual, x = hidden_states
-            else:
-                residual, x = hidden_states, self.input_layernorm(hidden_states)
-            attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask,
-                                     position_ids=position_ids, cache=cache,
-                                     use_cache=use_cache, position_embeddings=position_embeddings,
-                                     **kwargs)
-            fused = _use_triton(residual)
-            post = self.post_attention_layernorm
-            hidden, x = torch.ops.specter.add_rms_norm(residual, attn, None, post.weight,
-                                                       float(post.variance_epsilon), fused)
-            if isinstance(self.mlp, ds.DeepseekV2Moe):
-                routed, shared = _moe_parts(self.mlp, x)
-            else:
-                routed, shared = self.mlp(x), None
-            return Carried(*torch.ops.specter.add_rms_norm(
-                hidden, routed, shared, nxt.weight, float(nxt.variance_epsilon), fused))
+                hidden_states = hidden_states.out
+            return layer_forward(self, hidden_states, attention_mask=attention_mask,
+                                 position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+        if isinstance(hidden_states, Carried):
+            residual, x = hidden_states
+        else:
+            residual, x = hidden_states, self.input_layernorm(hidden_states)
+        attn, _ = self.self_attn(hidden_states=x, attention_mask=attention_mask,
+                                 position_ids=position_ids, cache=cache, use_cache=use_cache,
+                                 position_embeddings=position_embeddings, **kwargs)
+        fused = _use_triton(residual)
+        post = self.post_attention_layernorm
+        hidden, x = torch.ops.specter.add_rms_norm(residual, attn, None, post.weight,
+                                                   float(post.variance_epsilon), fused)
+        if isinstance(self.mlp, ds.DeepseekV2Moe):
+            routed, shared = _moe_parts(self.mlp, x)
+        else:
+            routed, shared = self.mlp(x), None
+        return Carried(*torch.ops.specter.add_rms_norm(
+            hidden, routed, shared, nxt.weight, float(nxt.variance_epsilon), fused))
+    return forward
 
-        forward._specter_draft_step = True
-        forward.__wrapped__ = layer_forward
-        ds.DeepseekV2DecoderLayer.forward = forward
 
-    norm_forward = ds.DeepseekV2RMSNorm.forward
-    if not getattr(norm_forward, "_specter_draft_step", False):
-        def forward(self, hidden_states):
-            if isinstance(hidden_states, Carried):  # normed by the layer that made it
-                return hidden_states.normed
-            return norm_forward(self, hidden_states)
-
-        forward._specter_draft_step = True
-        forward.__wrapped__ = norm_forward
-        ds.DeepseekV2RMSNorm.forward = forward
+def _norm(norm_forward):
+    def forward(self, hidden_states):
+        if isinstance(hidden_states, Carried):  # normed by the layer that made it
+            return hidden_states.normed
+        return norm_forward(self, hidden_states)
+    return forward
 
 
 def _query_and_latent(attn, hidden_states):
