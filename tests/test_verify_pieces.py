@@ -174,3 +174,33 @@ def test_captured_pieces_on_cuda_are_bitwise_eager(tiny_models):
         # one 2 MiB segment a graph (what a pool each would hold)
         grown = torch.cuda.memory_reserved() - reserved
         assert grown < runner.captures * (2 << 20) / 2, (grown, runner.captures)
+
+
+def test_the_router_piece_groups_the_routing_for_the_runtime_bitwise():
+    """Over the offload runtime (its rounds), the router's piece groups the routing on the
+    device and makes the layer's sum tensors, the runtime takes them (`Routed`) and leaves the
+    sum to the last piece: the logits are the eager forward's bit for bit."""
+    from test_offload import make_engine
+
+    vp.install()
+    engine, loaded = make_engine("tiny_deepseek", "lru", 8)
+    engine.reset()
+    runtime, model = engine.runtime, loaded.model
+    assert runtime.takes_routed
+    taken = []
+    inner = runtime.experts_forward
+
+    def spy(*args, **kwargs):
+        routed = runtime.routed
+        out = inner(*args, **kwargs)
+        taken.append(routed is not None and routed.deferred)
+        return out
+    runtime.experts_forward = spy
+    ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        with vp.pieces(vp.EagerPieces()):
+            got = model(input_ids=ids).logits
+    moe = model.config.num_hidden_layers - model.config.first_k_dense_replace
+    assert taken == [False] * moe + [True] * moe
+    assert torch.equal(got, ref)
