@@ -74,7 +74,7 @@ class _Cuda:
     def stream(self, s):
         return contextlib.nullcontext()
 
-    def graph(self, g):
+    def graph(self, g, pool=None):  # torch.cuda.graph's signature
         return contextlib.nullcontext()
 
 
