@@ -327,12 +327,10 @@ class OffloadRuntime:
         if self.host_all:  # every expert on the host: the routing is grouped there
             return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
         # 1. Route: the layer's one host read (residency is a host decision: specter/grouping.py).
-        if routed is not None:  # grouped on the device by the caller
-            layer = Layer(l, module, hidden, top_k_index, top_k_weights,
-                          read_groups(routed.counts, routed.pos, routed.token), routed.made)
-        else:
-            layer = Layer(l, module, hidden, top_k_index, top_k_weights,
-                          group_by_expert(top_k_index, cache.store.layout.num_experts))
+        groups = (read_groups(routed.counts, routed.pos, routed.token) if routed is not None
+                  else group_by_expert(top_k_index, cache.store.layout.num_experts))
+        layer = Layer(l, module, hidden, top_k_index, top_k_weights, groups,
+                      routed.made if routed is not None else None)
         needed = layer.groups.needed
         # 2. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits, misses = self._demand(layer)
