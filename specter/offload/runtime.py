@@ -89,16 +89,15 @@ class DemandStats:
 class Routed:
     """A layer's routing grouped on the device before its experts call, by whoever ran the
     router (verification's router piece, decoding/verify_pieces.py, captured with it): the
-    call reads the groups' counts (its one host read) and skips the launches that made them.
-    `defer_sum`: the caller sums the products itself (a later piece): the call returns the
-    per-rank products [k T, H] (`LayerSum.parts`) and says so in `deferred`."""
+    call reads the groups' counts (its one host read) and skips the launches that made them,
+    and leaves the sum to the caller (a later piece): it returns the per-rank products
+    [k T, H] (`LayerSum.parts`) and says so in `deferred`."""
 
     index: torch.Tensor  # the top_k_index the experts call gets
     counts: torch.Tensor  # grouping.route_order's
     pos: torch.Tensor
     token: torch.Tensor
     made: tuple  # LayerSum.make's
-    defer_sum: bool = True
     deferred: bool = False
 
 
@@ -355,8 +354,8 @@ class OffloadRuntime:
         for e in host:
             cache.unprotect(l, e)
         # 6. Sum in expert-id order, as HF's eager loop does (bitwise-equal outputs), or leave
-        # the sum to the caller (`Routed.defer_sum`: its next piece sums them the same way).
-        if routed is not None and routed.defer_sum:
+        # the sum to the caller (`Routed`: its next piece sums them the same way).
+        if routed is not None:
             routed.deferred, final = True, part.parts
         else:
             final = self.compute.result(part, layer)
