@@ -349,7 +349,10 @@ def chain_norms(model) -> int:
 def prepare(model) -> None:
     """What the compiled draft step needs of a model once: merged projections (one GEMM where
     two read one input) and chained norms."""
-    merge_projections(model)
+    if merge_projections(model):
+        device = next(model.parameters()).device
+        if device.type == "cuda":  # the pairs' old blocks (one layer's: the next reused them)
+            torch.cuda.empty_cache()  # go back to the device, not held in the reserve
     chain_norms(model)
 
 
