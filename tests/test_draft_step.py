@@ -363,9 +363,9 @@ def test_a_kernel_that_does_not_build_falls_back_to_its_torch_formulation(monkey
     def launch(x, weight, k, scale):
         calls.append("launch")
         raise Unbuilt("no registers left")
-    monkeypatch.setattr(draft_step, "_build_errors", lambda: (Unbuilt,))
+    monkeypatch.setattr(kernels, "build_errors", lambda: (Unbuilt,))
     monkeypatch.setattr(draft_step, "_route_topk_launch", launch)
-    monkeypatch.setattr(draft_step, "_UNBUILT", set())
+    monkeypatch.setattr(kernels, "UNBUILT", set())
     x, weight = torch.randn(2, 16), torch.randn(8, 16)
     with pytest.warns(RuntimeWarning, match="route_topk: its Triton kernel does not build"):
         got = draft_step.route_topk._init_fn(x, weight, 2, 1.0, True)
@@ -373,7 +373,7 @@ def test_a_kernel_that_does_not_build_falls_back_to_its_torch_formulation(monkey
     ref = draft_step._route_topk_torch(x, weight, 2, 1.0)
     assert calls == ["launch"]  # tried once
     assert all(torch.equal(a, b) for a, b in zip(got, ref)) and torch.equal(again[2], ref[2])
-    monkeypatch.setattr(draft_step, "_UNBUILT", set())
+    monkeypatch.setattr(kernels, "UNBUILT", set())
     monkeypatch.setattr(draft_step, "_route_topk_launch",
                         lambda *a: (_ for _ in ()).throw(ValueError("a bug")))
     with pytest.raises(ValueError, match="a bug"):

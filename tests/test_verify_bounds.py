@@ -64,7 +64,10 @@ def _count_layers(engine, ids):
     return rows
 
 
-@pytest.mark.parametrize("kernel", [True, "padded"])
+KERNEL_OF = {"auto": "fused", True: "grouped_mm", "padded": "padded"}
+
+
+@pytest.mark.parametrize("kernel", ["auto", True, "padded"])
 def test_a_moe_layer_launches_a_fixed_count_whatever_the_experts_it_needs(kernel, tiny_models):
     """A 17-token window (K=16) and a 3-token one at every slot: the same launches per MoE
     layer, at most BOUND, though the window needs several times the experts; one host read, no
@@ -73,7 +76,7 @@ def test_a_moe_layer_launches_a_fixed_count_whatever_the_experts_it_needs(kernel
     tokens = lm.tokenizer(PROMPTS[1])["input_ids"]
     grouped, _ = make_engine("tiny_deepseek", "lru", 64, offload={"grouped": kernel})
     loop, _ = make_engine("tiny_deepseek", "lru", 64, offload={"grouped": False})
-    assert grouped.runtime.kernel() == ("grouped_mm" if kernel is True else "padded")
+    assert grouped.runtime.kernel() == KERNEL_OF[kernel]
     seen = {}
     for T in (3, 17):
         ids = torch.tensor([tokens[:T]])
@@ -86,6 +89,24 @@ def test_a_moe_layer_launches_a_fixed_count_whatever_the_experts_it_needs(kernel
         assert [r[0] for r in looped] > [BOUND] * len(looped) or T == 3, looped
     assert seen[3] == seen[17]
     assert needed != [r[5] for r in _count_layers(loop, torch.tensor([tokens[:3]]))]
+    if kernel == "auto":  # a round: the indices' upload and the op's two launches
+        unfused, _ = make_engine("tiny_deepseek", "lru", 64, offload={"grouped": True})
+        rows = _count_layers(unfused, torch.tensor([tokens[:17]]))
+        assert [r[0] - 7 for r in rows] == seen[17], (rows, seen)
+
+
+def test_the_fused_round_is_the_grouped_round_to_the_bit(tiny_models):
+    """On the CPU the fused round's op runs `grouped_mm`'s arithmetic: a 17-token forward
+    streaming through 8 slots gives the same logits to the bit, fused or not."""
+    lm = tiny_models("tiny_deepseek")
+    ids = torch.tensor([lm.tokenizer(PROMPTS[0])["input_ids"][:17]])
+    logits = {}
+    for grouped in ("auto", True):
+        engine, _ = make_engine("tiny_deepseek", "lru", 8, offload={"grouped": grouped})
+        engine.reset()
+        with torch.no_grad():
+            logits[grouped] = engine.model(input_ids=ids).logits
+    assert torch.equal(logits["auto"], logits[True])
 
 
 def test_streaming_through_few_slots_costs_rounds_not_experts(tiny_models):
@@ -107,15 +128,20 @@ def test_streaming_through_few_slots_costs_rounds_not_experts(tiny_models):
 
 
 def test_cuda_computes_resident_experts_in_a_fixed_launch_kernel_in_every_dtype():
-    """Torch's grouped GEMM runs on CUDA without a host sync only in bfloat16 on compute
-    capability 9.x/10.x; elsewhere (float16, an A100) the padded kernel: never the per-expert
-    loop."""
-    cuda = torch.device("cuda")
-    assert grouped_mod.pick_kernel(torch.device("cpu"), torch.float32) == "grouped_mm"
-    assert grouped_mod.pick_kernel(cuda, torch.bfloat16, (9, 0)) == "grouped_mm"
-    assert grouped_mod.pick_kernel(cuda, torch.float16, (9, 0)) == "padded"
-    assert grouped_mod.pick_kernel(cuda, torch.bfloat16, (8, 0)) == "padded"
-    assert grouped_mod.pick_kernel(cuda, torch.float32, (10, 0)) == "padded"
+    """The fused round (`specter::expert_round`) wherever it runs. Without it: torch's grouped
+    GEMM runs on CUDA without a host sync only in bfloat16 on compute capability 9.x/10.x;
+    elsewhere (float16, an A100) the padded kernel: never the per-expert loop."""
+    cuda, pick = torch.device("cuda"), grouped_mod.pick_kernel
+    # the fused round wherever it runs: the CPU (its torch body), CUDA with Triton
+    assert pick(torch.device("cpu"), torch.float32) == "fused"
+    for dtype, cap in ((torch.bfloat16, (9, 0)), (torch.float16, (8, 0)), (torch.float32, (10, 0))):
+        assert pick(cuda, dtype, cap, fused=True) == "fused"
+    # else the unfused kernels
+    assert pick(torch.device("cpu"), torch.float32, fused=False) == "grouped_mm"
+    assert pick(cuda, torch.bfloat16, (9, 0), fused=False) == "grouped_mm"
+    assert pick(cuda, torch.float16, (9, 0), fused=False) == "padded"
+    assert pick(cuda, torch.bfloat16, (8, 0), fused=False) == "padded"
+    assert pick(cuda, torch.float32, (10, 0), fused=False) == "padded"
 
 
 def test_a_window_is_one_replay_per_draft_step_and_a_few_host_waits(tmp_path, tiny_models):

@@ -37,6 +37,10 @@ from pathlib import Path
 
 import torch
 
+# Kernels a custom op launches on a GPU, by its qualified name (counting.py owns the table:
+# the op counter counts an eager call by it too).
+from specter.counting import DEVICE_LAUNCHES
+
 # calls in a dynamo graph that launch nothing: views, shape reads and Python glue
 _NO_KERNEL = {"getitem", "size", "dim", "view", "reshape", "unsqueeze", "squeeze", "transpose",
               "permute", "expand", "flatten", "unflatten", "unbind", "split", "chunk", "narrow",
@@ -65,12 +69,6 @@ def _is_view(op) -> bool:
         r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-# Kernels a custom op launches on a GPU (its Triton launches; its output allocations launch
-# none), by the op's qualified name: inductor sees each call as one fallback whatever it runs
-# inside, and on the CPU its body may be another implementation (specter/quant/kernels.py).
-DEVICE_LAUNCHES = {"specter::int4_moe_pairs": 2, "specter::int4_moe_proj": 1,
-                   "specter::route_topk": 1, "specter::mla_decode": 1,
-                   "specter::add_rms_norm": 1, "specter::silu_mul_gemv": 1}
 
 
 def _op_name(op) -> str:

@@ -43,6 +43,7 @@ from typing import NamedTuple
 
 from torch.nn import functional as F
 
+from specter.quant.kernels import fused_or_torch
 from specter.switch import switched
 
 
@@ -65,41 +66,6 @@ def rotate_real(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     x0, x1 = pairs[..., 0], pairs[..., 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
-
-
-# -- a Triton kernel, or its torch formulation where it does not build ---------------------------
-_UNBUILT: set[str] = set()  # ops whose Triton kernel failed to build on this GPU
-
-
-def _fused(name: str, use_triton: bool, launch, body, *args):
-    """`launch(*args)` (the op's Triton kernel) where `use_triton`, else `body(*args)` (its
-    torch formulation). A kernel that does not build on this GPU (Triton's compilation error,
-    or more registers or shared memory than it has) is said once and the op runs its torch
-    formulation from then on: a slower draft step, the same proposals within rounding, and on
-    CUDA the captured graph counts the kernels that really run. Under the interpreter (tests)
-    nothing is caught."""
-    if use_triton and name not in _UNBUILT:
-        try:
-            return launch(*args)
-        except _build_errors() as err:
-            _UNBUILT.add(name)
-            import warnings
-
-            warnings.warn(f"specter::{name}: its Triton kernel does not build here "
-                          f"({type(err).__name__}: {str(err)[:200]}); its torch formulation "
-                          "runs instead", RuntimeWarning, stacklevel=2)
-    return body(*args)
-
-
-def _build_errors() -> tuple[type, ...]:
-    from specter.quant.kernels import interpret_mode
-
-    if interpret_mode():
-        return ()
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
-
-    return (CompilationError, OutOfResources)
 
 
 # -- the router as one op ----------------------------------------------------------------------
@@ -139,7 +105,7 @@ def route_topk(x: torch.Tensor, weight: torch.Tensor, k: int, scale: float,
     weights [T, k] fp32: the k largest softmax probabilities times `scale`, largest first;
     index [T, k] int64: their experts). `use_triton`: one Triton launch (CUDA, or the CPU
     under TRITON_INTERPRET=1); else transformers' router in torch."""
-    return _fused("route_topk", use_triton, _route_topk_launch, _route_topk_torch, x, weight,
+    return fused_or_torch("route_topk", use_triton, _route_topk_launch, _route_topk_torch, x, weight,
                   k, scale)
 
 
@@ -221,7 +187,7 @@ def mla_decode(q: torch.Tensor, kv: torch.Tensor, norm_w: torch.Tensor, eps: flo
     kernel a layer fewer). `use_triton`: one Triton launch (models/triton_draft.py; CUDA, or
     the CPU under TRITON_INTERPRET=1; T = 1, a draft step's), attention absorbed into the
     latent; else transformers' own formulation in torch."""
-    return _fused("mla_decode", use_triton, _mla_decode_launch, _mla_decode_torch, q, kv,
+    return fused_or_torch("mla_decode", use_triton, _mla_decode_launch, _mla_decode_torch, q, kv,
                   norm_w, eps, rot, latent, pe, index, w_kvb, heads, dn, dr, dv, scaling)
 
 
@@ -274,7 +240,7 @@ def add_rms_norm(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None, weigh
     computes them. `use_triton`: one Triton launch (models/triton_draft.py, as vLLM's fused
     add and norm: the compiler's CPU code makes a norm two kernels, a reduction and its use);
     else transformers' order in torch."""
-    return _fused("add_rms_norm", use_triton, _add_rms_norm_launch, _add_rms_norm_torch, x, y,
+    return fused_or_torch("add_rms_norm", use_triton, _add_rms_norm_launch, _add_rms_norm_torch, x, y,
                   z, weight, eps)
 
 
@@ -310,7 +276,7 @@ def silu_mul_gemv(gu: torch.Tensor, weight: torch.Tensor, use_triton: bool) -> t
     """An MLP's down projection of silu(gate) * up: gu [..., 2I] (the merged gate_up GEMM's
     output), weight [N, I] -> [..., N]. `use_triton`: one Triton launch (the activation read
     on the fly); else transformers' MLP in torch."""
-    return _fused("silu_mul_gemv", use_triton, _silu_mul_gemv_launch, _silu_mul_gemv_torch,
+    return fused_or_torch("silu_mul_gemv", use_triton, _silu_mul_gemv_launch, _silu_mul_gemv_torch,
                   gu, weight)
 
 

@@ -11,7 +11,14 @@ are those of the per-expert loop (tests/test_grouped.py holds them bitwise on th
 `grouped_mm`, and the tokens for `padded`).
 Does not own: which experts are resident or when a batch is computed (offload/runtime.py).
 
-The two kernels (`pick_kernel`):
+The three kernels (`pick_kernel`):
+- `fused`: a round as one custom op, `specter::expert_round` (two launches: gate_up with the
+  SiLU gate and product, then down with the routing weight and the place, quant/triton_moe.py
+  `moe_slot_rows`, the round's pairs read in place from the layer's slot buffers), for the
+  SiLU-gated experts of every supported architecture. Used wherever it runs: on CUDA with
+  Triton (any dtype, any capability), and on the CPU, where the op's body is `grouped_mm`'s
+  arithmetic in torch (bitwise the per-expert loop, as that kernel's) and the op counter counts
+  the two launches a GPU makes. Another activation runs the device's unfused kernel.
 - `grouped_mm`: `torch.nn.functional.grouped_mm` over the layer's whole slot buffer with the
   slots' row offsets (an empty slot costs nothing). Used where torch runs it without reading
   the offsets on the host: the CPU, and CUDA in bfloat16 on compute capability 9.x / 10.x
@@ -33,15 +40,23 @@ from specter.counting import to_device as upload_to
 from specter.grouping import ExpertGroups
 
 
-KERNELS = ("grouped_mm", "padded")
+KERNELS = ("fused", "grouped_mm", "padded")
 
 
 def pick_kernel(device: torch.device, dtype: torch.dtype,
-                capability: tuple[int, int] | None = None) -> str:
+                capability: tuple[int, int] | None = None, fused: bool | None = None) -> str:
     """The fixed-launch kernel for resident experts of `dtype` on `device` (`capability`: a CUDA
-    device's compute capability; read from the device when None)."""
+    device's compute capability; read from the device when None). `fused`: whether the fused
+    round may be picked (None: where it runs, the CPU's torch body or CUDA's Triton kernel;
+    False: the unfused kernels only)."""
+    if fused is None:
+        from specter.quant.kernels import triton_available
+
+        fused = device.type == "cpu" or (device.type == "cuda" and triton_available())
     if not hasattr(nn.functional, "grouped_mm"):
-        return "padded"
+        return "fused" if fused and device.type == "cuda" else "padded"
+    if fused and device.type in ("cpu", "cuda"):
+        return "fused"
     if device.type == "cpu":
         return "grouped_mm"
     if device.type == "cuda":
@@ -113,6 +128,13 @@ def grouped_products(kernel: str, groups: ExpertGroups, slot_of: dict[int, int],
     """The experts of `slot_of` (expert -> its slot in `buffers`, the layer's gate_up
     [S, 2I, H] and down [S, H, I] views) over their pairs, weighted, placed `into` the sum, by
     `kernel` (one of KERNELS): one upload, a gather, two GEMM kernels, the gate, the place."""
+    if kernel == "fused":
+        from specter.quant.kernels import silu_gated
+
+        if silu_gated(act):
+            _fused(groups, slot_of, buffers, into)
+            return
+        kernel = pick_kernel(into.x.device, into.x.dtype, fused=False)
     if kernel == "grouped_mm":
         _grouped_mm(groups, slot_of, buffers, act, into)
     elif kernel == "padded":
@@ -121,9 +143,9 @@ def grouped_products(kernel: str, groups: ExpertGroups, slot_of: dict[int, int],
         raise ValueError(f"unknown grouped kernel {kernel!r}; one of {', '.join(KERNELS)}")
 
 
-def _grouped_mm(groups, slot_of, buffers, act, into: LayerSum) -> None:
-    gate_up, down = buffers
-    S = gate_up.shape[0]
+def _slot_order(groups, slot_of, S: int, device):
+    """The round's pairs in slot order and each slot's end among them, uploaded at once:
+    (pairs, ends [S], the most pairs a slot has)."""
     per_slot = [0] * S
     index: list[int] = []
     for e, s in sorted(slot_of.items(), key=lambda es: es[1]):
@@ -134,12 +156,86 @@ def _grouped_mm(groups, slot_of, buffers, act, into: LayerSum) -> None:
     for n in per_slot:
         total += n
         ends.append(total)
-    both = to_device(index + ends, into.x.device)  # one upload: pair indices, then offsets
-    pairs, offs = both[:len(index)], both[len(index):]
+    both = to_device(index + ends, device)  # one upload: pair indices, then offsets
+    return both[:len(index)], both[len(index):], max(per_slot)
+
+
+def _grouped_mm(groups, slot_of, buffers, act, into: LayerSum) -> None:
+    gate_up, down = buffers
+    pairs, offs, _ = _slot_order(groups, slot_of, gate_up.shape[0], into.x.device)
     y = nn.functional.grouped_mm(act(nn.functional.grouped_mm(into.x[pairs],
                                                               gate_up.transpose(1, 2), offs=offs)),
                                  down.transpose(1, 2), offs=offs)
     into.place_pairs(pairs, y)
+
+
+def _fused(groups, slot_of, buffers, into: LayerSum) -> None:
+    gate_up, down = buffers
+    pairs, ends, most = _slot_order(groups, slot_of, gate_up.shape[0], into.x.device)
+    torch.ops.specter.expert_round(into.x, pairs, ends, gate_up, down, into.w, into.at,
+                                   into.parts, most, into.x.device.type == "cuda")
+
+
+# -- a round as one op -----------------------------------------------------------------------
+ROUND_BLOCK_M, ROUND_BLOCK_N, ROUND_BLOCK_K = 16, 64, 64
+
+
+def _round_torch(x, pairs, ends, gate_up, down, w, at, parts) -> None:
+    """`grouped_mm`'s round with transformers' SiLU gate: the same operations in the same
+    order (bitwise `_grouped_mm` with `_default_apply_gate`)."""
+    gate, up = nn.functional.grouped_mm(x[pairs], gate_up.transpose(1, 2),
+                                        offs=ends).chunk(2, dim=-1)
+    y = nn.functional.grouped_mm(nn.functional.silu(gate) * up, down.transpose(1, 2), offs=ends)
+    parts.index_copy_(0, at[pairs], (y * w[pairs]).to(parts.dtype))
+
+
+def _round_launch(x, pairs, ends, gate_up, down, w, at, parts, most: int) -> None:
+    """Two launches of triton_moe.moe_slot_rows: gate_up (gated) into a [pairs, I] buffer,
+    then down (weighted, placed) into `parts`."""
+    from specter.counting import launched
+    from specter.quant.kernels import _kernel, interpret_mode
+
+    S, I2, H = gate_up.shape
+    n, I = pairs.shape[0], I2 // 2
+    if not (x.stride(1) == 1 and gate_up.stride(2) == 1 and down.stride(2) == 1
+            and parts.stride(1) == 1):
+        raise ValueError("expert_round: rows must be contiguous")
+    if n == 0:
+        return
+    h = torch.empty(n, I, dtype=gate_up.dtype, device=x.device)
+    kernel = _kernel("moe_slot_rows")
+    m = (most + ROUND_BLOCK_M - 1) // ROUND_BLOCK_M
+    ieee, upcast = x.dtype == torch.float32, interpret_mode()
+    launched("triton")
+    kernel[(S, m, (I + ROUND_BLOCK_N - 1) // ROUND_BLOCK_N)](
+        x, gate_up, h, pairs, ends, w, at, I, H, x.stride(0), gate_up.stride(0),
+        gate_up.stride(1), h.stride(0), FIRST=True, BLOCK_M=ROUND_BLOCK_M,
+        BLOCK_N=ROUND_BLOCK_N, BLOCK_K=ROUND_BLOCK_K, IEEE_DOT=ieee, UPCAST=upcast)
+    launched("triton")
+    kernel[(S, m, (H + ROUND_BLOCK_N - 1) // ROUND_BLOCK_N)](
+        h, down, parts, pairs, ends, w, at, H, I, h.stride(0), down.stride(0), down.stride(1),
+        parts.stride(0), FIRST=False, BLOCK_M=ROUND_BLOCK_M, BLOCK_N=ROUND_BLOCK_N,
+        BLOCK_K=ROUND_BLOCK_K, IEEE_DOT=ieee, UPCAST=upcast)
+
+
+@torch.library.custom_op("specter::expert_round", mutates_args=("parts",))
+def expert_round(x: torch.Tensor, pairs: torch.Tensor, ends: torch.Tensor,
+                 gate_up: torch.Tensor, down: torch.Tensor, w: torch.Tensor, at: torch.Tensor,
+                 parts: torch.Tensor, most: int, use_triton: bool) -> None:
+    """One verification round of a layer's resident experts (SiLU-gated), from the slot
+    buffers gate_up [S, 2I, H] and down [S, H, I]: the round's `pairs` (in slot order, slot s's
+    ending at ends[s]; `most`: the most a slot has) read from the pairs' hidden states `x`,
+    weighted by `w`, each product written to its row `at` of `parts` (`LayerSum`'s).
+    `use_triton`: two launches of the fused kernel (CUDA, or the CPU under
+    TRITON_INTERPRET=1); else `grouped_mm`'s arithmetic in torch."""
+    if use_triton:
+        from specter.quant.kernels import fused_or_torch
+
+        fused_or_torch("expert_round", True,
+                       lambda *a: _round_launch(*a, most),
+                       _round_torch, x, pairs, ends, gate_up, down, w, at, parts)
+    else:
+        _round_torch(x, pairs, ends, gate_up, down, w, at, parts)
 
 
 def _padded(groups, slot_of, buffers, act, into: LayerSum) -> None:

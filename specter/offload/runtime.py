@@ -241,15 +241,17 @@ def verification(device: torch.device, dtype: torch.dtype, grouped: bool | str =
     """How verification computes a layer's resident experts, chosen once: in rounds of the
     fixed-launch kernel (`Rounds`) or one expert at a time (`OneByOne`: offload.grouped=false
     and the ablations `serial` and overlap off). `grouped`: "auto" = `pick_kernel`'s choice for
-    the device and dtype, True = grouped_mm required (refused where it would sync), "padded"."""
+    the device and dtype (the fused round where it runs), True = grouped_mm required (refused
+    where it would sync), "padded"."""
     if serial or grouped is False or not overlap:
         return OneByOne(serial, overlap)
-    auto = pick_kernel(device, dtype)
-    if grouped is True and auto != "grouped_mm":
-        raise UserError(f"offload.grouped=true, but torch's grouped GEMM does not run {dtype} "
-                        f"on {device} without a host sync (specter/offload/grouped.py): use "
-                        "offload.grouped=auto.")
-    return Rounds("padded" if grouped == "padded" else auto)
+    if grouped is True:
+        if pick_kernel(device, dtype, fused=False) != "grouped_mm":
+            raise UserError(f"offload.grouped=true, but torch's grouped GEMM does not run "
+                            f"{dtype} on {device} without a host sync (specter/offload/"
+                            "grouped.py): use offload.grouped=auto.")
+        return Rounds("grouped_mm")
+    return Rounds("padded" if grouped == "padded" else pick_kernel(device, dtype))
 
 
 class OffloadRuntime:

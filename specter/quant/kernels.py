@@ -264,6 +264,39 @@ def _kernel(name: str = "moe_int4_gemm", module: str = "specter.quant.triton_moe
     return kernel
 
 
+UNBUILT: set[str] = set()  # ops whose Triton kernel failed to build on this GPU
+
+
+def fused_or_torch(name: str, use_triton: bool, launch, body, *args):
+    """`launch(*args)` (a custom op's Triton kernel) where `use_triton`, else `body(*args)`
+    (its torch formulation). A kernel that does not build on this GPU (Triton's compilation
+    error, or more registers or shared memory than it has) is said once and the op runs its
+    torch formulation from then on: slower, the same values within rounding, and on CUDA a
+    captured graph counts the kernels that really run. Under the interpreter (tests) nothing
+    is caught."""
+    if use_triton and name not in UNBUILT:
+        try:
+            return launch(*args)
+        except build_errors() as err:
+            UNBUILT.add(name)
+            import warnings
+
+            warnings.warn(f"specter::{name}: its Triton kernel does not build here "
+                          f"({type(err).__name__}: {str(err)[:200]}); its torch formulation "
+                          "runs instead", RuntimeWarning, stacklevel=2)
+    return body(*args)
+
+
+def build_errors() -> tuple[type, ...]:
+    """The errors that say a Triton kernel does not build on this GPU (none when interpreted)."""
+    if interpret_mode():
+        return ()
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    return (CompilationError, OutOfResources)
+
+
 def align_blocks(top_k_index: torch.Tensor, block_m: int, num_experts: int):
     """Group (token, k-slot) pairs by expert into blocks of `block_m` rows, padded with -1,
     on the device and without a host read: the shapes depend only on T, k, the expert count

@@ -132,3 +132,73 @@ def route_topk(x_ptr, w_ptr, logits_ptr, weights_ptr, index_ptr, E, H, stride_x,
         tl.store(weights_ptr + t * TOPK + j, best * scale)
         tl.store(index_ptr + t * TOPK + j, at.to(tl.int64))
         p = tl.where(offs == at, -1.0, p)
+
+
+def moe_slot_rows(x_ptr, w_ptr, out_ptr, pairs_ptr, ends_ptr, weights_ptr, at_ptr, N, K,
+                  stride_xm, stride_ws, stride_wn, stride_om, FIRST: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  IEEE_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """One projection of a verification round over the device's expert slots (a bf16/fp16/
+    fp32 weight each, offload/grouped.py `expert_round`): program (s, m, n) computes rows
+    m BLOCK_M.. of slot s's pairs, columns n BLOCK_N.., against slot s's weight w[s]
+    ([N', K] rows `stride_wn` apart, slots `stride_ws`). The round's pairs are listed in slot
+    order (`pairs_ptr`, indices into the layer's pairs) and slot s's are rows
+    ends[s-1]..ends[s]; a program past its slot's rows reads and writes nothing.
+
+    FIRST (gate_up, w [2N, K]): the rows are x[pairs[r]] (the pairs' hidden states) and row r of
+    out is silu(gate) * up, gate and up rounded to out's dtype first, as the eager GEMM, SiLU
+    and product round them. Else (down, w [N, K]): the rows are x[r] (the first projection's
+    out) and each product, rounded to out's dtype, times its pair's routing weight
+    weights[pair] goes to row at[pair] of out (the layer's sum by rank). fp32 accumulation.
+    UPCAST: the operands converted to fp32 before each product (Triton's interpreter, whose
+    dot does not take bf16; a bf16 product is exact in fp32, so the function is the same)."""
+    s, pid_m, pid_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    end = tl.load(ends_ptr + s)
+    start = tl.where(s > 0, tl.load(ends_ptr + tl.maximum(s - 1, 0)), 0)
+    offs_m = start + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    valid = offs_m < end
+    live = start + pid_m * BLOCK_M < end  # this program has rows: else it reads nothing
+    n_live = tl.where(live, N, 0)
+    k_live = tl.where(live, K, 0)
+    pair = tl.load(pairs_ptr + offs_m, mask=valid, other=0).to(tl.int64)
+    row = pair if FIRST else offs_m.to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < n_live
+    w_base = w_ptr + s.to(tl.int64) * stride_ws
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_live, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < K
+        x = tl.load(x_ptr + row[:, None] * stride_xm + offs_k[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if UPCAST:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        if IEEE_DOT:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+        if FIRST:
+            u = tl.load(w_base + (N + offs_n[:, None]) * stride_wn + offs_k[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            if IEEE_DOT:
+                acc_up += tl.dot(x, tl.trans(u), input_precision="ieee")
+            else:
+                acc_up += tl.dot(x, tl.trans(u))
+    dt = out_ptr.dtype.element_ty
+    if FIRST:
+        g = acc.to(dt).to(tl.float32)
+        act = (g * tl.sigmoid(g)).to(dt).to(tl.float32)
+        h = (act * acc_up.to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :], h,
+                 mask=valid[:, None] & n_ok[None, :])
+    else:
+        wt = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        y = (acc.to(x_ptr.dtype.element_ty).to(tl.float32) * wt[:, None]).to(dt)
+        at = tl.load(at_ptr + pair, mask=valid, other=0).to(tl.int64)
+        tl.store(out_ptr + at[:, None] * stride_om + offs_n[None, :], y,
+                 mask=valid[:, None] & n_ok[None, :])
