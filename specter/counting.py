@@ -58,7 +58,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 DEVICE_LAUNCHES = {"specter::int4_moe_pairs": 2, "specter::int4_moe_proj": 1,
                    "specter::route_topk": 1, "specter::mla_decode": 1,
                    "specter::add_rms_norm": 1, "specter::silu_mul_gemv": 1,
-                   "specter::expert_round": 2}
+                   "specter::expert_round": 2, "specter::mla_attend": 1}
 
 SYNC_OPS = {"nonzero", "_local_scalar_dense", "_unique2", "unique_dim", "unique_consecutive",
             "masked_select", "bincount", "repeat_interleave", "equal", "is_nonzero",

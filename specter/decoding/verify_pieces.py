@@ -34,6 +34,7 @@ import contextlib
 from typing import Callable
 
 import torch
+from torch.nn import functional as F
 
 from specter.switch import switched
 
@@ -312,6 +313,92 @@ def _attention_pre(attn, hidden_states, position_embeddings):
     return query_states, k_nope, k_pe
 
 
+# -- attention over the cache as one op ----------------------------------------------------------
+def _attend_torch(query, kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim):
+    """transformers' DeepSeek-V2 attention after the cache update, as it is written:
+    `expand_kv` (kv_b_proj over every cached latent, the key's assembly), then the SDPA
+    interface (a module without key-value groups, causal), then the layout [B, W, H DV]."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    batch_size, _, seq_length, _ = kv_nope.shape
+    kv = F.linear(kv_nope, kv_b).view(batch_size, seq_length, -1, nope + v_dim).transpose(1, 2)
+    k_nope, value_states = torch.split(kv, [nope, v_dim], dim=-1)
+    k_rot = k_pe.expand(-1, k_nope.shape[1], -1, -1)
+    key_states = kv.new_empty(*kv.shape[:-1], nope + k_pe.shape[-1])
+    key_states[..., :nope].copy_(k_nope)
+    key_states[..., nope:].copy_(k_rot)
+    out, _ = sdpa_attention_forward(SimpleNamespace(is_causal=True), query, key_states,
+                                    value_states, mask, dropout=0.0, scaling=scaling)
+    return out.reshape(query.shape[0], query.shape[2], -1).contiguous()
+
+
+def _attend_launch(query, kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim):
+    """One launch of triton_verify.mla_verify (a program per row and head)."""
+    import triton
+
+    from specter.counting import launched
+    from specter.quant.kernels import _kernel, interpret_mode
+
+    B, H, W, _ = query.shape
+    L, R, DR = kv_nope.shape[2], kv_nope.shape[3], k_pe.shape[3]
+    if mask is None and W > 1:
+        # SDPA's own causal alignment (transformers crops the keys): not this kernel's
+        return _attend_torch(query, kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim)
+    if query.stride(3) != 1 or kv_nope.stride(3) != 1 or k_pe.stride(3) != 1 \
+            or not kv_b.is_contiguous():
+        raise ValueError("mla_attend: rows must be contiguous")
+    out = torch.empty(B, W, H * v_dim, dtype=query.dtype, device=query.device)
+    if mask is not None:  # [B or 1, 1, W, L], any strides (a broadcast row: stride 0)
+        m = mask.expand(B, 1, W, L)
+        m_args, has_mask = (m, m.stride(0), m.stride(2), m.stride(3)), True
+    else:
+        m_args, has_mask = (query, 0, 0, 0), False
+    p2 = lambda n: max(16, triton.next_power_of_2(n))  # noqa: E731
+    launched("triton")
+    _kernel("mla_verify", "specter.models.triton_verify")[(B, H)](
+        query, kv_nope, k_pe, kv_b, m_args[0], out, W, L, float(scaling), query.stride(0),
+        query.stride(1), query.stride(2), kv_nope.stride(0), kv_nope.stride(2),
+        k_pe.stride(0), k_pe.stride(2), *m_args[1:], out.stride(0), out.stride(1),
+        R=R, DN=nope, DR=DR, DV=v_dim, BLOCK_W=p2(W), BLOCK_L=32, BLOCK_R=64,
+        BLOCK_DN=p2(nope), BLOCK_DR=p2(DR), BLOCK_DV=p2(v_dim), HAS_MASK=has_mask,
+        MASK_BOOL=has_mask and mask.dtype == torch.bool,
+        IEEE_DOT=query.dtype == torch.float32, UPCAST=interpret_mode())
+    return out
+
+
+@torch.library.custom_op("specter::mla_attend", mutates_args=())
+def mla_attend(query: torch.Tensor, kv_nope: torch.Tensor, k_pe: torch.Tensor,
+               kv_b: torch.Tensor, mask: torch.Tensor | None, scaling: float, nope: int,
+               v_dim: int, use_triton: bool) -> torch.Tensor:
+    """A verification window's DeepSeek-V2 attention over the updated cache: the queries
+    [B, H, W, nope + rope], the cache's latents [B, 1, L, R] and rotary keys [B, 1, L, rope],
+    kv_b_proj's weight, the mask -> [B, W, H v_dim]. `use_triton`: one launch
+    (models/triton_verify.py, CUDA or the interpreter); else transformers' operations."""
+    if use_triton:
+        from specter.quant.kernels import fused_or_torch
+
+        return fused_or_torch("mla_attend", True, _attend_launch, _attend_torch, query,
+                              kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim)
+    return _attend_torch(query, kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim)
+
+
+@mla_attend.register_fake
+def _(query, kv_nope, k_pe, kv_b, mask, scaling, nope, v_dim, use_triton):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1] * v_dim)
+
+
+def _one_op(attn, kwargs) -> bool:
+    """Whether this attention call is what `mla_attend` computes: SDPA, no key-value groups,
+    kv_b_proj without a bias, inference, no option the op does not take."""
+    return (attn.config._attn_implementation == "sdpa" and not attn.training
+            and getattr(attn, "num_key_value_groups", 1) == 1
+            and attn.kv_b_proj.bias is None
+            and not any(kwargs.get(k) for k in ("softcap", "output_attentions", "is_causal",
+                                                 "position_bias")))
+
+
 def install() -> None:
     """Wrap transformers' DeepSeek-V2 decoder layer, attention and MoE forwards once: each
     unchanged unless `PIECES.runner` is set."""
@@ -365,6 +452,14 @@ def install() -> None:
         batch_size, seq_length = hidden_states.shape[:-1]
         if cache is not None:
             k_nope, k_pe = cache.update(k_nope, k_pe, self.layer_idx, kwargs=kwargs)
+        if _one_op(self, kwargs):  # the rest of it one op (one kernel on a GPU)
+            from specter.quant.kernels import triton_available
+
+            out = torch.ops.specter.mla_attend(
+                query_states, k_nope, k_pe, self.kv_b_proj.weight, attention_mask,
+                self.scaling, self.qk_nope_head_dim, self.v_head_dim,
+                query_states.device.type == "cuda" and triton_available())
+            return out, None
         key_states, value_states = self.expand_kv(k_nope, k_pe)
         interface = ds.ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, ds.eager_attention_forward)
