@@ -58,8 +58,8 @@ def test_captured_pieces_replay_bitwise_and_launch_less(tiny_models):
 
     from specter.counting import OpCounter
 
-    vp.install()
     model = tiny_models("tiny_deepseek").model
+    vp.install(model)  # the rotary embedding and the final norm pieces too
     prompt = torch.tensor([[5, 17, 300, 42, 9, 77]])
     windows = [torch.tensor([[101, 3, 11, 8, 64]]), torch.tensor([[7, 19, 23, 2, 90]])]
     ref_cache, cache, plain = (DynamicCache(config=model.config) for _ in range(3))
@@ -75,17 +75,18 @@ def test_captured_pieces_replay_bitwise_and_launch_less(tiny_models):
         with OpCounter() as eager:
             _logits(model, window, plain)
     layers, dense = model.config.num_hidden_layers, model.config.first_k_dense_replace
-    assert runner.captures == 3 * dense + 4 * (layers - dense)  # the first window's only
+    assert runner.captures == 2 + 3 * dense + 4 * (layers - dense)  # the first window's only
     assert runner.replays == 2 * runner.captures
-    # a window's input copies: the embeddings and the rotary embedding once, then each
+    # a window's input copies: the embeddings and the positions once, then each
     # layer's attention output and each MoE layer's routed experts (the rest is read in
     # place: an earlier piece's output, or a buffer already holding it)
     assert runner.copies - copies == 2 + layers + (layers - dense)
     got, plain_ops = (sum(c.counts.values(), start=Counter()) for c in (captured, eager))
     assert got["graph_replays"] == runner.captures  # one replay a piece, per window
-    # 84 against 235 (tiny_deepseek): attention after the cache update one op
-    # (`specter::mla_attend`), each round of experts one (`specter::expert_round`, two launches)
-    assert got["launching"] < 0.4 * plain_ops["launching"]
+    # 75 against 235 (tiny_deepseek): attention after the cache update one op
+    # (`specter::mla_attend`), each round of experts one (`specter::expert_round`, two
+    # launches), the rotary embedding and the final norm a piece each
+    assert got["launching"] < 0.35 * plain_ops["launching"]
 
 
 def test_verification_in_pieces_through_the_runner(tmp_path):

@@ -18,7 +18,9 @@ module calls (so every forward hook, the clock's included, fires as before):
 - B, in the decoder layer: o_proj, the residual add, the post-attention norm;
 - C, inside `mlp`: the router; eager: the routed experts; D, inside `mlp`: the shared experts and
   the sum; a dense MLP is one piece;
-- eager: the residual add.
+- eager: the residual add;
+and outside the layers (`mark`): the rotary embedding of the window's positions, and the final
+norm, one piece each.
 
 A runner's `run(key, fn, *inputs)` returns `fn(*inputs)`: `EagerPieces` calls it (the layout,
 bitwise transformers' forward); `CapturedPieces` captures each piece once per shape as a CUDA
@@ -233,11 +235,11 @@ def pieces_for(job, timing, clock):
     if arch != "deepseek_v2":
         why = f"{arch} verifies eagerly (pieces are written for deepseek_v2)"
     elif job.device.type == "cuda":
-        install()
+        install(job.loaded.model)
         return CapturedPieces(), "captured: each fixed-shape piece a CUDA graph"
     elif timing.clock == "virtual" and cost is not None and (
             setting == "on" or cost.hw.kernel_floor_s > 0):
-        install()
+        install(job.loaded.model)
         return ChargedPieces(clock), "charged as captured (virtual clock)"
     else:
         why = (f"no CUDA graph on {job.device.type}, and the {timing.clock} clock's profile "
@@ -399,14 +401,36 @@ def _one_op(attn, kwargs) -> bool:
                                                  "position_bias")))
 
 
-def install() -> None:
-    """Wrap transformers' DeepSeek-V2 decoder layer, attention and MoE forwards once: each
-    unchanged unless `PIECES.runner` is set."""
+def mark(model) -> None:
+    """The forward's own pieces outside the layers, on `model` (a DeepSeek-V2 causal LM): the
+    rotary embedding of the window's positions (unless its rope type updates its state as the
+    sequence grows: dynamic, longrope) and the final norm, each one piece."""
+    inner = getattr(model, "model", None)
+    rope = getattr(inner, "rotary_emb", None)
+    if rope is not None and not any(t in str(getattr(rope, "rope_type", ""))
+                                    for t in ("dynamic", "longrope")):
+        rope._specter_piece = ("rope",)
+    if getattr(inner, "norm", None) is not None:
+        inner.norm._specter_piece = ("norm",)
+
+
+_INSTALLED: list = []
+
+
+def install(model=None) -> None:
+    """Wrap transformers' DeepSeek-V2 decoder layer, attention, MoE, RMSNorm and rotary
+    forwards once: each unchanged unless `PIECES.runner` is set (the norm and the rotary
+    embedding: unless also `mark`ed, which `model` is)."""
     from transformers.models.deepseek_v2 import modeling_deepseek_v2 as ds
 
-    layer_forward = ds.DeepseekV2DecoderLayer.forward
-    if getattr(layer_forward, "_specter_pieces", False):
+    if model is not None:
+        mark(model)
+    if _INSTALLED:  # (once: another patch, the draft step's, may wrap these since)
         return
+    _INSTALLED.append(True)
+    layer_forward = ds.DeepseekV2DecoderLayer.forward
+    norm_forward = ds.DeepseekV2RMSNorm.forward
+    rope_forward = ds.DeepseekV2RotaryEmbedding.forward
     attn_forward = ds.DeepseekV2Attention.forward
     moe_forward = ds.DeepseekV2Moe.forward
 
@@ -487,11 +511,25 @@ def install() -> None:
         return run.run((i, "D"), lambda r, x, res: res + (r + self.shared_experts(x)), routed,
                        residuals, PIECES.residual)
 
-    for f in (decoder_layer, attention, moe):
+    def norm(self, hidden_states):
+        key, run = getattr(self, "_specter_piece", None), PIECES.runner
+        if key is None or run is None:
+            return norm_forward(self, hidden_states)
+        return run.run(key, lambda h: norm_forward(self, h), hidden_states)
+
+    def rope(self, x, position_ids):
+        key, run = getattr(self, "_specter_piece", None), PIECES.runner
+        if key is None or run is None:
+            return rope_forward(self, x, position_ids)
+        # x gives the device only: the positions are the piece's one input
+        return run.run(key, lambda p: rope_forward(self, x, p), position_ids)
+
+    patched = ((ds.DeepseekV2DecoderLayer, decoder_layer, layer_forward),
+               (ds.DeepseekV2Attention, attention, attn_forward),
+               (ds.DeepseekV2Moe, moe, moe_forward),
+               (ds.DeepseekV2RMSNorm, norm, norm_forward),
+               (ds.DeepseekV2RotaryEmbedding, rope, rope_forward))
+    for cls, f, orig in patched:
         f._specter_pieces = True
-    decoder_layer.__wrapped__ = layer_forward
-    attention.__wrapped__ = attn_forward
-    moe.__wrapped__ = moe_forward
-    ds.DeepseekV2DecoderLayer.forward = decoder_layer
-    ds.DeepseekV2Attention.forward = attention
-    ds.DeepseekV2Moe.forward = moe
+        f.__wrapped__ = orig
+        cls.forward = f
