@@ -10,8 +10,9 @@ the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward
 to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
 
 Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
-`ops`, `launching`, `copies`, `syncs`, `host_reads`, `host_side`, `graph_replays`, as
-specter/counting.py defines them, and `experts_launching` / `experts_calls`: the launching
+`ops`, `launching`, `copies`, `syncs`, `host_reads`, `host_side`, `graph_replays`,
+`graph_kernels` (the kernels inside verification's replayed pieces), as specter/counting.py
+defines them, and `experts_launching` / `experts_calls`: the launching
 operations (copies apart) inside the offload runtime's MoE layers, and how many layer calls
 (so `experts_launching / experts_calls` is the launches per MoE layer per forward). Views are
 ops but not launching; a Triton kernel or a CUDA graph's replay is launching; a blocking
@@ -42,7 +43,7 @@ from specter.clock.counted import follow_phases
 PHASES = ("prefill", "decode", "draft", "verify", "bookkeeping")
 DEFAULT_SYSTEMS = ("resident", "lru", "specmoeoff", "specter")
 COLUMNS = ("ops", "launching", "copies", "syncs", "host_reads", "host_side", "graph_replays",
-           "experts_launching", "experts_calls")
+           "graph_kernels", "experts_launching", "experts_calls")
 
 
 class HotPath:

@@ -38,6 +38,9 @@ What counts as what (per phase, `Counter` keys):
   launching operations: its `copy_`);
 - `graph_replays`: calls of a compiled graph, each also one launching operation (on CUDA a
   captured graph's replay is one launch; on the CPU it stands for the whole compiled step);
+  `graph_kernels`: the kernels those replays run, where the caller knows them
+  (`graph_kernels()`: verification's pieces), so kernels = launching - graph_replays +
+  graph_kernels;
 - `host_side`: operations and reads on host-resident tensors (`host_side()`, or on a GPU run
   any sync or read whose tensors are all on the host): host time, no kernel, no wait.
 """
@@ -129,6 +132,14 @@ def expert_copy() -> None:
     for c in list(_ACTIVE):
         if not c.paused:
             c.count("copy")
+
+
+def graph_kernels(n: int) -> None:
+    """The device kernels inside the graph replay just counted (its `compiled_region`): the
+    `graph_kernels` column (a replay is one launching operation; its kernels still run)."""
+    for c in list(_ACTIVE):
+        if not c.paused:
+            c.counts[c.phase]["graph_kernels"] += n
 
 
 def launched(kind: str) -> None:

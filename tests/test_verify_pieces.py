@@ -89,6 +89,28 @@ def test_captured_pieces_replay_bitwise_and_launch_less(tiny_models):
     assert got["launching"] < 0.35 * plain_ops["launching"]
 
 
+def test_charged_pieces_count_the_kernels_they_replay(tiny_models):
+    """On a virtual clock each piece is one graph replay (one launching operation) whose
+    kernels, counted at its first run, are the counter's `graph_kernels`: a window's kernels
+    are its launches less its replays plus those, and the same at every window of a width."""
+    from specter.clock.observer import NULL_CLOCK
+    from specter.counting import OpCounter
+
+    model = tiny_models("tiny_deepseek").model
+    vp.install(model)
+    cache = DynamicCache(config=model.config)
+    _logits(model, torch.tensor([[5, 17, 300, 42, 9, 77]]), cache)
+    runner, seen = vp.ChargedPieces(NULL_CLOCK), []
+    for window in (torch.tensor([[101, 3, 11, 8, 64]]), torch.tensor([[7, 19, 23, 2, 90]])):
+        with vp.pieces(runner), OpCounter() as counter:
+            _logits(model, window, cache)
+        c = sum(counter.counts.values(), start=Counter())
+        assert c["graph_replays"] == runner.captures
+        assert c["graph_kernels"] == sum(runner.kernels.values()) > 3 * c["graph_replays"]
+        seen.append(c["launching"] - c["graph_replays"] + c["graph_kernels"])
+    assert seen[0] == seen[1]
+
+
 def test_verification_in_pieces_through_the_runner(tmp_path):
     """offload.verify_pieces=auto on a virtual clock whose profile charges a kernel floor
     (h200_realsize): verification runs in pieces charged as captured; the tokens are the

@@ -165,10 +165,12 @@ class CapturedPieces(_Statics):
         static, replay = held
         self.fill(static, inputs)
         self.replays += 1
-        from specter.counting import compiled_region
+        from specter.counting import compiled_region, graph_kernels
 
         with compiled_region():  # one graph replay, as the draft step's (counting.py)
             out = replay()
+        if getattr(replay, "kernels", None) is not None:
+            graph_kernels(replay.kernels)
         self.produced(out)
         return out
 
@@ -193,7 +195,7 @@ class ChargedPieces(_Statics):
         self.captures = self.replays = 0
 
     def run(self, key, fn: Callable, *inputs):
-        from specter.counting import OpCounter, compiled_region
+        from specter.counting import OpCounter, compiled_region, graph_kernels
 
         sig = (key, tuple((tuple(t.shape), t.dtype) for t in inputs))
         self.replays += 1
@@ -215,6 +217,7 @@ class ChargedPieces(_Statics):
                 copy_into(self.held[sig], out)
             else:
                 self.held[sig] = out
+        graph_kernels(kernels())
         out = self.held[sig]
         self.produced(out)
         return out
