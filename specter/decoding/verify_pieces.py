@@ -1,6 +1,6 @@
 """Verification's forward in pieces: the fixed-shape stretches of each DeepSeek-V2 layer apart
 from what depends on the cache's length and from the experts' host read
-(`offload.verify_pieces`; the plan's next steps: docs/wip/verification-graphs.md).
+(`offload.verify_pieces`; what it brought: docs/measurements/verification-launches-2026-12-07.md).
 
 A verification forward of width W runs, per layer, transformers' own kernels in transformers'
 order. Only two things in a layer change shape or need the host: attention over the growing
@@ -14,7 +14,9 @@ module calls (so every forward hook, the clock's included, fires as before):
 
 - A, in the decoder layer before `self_attn(...)`: the input norm, the q and kv_a projections,
   the KV latent's norm, the rotary embedding, the query's concatenation;
-- eager, inside `self_attn`: the cache update, `expand_kv` over the cache, the attention kernel;
+- eager, inside `self_attn`: the cache update, then `expand_kv` over the cache and the
+  attention as one op, `specter::mla_attend` (one Triton kernel on CUDA, models/
+  triton_verify.py; transformers' operations on the CPU);
 - B, in the decoder layer: o_proj, the residual add, the post-attention norm;
 - C, inside `mlp`: the router; eager: the routed experts; D, inside `mlp`: the shared experts and
   the sum; a dense MLP is one piece;
