@@ -91,7 +91,7 @@ def error_table(df: pd.DataFrame, virtual_hardware: str = "h200_realsize",
 def engine_of(rows: pd.DataFrame) -> dict[str, str]:
     """What a system's rows ran on (issue 45 item 6: one engine, so a ratio measures the
     policy): `experts` the kernel its verification or decode computed experts with
-    (offload/grouped.py: grouped_mm, padded, loop; `resident`: HF's own modules), `step` its
+    (offload/grouped.py: fused, grouped_mm, padded, loop; `resident`: HF's own modules), `step` its
     draft's or decode's step (captured: one CUDA graph replay; compiled; eager)."""
     def first(col: str):
         vals = rows[col].dropna() if col in rows else []

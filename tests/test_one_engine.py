@@ -72,7 +72,7 @@ def test_every_offloading_system_runs_on_the_same_engine(monkeypatch):
         kernels[system] = engine.runtime.kernel()
         if isinstance(engine, SpeculativeEngine) and system not in HOST_DRAFT:
             steps[system] = (engine.compiled["draft_compiled"], engine.compiled["draft_compile"])
-    assert set(kernels.values()) == {"grouped_mm"}, kernels  # the CPU's choice, for every one
+    assert set(kernels.values()) == {"fused"}, kernels  # the CPU's choice, for every one
     assert set(steps.values()) == {(True, "spec.compile=auto")}, steps
     # the lists above are the registry's, less the named exceptions: a new system lands here
     assert set(kinds) == set(SYSTEMS) - set(OUTSIDE)

@@ -332,7 +332,7 @@ def test_the_inflated_stage_chain_runs_end_to_end_on_the_cpu(tmp_path):
                               pd.read_csv(out / "hotpath" / "hotpath.csv"))
     assert t["link_floor_ms"].notna().all() and t["launches_per_token"].notna().any()
     engines = t.set_index("system")  # what each ran on (issue 45 item 6), from the records
-    assert engines.loc["lru", "experts"] == engines.loc["specter", "experts"] == "grouped_mm"
+    assert engines.loc["lru", "experts"] == engines.loc["specter", "experts"] == "fused"
     assert engines.loc["resident", "experts"] == "resident"
     assert engines.loc["specter", "step"].startswith("draft ")
     assert engines.loc["resident", "step"].startswith("decode ")
