@@ -4,15 +4,11 @@ are transformers' own code when off, and leave fewer kernels in the compiled ste
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
+import interpreted
 from specter.models import draft_step
 from specter.quant import kernels
 
@@ -70,38 +66,8 @@ def test_off_it_is_transformers_own_code(tiny_models):
     assert torch.equal(through, plain)
 
 
-INTERPRETED = """
-import sys, torch
-from torch.utils._python_dispatch import TorchDispatchMode
-sys.path.insert(0, {root!r})
-from specter.clock.graph_kernels import DEVICE_LAUNCHES
-from specter.models import draft_step
-from specter.quant import kernels
 
-launches, seen, paused = [], [], []
-real = kernels._kernel
-
-class Counted:  # the jitted kernel: its launch counted, its interpreter's work not recorded
-    def __init__(self, k): self.k = k
-    def __getitem__(self, grid):
-        def launch(*a, **kw):
-            launches.append(grid)
-            paused.append(1)
-            try:
-                return self.k[grid](*a, **kw)
-            finally:
-                paused.pop()
-        return launch
-kernels._kernel = lambda *a, **kw: Counted(real(*a, **kw))
-
-class Ops(TorchDispatchMode):  # aten calls of the op's body: allocations only
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not paused and not func.is_view:
-            seen.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {{}}))
-"""
-
-ROUTER_CHECK = INTERPRETED + """
+ROUTER_CHECK = """
 torch.manual_seed(1)
 for T, E, H, k in ((1, 64, 2048, 6), (3, 60, 40, 4), (2, 16, 300, 2)):
     x, weight = torch.randn(T, H), torch.randn(E, H) / H ** 0.5
@@ -119,7 +85,7 @@ print("ok")
 """
 
 
-MLA_CHECK = INTERPRETED + """
+MLA_CHECK = """
 torch.manual_seed(2)
 # (B, T, heads, dn, dr, dv, R, L, index, rot's batch): DeepSeek-V2-Lite's head widths, odd ones
 for B, T, H, dn, dr, dv, R, L, idx, rb in ((1, 1, 2, 128, 64, 128, 512, 64, 37, 1),
@@ -145,7 +111,7 @@ print("ok")
 """
 
 
-NORM_AND_GEMV_CHECK = INTERPRETED + """
+NORM_AND_GEMV_CHECK = """
 torch.manual_seed(3)
 F = torch.nn.functional
 for rows, H, three, dtype, tol in ((1, 2048, True, torch.float32, 1e-5),
@@ -176,11 +142,7 @@ print("ok")
 
 
 def _interpreted(check: str) -> None:
-    root = Path(__file__).parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    res = subprocess.run([sys.executable, "-c", check.format(root=str(root))], env=env,
-                         capture_output=True, text=True, cwd=root, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+    interpreted.run("from specter.models import draft_step\n" + check)
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="needs the triton package")

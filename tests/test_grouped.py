@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import interpreted
 from conftest import PROMPTS
 from specter.config import RunConfig
 from specter.counting import OpCounter
@@ -76,34 +77,7 @@ def test_offload_grouped_takes_auto_true_or_false():
 
 
 ROUND_CHECK = """
-import torch, sys
-sys.path[:0] = [{root!r}]
 from specter.offload import grouped
-from specter.quant import kernels
-from specter.counting import DEVICE_LAUNCHES
-from torch.utils._python_dispatch import TorchDispatchMode
-
-seen, launches = [], []
-class Ops(TorchDispatchMode):
-    paused = False
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and not func.is_view:
-            seen.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {{}}))
-
-real = kernels._kernel
-class Counted:  # the jitted kernel, its launch counted and run outside the op recorder
-    def __init__(self, k): self.k = k
-    def __getitem__(self, grid):
-        def launch(*a, **kw):
-            launches.append(grid)
-            mode.paused = True
-            try:
-                return self.k[grid](*a, **kw)
-            finally:
-                mode.paused = False
-        return launch
-
 g = torch.Generator().manual_seed(0)
 S, H, I, P = 6, 48, 40, 60  # widths that are no multiple of the blocks
 per_slot = [0, 3, 0, 18, 1, 0]  # slot 3's pairs span two row blocks; empty slots between
@@ -119,11 +93,9 @@ for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
     grouped._round_torch(x, pairs, ends, gate_up, down, w, at, ref)
     got = torch.zeros(P, H, dtype=dtype)
     launches.clear(); seen.clear()
-    kernels._kernel = lambda name: Counted(real(name))
-    with Ops() as mode:  # the op's body (a mode sees the op itself as one call)
+    with Ops():  # the op's body (a mode sees the op itself as one call)
         grouped.expert_round._init_fn(x, pairs, ends, gate_up, down, w, at, got,
                                       max(per_slot), True)
-    kernels._kernel = real
     assert len(launches) == DEVICE_LAUNCHES["specter::expert_round"] == 2, launches
     assert set(seen) <= {{"empty"}}, seen  # the gate's buffer only
     untouched = torch.ones(P, dtype=torch.bool)
@@ -143,13 +115,4 @@ def test_the_fused_round_kernel_under_the_interpreter_is_two_launches():
     over slots with none, one and two row blocks of pairs, within float rounding of
     `grouped_mm`'s round (fp32: 1e-5, bf16: 3e-2 of the largest output), the rows of pairs
     outside the round untouched, in two launches and no other kernel."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[1]
-    res = subprocess.run([sys.executable, "-c", ROUND_CHECK.format(root=str(root))],
-                         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                         text=True, cwd=root, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+    interpreted.run(ROUND_CHECK)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import interpreted
 from specter.decoding import verify_pieces as vp
 
 
@@ -232,34 +233,7 @@ def test_the_router_piece_groups_the_routing_for_the_runtime_bitwise():
 
 
 ATTEND_CHECK = """
-import torch, sys
-sys.path[:0] = [{root!r}]
 from specter.decoding import verify_pieces as vp
-from specter.quant import kernels
-from specter.counting import DEVICE_LAUNCHES
-from torch.utils._python_dispatch import TorchDispatchMode
-
-seen, launches = [], []
-class Ops(TorchDispatchMode):
-    paused = False
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not self.paused and not func.is_view:
-            seen.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {{}}))
-
-real = kernels._kernel
-class Counted:  # the jitted kernel, its launch counted and run outside the op recorder
-    def __init__(self, k): self.k = k
-    def __getitem__(self, grid):
-        def launch(*a, **kw):
-            launches.append(grid)
-            mode.paused = True
-            try:
-                return self.k[grid](*a, **kw)
-            finally:
-                mode.paused = False
-        return launch
-
 g = torch.Generator().manual_seed(0)
 H, R, DN, DR, DV = 4, 96, 48, 24, 48  # small_deepseek's widths: no power of two
 for B, W, L in ((1, 5, 37), (2, 17, 70), (1, 1, 9)):
@@ -276,10 +250,8 @@ for B, W, L in ((1, 5, 37), (2, 17, 70), (1, 1, 9)):
         for mask in (allowed, additive):
             ref = vp._attend_torch(q, lat, pe, kv_b, mask, 0.3, DN, DV)
             launches.clear(); seen.clear()
-            kernels._kernel = lambda name, module: Counted(real(name, module))
-            with Ops() as mode:
+            with Ops():
                 got = vp.mla_attend._init_fn(q, lat, pe, kv_b, mask, 0.3, DN, DV, True)
-            kernels._kernel = real
             assert len(launches) == DEVICE_LAUNCHES["specter::mla_attend"] == 1, launches
             assert set(seen) <= {{"empty"}}, seen
             err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
@@ -296,13 +268,4 @@ def test_the_attention_kernel_under_the_interpreter_is_one_launch():
     cache, with a boolean causal mask and an additive one, at small_deepseek's widths, one row
     and two, within float rounding of transformers' own attention (fp32: 1e-5, bf16: 3e-2 of
     the largest output), in one launch and no other kernel."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).parents[1]
-    res = subprocess.run([sys.executable, "-c", ATTEND_CHECK.format(root=str(root))],
-                         env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True,
-                         text=True, cwd=root, timeout=600)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stdout + res.stderr[-3000:]
+    interpreted.run(ATTEND_CHECK)
