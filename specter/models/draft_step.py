@@ -357,10 +357,14 @@ def install() -> None:
 
 
 def _patch(owner, name: str, make) -> None:
-    """`owner.name` replaced, once, by `make(the original)`, which keeps it as `__wrapped__`."""
+    """`owner.name` replaced, once, by `make(the original)`, which keeps it as `__wrapped__`
+    (once even where another patch, verification's pieces, has wrapped it since)."""
     original = getattr(owner, name)
-    if getattr(original, "_specter_draft_step", False):
-        return
+    f = original
+    while f is not None:
+        if getattr(f, "_specter_draft_step", False):
+            return
+        f = getattr(f, "__wrapped__", None)
     new = make(original)
     new._specter_draft_step = True
     new.__wrapped__ = original
