@@ -70,7 +70,7 @@ class Parts:
     loaded: LoadedModel
     job: Job  # what the engine was built from
     engine: Any
-    account: Any  # budget.py DeviceAccount
+    account: Any  # budget.py ByteAccount
     held: int  # resident expert slots per MoE layer
     load: dict
 

@@ -53,12 +53,16 @@ class Engine(Protocol):
     def reset(self) -> None:
         """Return to the fixed initial state before a request (outside timing)."""
 
-    def seed_request(self, seed: int) -> None:
-        """The random state of the next request (sampling engines; others ignore it)."""
+    def seed_requests(self, seeds: list[int]) -> None:
+        """The random state of each request of the next batch (sampling engines; others
+        ignore it)."""
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  on_commit: Callable[[list[int]], None] | None = None) -> Generation:
         """One request; `on_commit` hears its tokens as they are committed (above)."""
+
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """Several requests decoded together (one per row), each as `generate` would."""
 
 
 def new_cache(model):

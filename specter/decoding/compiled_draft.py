@@ -421,7 +421,7 @@ class StaticKV:
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], on_device: bool = False):
-        """`drafting.draft_steps` for one row in the static cache: the pending token first, then
+        """draft.py `draft_steps` for one row in the static cache: the pending token first, then
         each proposal. Greedy only (`resolve_compile` keeps sampling eager): the choices stay on
         the device and are read once after the window's last step (the row drafts its whole
         quota, as the eager path does)."""

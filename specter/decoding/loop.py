@@ -327,7 +327,7 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
 class Greedy:
     """Temperature 0: the target's greedy tokens."""
 
-    on_device = True  # the draft's argmax choices stay on the device (drafting.draft_steps)
+    on_device = True  # the draft's argmax choices stay on the device (draft.py `draft_steps`)
 
     def start_window(self, requests: list[int]) -> None:
         """Before a window's draft (nothing to keep per request)."""
