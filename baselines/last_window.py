@@ -40,7 +40,7 @@ class LastWindowPrefetch(WindowPrefetcher):
         self.runtime, self.top_m = runtime, top_m
         self.prefetched = 0
 
-    def end_window(self) -> None:
+    def window_end(self) -> None:
         for layer, counts in self.runtime.last_counts.items():
             ranked = sorted(counts, key=lambda e: (-counts[e], e))[:self.top_m]
             self.prefetched += self.runtime.prefetch(layer, ranked, count=False)

@@ -193,7 +193,7 @@ class QuasiHiddenPrefetch(LayerPrefetcher):
     def after_demand(self, runtime, moe_layer: int, hidden: torch.Tensor,
                      top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> None:
         guess, self.pending = self.pending, None
-        if guess is not None and runtime.record_demand:
+        if guess is not None and runtime.stats.counting:
             self.hits += overlap(guess, top_k_index)
             self.guessed += guess.numel()
             self.chosen += top_k_index.numel()

@@ -201,7 +201,7 @@ class WindowPrefetch(WindowPrefetcher):
                 self.prefetched += 1
             cache.pin(layer, [e])
 
-    def end_window(self) -> None:
+    def window_end(self) -> None:
         self.new_window()
 
     def reset(self) -> None:

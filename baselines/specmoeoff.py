@@ -59,7 +59,7 @@ class RouteFrequencyPrefetch(WindowPrefetcher):
         self.seen = 0
         self.fired: set[float] = set()
 
-    def after_draft_step(self, i: int, k_eff: int) -> None:
+    def draft_step(self, i: int, k_eff: int) -> None:
         for f in self.fractions:
             if f not in self.fired and i >= max(1, math.ceil(f * k_eff)):
                 self.fired.add(f)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode
+from specter.decoding.batch import DeviceMemory, Generation, eos_ids
+from specter.decoding.loop import greedy_decode
 from specter.models.introspect import router_topk
 from specter.clock.timing import Timing
 from specter.quant.build import int4_experts_for

@@ -6,8 +6,8 @@ launching operation costs a kernel launch (7-9 us on the H200, docs/measurements
 h200-2026-11-30), and each host sync drains the queue. These can be counted on any machine:
 a `TorchDispatchMode` sees every aten operation the engines dispatch while decoding (not while
 loading, quantizing or resetting: the runner's `decode_context` hook), attributed to the phase
-the engine announced (`prefill`, `decode`, `draft`, `verify`) until that forward returns, then
-to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
+the loop's events told (`Events.forward`: `prefill`, `decode`, `draft`, `verify`) until that
+forward returns, then to `bookkeeping` (acceptance, the orchestrator's plans, the window's end).
 
 Columns per (system, phase), each also per committed token (tokens after the first, as TPOT):
 `ops`, `launching`, `copies`, `syncs`, `host_reads`, `host_side`, `graph_replays`,

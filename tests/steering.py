@@ -43,7 +43,7 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
     real = drafting.draft_steps
     expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
 
-    def steered(kv, feeds, k_effs, pick, stop, out, on_device=False):
+    def steered(kv, feeds, k_effs, pick, stop, out, events, on_device=False):
         # (the steered choices are made per step on the host: `on_device` is not taken)
         seqs, live = _loop_state()
         step = [0] * len(feeds)
@@ -61,7 +61,7 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
                 wrong[r] = i
             return tok
 
-        yield from real(kv, feeds, k_effs, choose, stop, out)
+        yield from real(kv, feeds, k_effs, choose, stop, out, events)
         for r, props in enumerate(out):
             expected[live[r]].append(min(wrong.get(r, len(props)), len(props)))
 

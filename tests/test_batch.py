@@ -148,21 +148,24 @@ def test_batch_cache_holes_keep_each_row_its_own():
     with torch.no_grad():
         heard = []
         plain = BatchCache(lm.model, CPU, 2)
-        plain.forward([ids[:8], ids[:5]], "prefill")
-        a = plain.forward([[ids[8]], [ids[5]]], "decode")
-        holed = BatchCache(lm.model, CPU, 2, announce=lambda *a, **kw: heard.append((a, kw)))
-        holed.forward([ids[:8], ids[:5]], "prefill")
-        holed.forward([[ids[8], 7, 9], [ids[5], ids[6], ids[7]]], "verify", logits_to_keep=3)
+        plain.forward([ids[:8], ids[:5]])
+        a = plain.forward([[ids[8]], [ids[5]]])
+        holed = BatchCache(lm.model, CPU, 2)
+
+        def forward(blocks, **kw):
+            heard.append(holed.shape(blocks))
+            return holed.forward(blocks, **kw)
+        forward([ids[:8], ids[:5]])
+        forward([[ids[8], 7, 9], [ids[5], ids[6], ids[7]]], logits_to_keep=3)
         holed.keep(0, 8)  # row 0 rejects all three; row 1 keeps ids[5] only
         holed.keep(1, 6)
         holed.trim()
         assert holed.valid == [8, 6] and holed.length == 9
-        b = holed.forward([[ids[8]], [ids[6]]], "decode")
-        c = plain.forward([[ids[9]], [ids[6]]], "decode")
+        b = forward([[ids[8]], [ids[6]]])
+        c = plain.forward([[ids[9]], [ids[6]]])
     assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(c[1], b[1], atol=1e-5)
-    # every forward announced first: tokens a row, context read (holes included), its phase
-    assert heard == [((8, 8, "prefill"), {"rows": 2}), ((3, 11, "verify"), {"rows": 2}),
-                     ((1, 10, "decode"), {"rows": 2})]
+    # what each forward's observers hear: tokens a row, context read (holes included), rows
+    assert heard == [(8, 8, 2), (3, 11, 2), (1, 10, 2)]
 
 
 @pytest.mark.parametrize("system", ["specter", "specmoeoff", "sp_e"])

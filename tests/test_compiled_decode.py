@@ -11,7 +11,8 @@ from baselines.resident import Config as ResidentConfig
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
 from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
-from specter.decoding.batch import DeviceMemory, eos_ids, greedy_decode_batch
+from specter.decoding.batch import DeviceMemory, eos_ids
+from specter.decoding.loop import greedy_decode_batch
 from specter.errors import UserError
 from specter.clock.timing import Timing
 from specter.placement.loader import load_model

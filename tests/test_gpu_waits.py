@@ -59,29 +59,28 @@ def _counted_run(engine, prompt, fake, n_new: int):
     the generation and the waits logged from the first window's start to the last's end."""
     ends = []
     if hasattr(engine, "window"):
-        end_window = engine.window.end_window
+        window_end = engine.window.window_end
 
         def counted_end():
-            end_window()
+            window_end()
             ends.append(fake.log.snapshot())
-        engine.window.end_window = counted_end
+        engine.window.window_end = counted_end
         starts = []
-        on_forward = engine.window.on_forward
+        forward = engine.window.forward
 
-        def counted_forward(phase):
+        def counted_forward(phase, *shape):
             if phase != "prefill" and not starts:
                 starts.append(fake.log.snapshot())
-            on_forward(phase)
-        engine.window.on_forward = counted_forward
-    else:  # greedy: every decode step's forward
+            forward(phase, *shape)
+        engine.window.forward = counted_forward
+    else:  # greedy: every decode step's forward, before the engine's observers hear it
         starts = []
-        before = engine._before_forward
 
-        def counted_before(tokens, context, phase, rows=1):
-            if phase == "decode":
-                (ends if starts else starts).append(fake.log.snapshot())
-            before(tokens, context, phase, rows)
-        engine._before_forward = counted_before
+        class Snapshots:
+            def forward(self, phase, *shape):
+                if phase == "decode":
+                    (ends if starts else starts).append(fake.log.snapshot())
+        engine.events.observers.insert(0, Snapshots())
     engine.reset()
     gen = engine.generate(prompt, n_new)
     assert starts and ends, "the request ran windows"

@@ -97,18 +97,19 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
 
     from specter.decoding.draft import draft_steps
     from specter.decoding.batch import BatchCache
+    from specter.decoding.loop import Events
 
     lm = tiny_models("tiny_deepseek")
     prompts = [lm.tokenizer(t)["input_ids"][:8] for t in ("def f(x):", "The cat sat on")]
 
     def run(on_device, stop, k_effs):
         kv = BatchCache(lm.model, torch.device("cpu"), len(prompts))
-        logits = kv.forward([list(p) for p in prompts], "prefill")
+        logits = kv.forward([list(p) for p in prompts])
         feeds = [[int(logits[r, -1].argmax())] for r in range(len(prompts))]
         with torch.no_grad(), hotpath.OpCounter() as counter:
             out = [[] for _ in feeds]
             for _ in draft_steps(kv, feeds, k_effs, lambda r, row: int(row.argmax()),
-                                 stop, out, on_device=on_device):
+                                 stop, out, Events(), on_device=on_device):
                 pass
         return out, counter.counts["bookkeeping"]["host_reads"], counter.counts["bookkeeping"]
 

@@ -384,11 +384,11 @@ def _drive(orch, link, routing, step_s):
     """One window: each draft step routes `routing[i][l]` at layer l and takes step_s."""
     k = len(routing)
     for i, per_layer in enumerate(routing):
-        orch.on_forward("draft")
+        orch.forward("draft", 1, 1)
         for l, experts in enumerate(per_layer):
             orch.on_draft_experts(l, torch.tensor([experts]))
         link.compute(step_s)
-        orch.after_draft_step(i + 1, k)
+        orch.draft_step(i + 1, k)
 
 
 def test_orchestrator_phases_follow_transfer_time_and_step_time():
@@ -413,7 +413,7 @@ def test_orchestrator_phases_follow_transfer_time_and_step_time():
     assert all(len(p) <= 4 for p in cache.pins)
     # Plans stop once every layer's plan holds its 4 slots (here: 4 loads per layer).
     assert orch.stats.loads == 8 and orch.stats.full_windows == 1
-    orch.end_window()
+    orch.window_end()
     assert all(not p for p in cache.pins) and orch.stats.windows == 1
 
 
@@ -447,13 +447,13 @@ def test_final_plan_and_the_last_batch_wait():
     orch, link, cache = _synthetic(4)
     assert sorted({t for t, _, _ in cache.issued}) == [1.0, 3.0] and orch.stats.boundaries == 2
     assert link.t == 4.0 and link.te == 5.0  # the step-3 batch lands at 5 s
-    orch.on_forward("verify")
+    orch.forward("verify", 1, 1)
     assert link.t == 5.0 and orch.stats.last_batch_wait_s == pytest.approx(1.0)
     assert orch.stats.as_record()["last_batch_wait_ms"] == pytest.approx(1000.0)
     orch, link, cache = _synthetic(4, final_plan=True)
     assert sorted({t for t, _, _ in cache.issued}) == [1.0, 3.0, 4.0] and orch.stats.boundaries == 3
     orch.wait_last_batch = False
-    orch.on_forward("verify")
+    orch.forward("verify", 1, 1)
     assert link.t == 4.0 and orch.stats.last_batch_wait_s == 0.0
 
 
@@ -511,10 +511,10 @@ def test_draft_steps_are_timed_without_reading_the_clock():
     seen = []
     orch.step_s.update = lambda s: seen.append(s)
     for i in range(1, 5):
-        orch.on_forward("draft")
+        orch.forward("draft", 1, 1)
         link.compute(float(i))  # step i takes i seconds
         for l in range(2):
             orch.on_draft_experts(l, torch.tensor([[8 + i]]))
-        orch.after_draft_step(i, 4)
+        orch.draft_step(i, 4)
     assert link.reads == 0
     assert seen == [1.0, 2.0, 3.0]  # the fourth: once the device is past its end

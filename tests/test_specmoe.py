@@ -184,13 +184,13 @@ def test_prefetch_pins_stay_within_slots_and_are_released_between_windows():
     engine.draft.listeners.append(
         lambda l, *_: peak.__setitem__(0, max(peak[0], len(cache.layers[l].pinned))))
     ends = []
-    original = engine.window.end_window
+    original = engine.window.window_end
 
-    def end_window():
+    def window_end():
         original()
         ends.append(sum(len(lc.pinned) for lc in cache.layers))
 
-    engine.window.end_window = end_window
+    engine.window.window_end = window_end
     gens = decode(engine, loaded.tokenizer, n=32)
     assert all(g.stats["prefetches"] > 0 for g in gens)
     assert 0 < peak[0] <= slots

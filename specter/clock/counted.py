@@ -144,24 +144,28 @@ def follow_phases(counter, engine):
     "decode", "draft", "verify"; "bookkeeping" between forwards). Yields the forwards run per
     phase (a Counter)."""
     forwards: Counter = Counter()
-    announce = getattr(engine, "_before_forward", None)
-    own = vars(engine).get("_before_forward")  # another's wrapper, put back after
-    hooks = []
-    if announce is not None:
-        def before(tokens, context, phase, rows=1):
-            counter.phase = phase
-            announce(tokens, context, phase, rows)
-            forwards[phase] += 1
-        engine._before_forward = before
-    for m in engine_models(engine):
-        hooks.append(m.register_forward_hook(lambda *_: setattr(counter, "phase", "bookkeeping")))
+    events = getattr(engine, "events", None)  # the loop's events (decoding/loop.py `Events`)
+    follower = _PhaseFollower(counter, forwards)
+    if events is not None:
+        events.observers.insert(0, follower)  # the phase set before the others hear it
+    hooks = [m.register_forward_hook(lambda *_: setattr(counter, "phase", "bookkeeping"))
+             for m in engine_models(engine)]
     counter.phase = "bookkeeping"
     try:
         yield forwards
     finally:
         for h in hooks:
             h.remove()
-        if own is not None:
-            engine._before_forward = own
-        elif announce is not None:
-            del engine._before_forward
+        if events is not None:
+            events.observers.remove(follower)
+
+
+class _PhaseFollower:
+    """An observer of the loop's forwards: the counter's phase, and the forwards per phase."""
+
+    def __init__(self, counter, forwards: Counter):
+        self.counter, self.forwards = counter, forwards
+
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
+        self.counter.phase = phase
+        self.forwards[phase] += 1

@@ -28,6 +28,10 @@ class NullClock:
                       rows: int = 1) -> None:
         pass
 
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
+        """The loop's event before every forward (decoding/loop.py `Events`)."""
+        self.begin_forward(tokens, context, phase == "prefill", rows)
+
     def router(self, tokens: int) -> None:
         pass
 

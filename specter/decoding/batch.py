@@ -1,12 +1,12 @@
-"""The one engine protocol every system answers, and the greedy decode steps they share.
+"""The one engine protocol every system answers, and the batch's KV cache they share.
 
 Owns: `Engine` (reset before a request, outside timing; generate a request), `Generation`
 (committed tokens with their commit times and the system's own statistics), `BatchCache` (B
-sequences in one rectangular KV cache, each forward announced to its subscriber first), and
-the greedy prefill / decode-one-token loop over a Hugging Face model, timed by any `Clock` (a
-link's compute-stream clock: virtual, emulated or real).
-Does not own: where experts live (offloading runtime), the engines and speculation
-(decoding/), metrics arithmetic (metrics.py).
+sequences in one rectangular KV cache), `DeviceMemory` (a request's peak device bytes) and the
+`Clock` a decode loop reads time from (a link's compute-stream clock: virtual, emulated or
+real).
+Does not own: the decode loops (decoding/loop.py), where experts live (offloading runtime),
+metrics arithmetic (metrics.py).
 
 Systems differ in policy, not in model code: each one drives the same transformers model.
 """
@@ -119,10 +119,6 @@ def pad_id(model) -> int:
     return eos[0] if eos else 0
 
 
-def _unheard(tokens: int, context: int, phase: str, rows: int = 1) -> None:
-    """No one subscribed to a cache's forwards."""
-
-
 class BatchCache:
     """A rectangular KV cache of B sequences, each with its own real positions.
 
@@ -132,18 +128,11 @@ class BatchCache:
     counts only its row's real tokens before it, so every row computes what it would alone.
     While there is no hole the model is called exactly as for one sequence (no mask, no
     position ids). `select` drops finished rows; `crop` and `trim` shorten every row.
+    Who hears of a forward is the caller's business (decoding/loop.py `Events`): `shape`
+    gives what they hear."""
 
-    `announce(tokens, context, phase, rows)` hears of every forward before it runs (the
-    engine's clock, demand recording and window prefetcher subscribe through it): `rows`
-    sequences of `tokens` positions each (padding included), attending over `context`
-    positions (holes included); phase: "prefill" | "decode" | "draft" | "verify". A forward
-    made outside the cache (a compiled step over its own static buffers) announces itself
-    through the same call."""
-
-    def __init__(self, model, device: torch.device, rows: int, announce=None):
+    def __init__(self, model, device: torch.device, rows: int):
         self.model, self.device = model, device
-        self.announce = announce or _unheard
-        self.pieces = None  # verification's runner (decoding/verify_pieces.py), or None
         self.cache = new_cache(model)
         self.mask = torch.ones(rows, 0, dtype=torch.bool)  # [B, columns]: real positions
         self.valid = [0] * rows  # real tokens per row (the next token's position id)
@@ -158,15 +147,22 @@ class BatchCache:
         """Columns of the cache (what attention reads, holes included)."""
         return self.mask.shape[1]
 
-    def forward(self, blocks: list[list[int]], phase: str, live: list[bool] | None = None,
-                logits_to_keep: int = 1, device_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One `phase` forward of `blocks[b]` appended to row b (announced first; `live[b]` False:
-        the row's block is all holes, computed but never kept); returns logits
-        [B, logits_to_keep, V] of the block's last positions. `device_ids` [B, width]: the
-        blocks' token ids already on the device (the draft's own last choice, never read to
-        the host); `blocks` then only give each row's length."""
+    def shape(self, blocks: list[list[int]]) -> tuple[int, int, int]:
+        """What a forward of `blocks` computes: (tokens a row, padding included; context each
+        token attends over, holes included; rows)."""
         width = max(len(b) for b in blocks)
-        self.announce(width, self.length + width, phase, rows=self.rows)
+        return width, self.length + width, self.rows
+
+    def forward(self, blocks: list[list[int]], live: list[bool] | None = None,
+                logits_to_keep: int = 1, device_ids: torch.Tensor | None = None,
+                pieces=None) -> torch.Tensor:
+        """One forward of `blocks[b]` appended to row b (`live[b]` False: the row's block is all
+        holes, computed but never kept); returns logits [B, logits_to_keep, V] of the block's
+        last positions. `device_ids` [B, width]: the blocks' token ids already on the device
+        (the draft's own last choice, never read to the host); `blocks` then only give each
+        row's length. `pieces`: verification's runner (decoding/verify_pieces.py), or None
+        (transformers' forward)."""
+        width = max(len(b) for b in blocks)
         with host_side():  # built on the host, copied over below
             ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
             real = torch.zeros(self.rows, width, dtype=torch.bool)
@@ -189,21 +185,14 @@ class BatchCache:
             kwargs = {"attention_mask": to_device(mask, self.device),
                       "position_ids": to_device(pos, self.device)}
         ids = to_device(ids, self.device) if device_ids is None else device_ids
-        with self._in_pieces(phase):
+        with _in_pieces(pieces):
             out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                              logits_to_keep=logits_to_keep, **kwargs)
         return out.logits
 
-    def _in_pieces(self, phase: str):
-        """Verification's forwards in pieces where the engine gave a runner."""
-        if phase != "verify" or self.pieces is None:
-            return contextlib.nullcontext()
-        from specter.decoding.verify_pieces import pieces
-        return pieces(self.pieces)
-
     def copy_for(self, model) -> "BatchCache":
         """A copy of this cache (every layer's K and V) that `model` continues."""
-        twin = BatchCache(model, self.device, 0, self.announce)
+        twin = BatchCache(model, self.device, 0)
         twin.cache = copy.deepcopy(self.cache)
         twin.mask, twin.valid, twin.pad = self.mask.clone(), list(self.valid), self.pad
         return twin
@@ -243,63 +232,12 @@ class BatchCache:
         self.trim()
 
 
-@torch.no_grad()
-def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
-                  clock: Clock, stop: set[int], memory: "DeviceMemory",
-                  before_forward=None, on_commit=None) -> Generation:
-    """One request: `greedy_decode_batch` of one row; `on_commit(tokens)` hears each token as
-    it is committed (`Engine.generate`)."""
-    return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, clock, stop, memory,
-                               before_forward,
-                               on_commit=None if on_commit is None else [on_commit])[0]
-
-
-@torch.no_grad()
-def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
-                        device: torch.device, clock: Clock, stop: set[int],
-                        memory: "DeviceMemory", before_forward=None,
-                        on_commit: list | None = None) -> list[Generation]:
-    """Prefill the batch, then one token per unfinished row per step; each token's commit
-    time read from `clock`; a row that commits a stop token or its last token leaves the
-    batch while the others go on. `before_forward(tokens, context, phase, rows)` is told
-    about each forward before it runs: `rows` sequences of `tokens` positions each (padding
-    included), attending over `context` positions (phase: "prefill" | "decode"; the
-    speculative loop's are "prefill" | "draft" | "verify"). `on_commit`: per request a
-    listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
-    None: no listener at all."""
-    if not prompts or any(not p for p in prompts):
-        raise ValueError("every request needs at least one prompt token")
-    memory.start()
-    kv = BatchCache(model, device, len(prompts), announce=before_forward)
-    start = clock.mark()  # marks: read as seconds after the last token (no device wait)
-    tokens: list[list[int]] = [[] for _ in prompts]
-    times: list[list] = [[] for _ in prompts]
-    live = list(range(len(prompts)))  # the request of each cache row
-    # 1. Prefill the prompts; their last logits give the first tokens.
-    logits = kv.forward([list(p) for p in prompts], "prefill")  # [B, 1, V]
-    while True:
-        # 2. Commit each row's greedy token.
-        picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
-        now = clock.mark()
-        going = []
-        for r, b in enumerate(live):
-            tokens[b].append(picked[r])
-            times[b].append(now)
-            if on_commit is not None and on_commit[b] is not None:
-                on_commit[b]([picked[r]])
-            if len(tokens[b]) < max_new_tokens and picked[r] not in stop:
-                going.append(r)
-        memory.observe_cache(kv.cache)
-        if not going:
-            break
-        kv.select(going)
-        live = [live[r] for r in going]
-        # 3. Decode one step of every unfinished row.
-        logits = kv.forward([[tokens[b][-1]] for b in live], "decode")
-    peak, source = memory.peak()
-    return [Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
-                       start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
-                       peak_mem_source=source) for b in range(len(prompts))]
+def _in_pieces(runner):
+    """A forward in verification's pieces where the engine gave a runner."""
+    if runner is None:
+        return contextlib.nullcontext()
+    from specter.decoding.verify_pieces import pieces
+    return pieces(runner)
 
 
 class DeviceMemory:

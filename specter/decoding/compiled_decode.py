@@ -30,6 +30,7 @@ from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
 from specter.decoding.compiled_draft import index_kept, settle_compile
+from specter.decoding.loop import Events
 from specter.models.introspect import experts_modules
 from specter.offload.runtime import expert_mlp
 
@@ -188,21 +189,24 @@ class CompiledDecode:
             dst.cumulative_length.fill_(src.keys.shape[2])
 
     def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device, clock,
-                 stop: set[int], memory, before_forward=None, on_commit=None) -> Generation:
-        """`greedy_decode_batch` for one request, its decode steps compiled; `on_commit`
+                 stop: set[int], memory, events=None, on_commit=None) -> Generation:
+        """loop.py `greedy_decode_batch` for one request, its decode steps compiled (each told to
+        `events` as a forward of one token); `on_commit`
         hears each token (`[token]`) as it is committed, after the stop check's host read
         (the compiled step is unchanged)."""
         if not prompt:
             raise ValueError("every request needs at least one prompt token")
+        events = events or Events()
         memory.start()
-        kv = BatchCache(self.model, device, 1, announce=before_forward)
+        kv = BatchCache(self.model, device, 1)
         start = clock.mark()
-        logits = kv.forward([list(prompt)], "prefill")
+        events.forward("prefill", *kv.shape([list(prompt)]))
+        logits = kv.forward([list(prompt)])
         tok = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1] on the device
         tokens, times = [], []
         n = len(prompt)
         self._load(kv.cache, n + max_new_tokens)
-        announce, kv = kv.announce, None  # the dynamic cache is not read again
+        kv = None  # the dynamic cache is not read again
         while True:
             picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
             tokens.append(picked)
@@ -212,7 +216,7 @@ class CompiledDecode:
             memory.observe_cache(None, cache_bytes(self.cache))
             if len(tokens) >= max_new_tokens or picked in stop:
                 break
-            announce(1, n + 1, "decode", rows=1)  # a step outside the cache
+            events.forward("decode", 1, n + 1, 1)  # a step outside the cache
             began = time.perf_counter()
             tok, routes = self._run_step(tok)
             with self.clock.captured_step(self.tally.kernels):

@@ -399,7 +399,7 @@ class StaticKV:
         self._set_index(n)
         self.synced = n
 
-    def _catch_up(self, kv: BatchCache, seq: list[int], k: int):
+    def _catch_up(self, kv: BatchCache, seq: list[int], k: int, events):
         """own_kv: the window's first step, eager, as the eager layout takes it: the committed
         tokens the draft has not seen (the target's corrections; the whole prompt at the first
         window) and the pending token in one forward into the buffers. Returns the first
@@ -413,14 +413,14 @@ class StaticKV:
             return None
         with host_side():
             ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
-        kv.announce(n + 1 - s, n + 1, "draft", rows=1)  # a forward outside the cache
+        events.forward("draft", n + 1 - s, n + 1, 1)  # a forward outside the cache
         with self.shared.draft():
             logits = self._forward(to_device(ids, kv.device)).logits
         self.synced = n
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
-              stop: set[int], out: list[list[int]], on_device: bool = False):
+              stop: set[int], out: list[list[int]], events, on_device: bool = False):
         """draft.py `draft_steps` for one row in the static cache: the pending token first, then
         each proposal. Greedy only (`resolve_compile` keeps sampling eager): the choices stay on
         the device and are read once after the window's last step (the row drafts its whole
@@ -431,11 +431,11 @@ class StaticKV:
         k = k_effs[0]
         chosen, first = [], None
         if self.own_kv:
-            first = self._catch_up(kv, seqs[0], k)
+            first = self._catch_up(kv, seqs[0], k, events)
         else:
             self._sync(kv, k)
         if self.capture is not None:
-            yield from self._replayed(kv, seqs[0], k, first, stop, out)
+            yield from self._replayed(kv, seqs[0], k, first, stop, out, events)
             return
         if first is not None:  # the window's first step ran eagerly
             chosen.append(first)
@@ -447,7 +447,7 @@ class StaticKV:
             tok = to_device(tok, kv.device)
         with self.shared.draft(), self.shared.capturing():
             for i in range(len(chosen), k):
-                kv.announce(1, kv.length + i + 1, "draft", rows=1)
+                events.forward("draft", 1, kv.length + i + 1, 1)
                 began = time.perf_counter()
                 with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath)
                     nxt, routes = self._stepped(tok)
@@ -466,7 +466,7 @@ class StaticKV:
         out[0].extend(row[:cut])
 
     def _replayed(self, kv: BatchCache, seq: list[int], k: int, first, stop: set[int],
-                  out: list[list[int]]):
+                  out: list[list[int]], events):
         """`steps` with each step one replay of the captured graph (`capture`): the window's
         first input written into the graph's token buffer (the pending token by a fill, no
         copy from the host; or own_kv's eager first proposal), then one replay per step, no
@@ -485,7 +485,7 @@ class StaticKV:
             if self.replay is None and done < k:  # the first window with these buffers:
                 self._capture_step()  # captured before its first step (no step's time holds it)
             for i in range(done, k):
-                kv.announce(1, kv.length + i + 1, "draft", rows=1)
+                events.forward("draft", 1, kv.length + i + 1, 1)
                 with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath;
                     routes = self.replay()  # the switch as captured, where Python reruns it)
                 self.steps_run += 1

@@ -22,7 +22,8 @@ when the draft is a second model), `layout` (None: `SharedKV` over the target's 
 `listen(fn, all_layers)` (fn(moe_layer, top_k_index [T, k]) told of every draft experts call:
 the clock's charge, a window prefetcher; `all_layers(routes [L, T, k])` its form for a compiled
 step's every layer at once), `device_bytes` (device memory beyond the target's own
-parameters and expert slots), `before_forward(tokens, context, phase, rows)`, `reset()` and
+parameters and expert slots), `observers` (what of it hears the loop's events besides the
+engine's own: decoding/loop.py `Events`; a second instance's compute clock), `reset()` and
 `as_record()`.
 Does not own: the INT4 experts themselves (quant/), acceptance, the window loop (loop.py).
 """
@@ -63,6 +64,7 @@ class Draft:
     layout = None  # where and how it drafts (draft.py, compiled_draft.py); None: SharedKV
     _compiled_before = (0, 0.0)  # a compiled layout's (compiles, seconds) before this request
     device_bytes = 0
+    observers: tuple = ()  # hear the loop's events (decoding/loop.py `Events`)
     eager_now = False  # this request drafts in `eager_layout()`, not in `layout` (`layout_for`)
 
     def layout_for(self, rows: int):
@@ -85,9 +87,6 @@ class Draft:
 
     def listen(self, fn, all_layers=None, in_graph: bool = False) -> None:
         self.draft_mode.listen(fn, all_layers, in_graph)
-
-    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        pass
 
     def warm_graphs(self, rows: int, k_max: int) -> int:
         """Capture the draft layers' per-layer CUDA graphs (quant.graphs) for the forwards a
@@ -212,6 +211,7 @@ class SeparateInt4Draft(Draft):
         self.instance = DraftMode(draft_model, int4.experts, int4.backend, device,
                                   graphs=int4.graphs, mode="draft")  # only ever the draft
         self.clock = timing.observer(draft_model, charge_experts=False)
+        self.observers = (self.clock,)  # its forwards charged, told of every forward's size
         self.layout = (CopiedKV(draft_model, self._charge_kv_copy) if kv_copy
                        else compiled.static_kv(self.instance, clock=self.clock, own_kv=True)
                        or OwnKV(draft_model))
@@ -230,9 +230,6 @@ class SeparateInt4Draft(Draft):
         """Its own KV, eager (SpecMoEOff's layout), for a batch the static step cannot take."""
         return OwnKV(self.draft_model)
 
-    def before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
-
     def as_record(self) -> dict:
         copied = isinstance(self.layout, CopiedKV)
         return {**self.int4.as_record(), "shared_instance": False,
@@ -241,9 +238,9 @@ class SeparateInt4Draft(Draft):
 
 
 def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
-                stop: set[int], out: list[list[int]], on_device: bool = False):
+                stop: set[int], out: list[list[int]], events, on_device: bool = False):
     """Up to `k_effs[r]` proposals for each row r of `kv` into `out[r]`, one draft forward per
-    step: row r feeds `feeds[r]` first (its tokens the draft has not seen, ending with the
+    step, each told to `events` (decoding/loop.py `Events`) first: row r feeds `feeds[r]` first (its tokens the draft has not seen, ending with the
     pending one), then its last proposal; a row that has drafted a stop token or its quota feeds
     its last token as a hole. `pick(r, logits_row)` chooses row r's token. Yields `(i, k_eff)`
     after each step i (1-based; k_eff is the window's last step, early once no row drafts).
@@ -254,13 +251,14 @@ def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
     (those steps' KV is discarded with the window's, their tokens never proposed): the draft
     step waits for the host only at the window's end."""
     if on_device:
-        yield from _draft_steps_on_device(kv, feeds, k_effs, stop, out)
+        yield from _draft_steps_on_device(kv, feeds, k_effs, stop, out, events)
         return
     drafting = [k > 0 for k in k_effs]
     k_max = max(k_effs)
     for i in range(k_max):
         blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
-        logits = kv.forward(blocks, "draft", live=drafting)
+        events.forward("draft", *kv.shape(blocks))
+        logits = kv.forward(blocks, live=drafting)
         for r in range(len(feeds)):
             if drafting[r]:
                 tok = pick(r, logits[r, -1])
@@ -274,7 +272,7 @@ def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
 
 
 def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int],
-                           stop: set[int], out: list[list[int]]):
+                           stop: set[int], out: list[list[int]], events):
     """`draft_steps` with the greedy choices kept on the device (see there)."""
     drafting = [k > 0 for k in k_effs]
     drafted = [0] * len(feeds)
@@ -288,8 +286,8 @@ def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[
     for i in range(k_max):
         blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
             else [[0]] * len(feeds)
-        logits = kv.forward(blocks, "draft", live=drafting,
-                            device_ids=None if i == 0 else feed[:, None])
+        events.forward("draft", *kv.shape(blocks))
+        logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
         tok = logits[:, -1].argmax(dim=-1)
         chosen.append(tok)
         if not all(drafting):
@@ -328,13 +326,13 @@ class SharedKV:
         return 0
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
-              stop: set[int], out: list[list[int]], on_device: bool = False):
+              stop: set[int], out: list[list[int]], events, on_device: bool = False):
         """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
         token, the last of its sequence)."""
         base = kv.length
         with self.shared.draft():
             yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, stop, out,
-                                   on_device)
+                                   events, on_device)
         kv.crop(base)
 
     def commit(self, n_valid: list[int]) -> None:
@@ -355,21 +353,20 @@ class OwnKV:
         self.kv: BatchCache | None = None
 
     def start(self, target: BatchCache) -> None:
-        """After the target's prefill: its own cache of as many rows, whose forwards are
-        announced to the target's subscriber."""
-        self.kv = BatchCache(self.model, target.device, target.rows, target.announce)
+        """After the target's prefill: its own cache of as many rows."""
+        self.kv = BatchCache(self.model, target.device, target.rows)
 
     def held_bytes(self) -> int:
         """Device bytes of its own KV cache (the second cache a shared instance saves)."""
         return 0 if self.kv is None else cache_bytes(self.kv.cache)
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
-              stop: set[int], out: list[list[int]], on_device: bool = False):
+              stop: set[int], out: list[list[int]], events, on_device: bool = False):
         """`draft_steps` in its own cache for rows whose committed tokens are `seqs` (the
         target's cache `kv` is read only by a copying draft: `sync`)."""
         self.sync(kv)
         feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
-        yield from draft_steps(self.kv, feeds, k_effs, pick, stop, out, on_device)
+        yield from draft_steps(self.kv, feeds, k_effs, pick, stop, out, events, on_device)
 
     def sync(self, target: BatchCache) -> None:
         """At a window's start, before drafting (own KV: nothing to do)."""

@@ -23,9 +23,9 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.draft import SharedKV
-from specter.decoding.loop import acceptance, speculative_batch
+from specter.decoding.loop import Events, acceptance, greedy_decode_batch, speculative_batch
 from specter.decoding.compiled_draft import compiled_mode
-from specter.decoding.batch import DeviceMemory, Generation, eos_ids, greedy_decode_batch
+from specter.decoding.batch import DeviceMemory, Generation, eos_ids
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.clock.timing import Timing, timing_for
 from specter.offload.build import offload_model
@@ -49,6 +49,8 @@ class GreedyEngine:
         slots = runtime.cache.device_bytes() if runtime is not None else 0
         self.memory = DeviceMemory(model, device, extra_bytes=slots)
         self.clock = timing.observer(model, charge_experts=runtime is None)
+        # who hears of each forward (decoding/loop.py `Events`): the clock, the hit rate
+        self.events = Events(self.clock, runtime.stats if runtime is not None else None)
         self.prefetcher: LayerPrefetcher | None = runtime.prefetcher if runtime else None
         # resident's system.compile, `static(timing, clock)` -> (a CompiledDecode, batch-1
         # decode steps compiled, or None; its record columns)
@@ -66,11 +68,6 @@ class GreedyEngine:
 
     def seed_requests(self, seeds: list[int]) -> None:
         """Greedy decoding draws nothing."""
-
-    def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
-        if self.runtime is not None:
-            self.runtime.record_demand = phase != "prefill"  # the hit rate excludes prefill
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  on_commit=None) -> Generation:
@@ -93,14 +90,14 @@ class GreedyEngine:
             with torch.no_grad():
                 gens = [self.static.generate(prompts[0], max_new_tokens, self.device,
                                              self.timing.link, self.stop, self.memory,
-                                             self._before_forward,
+                                             self.events,
                                              on_commit=None if on_commit is None else on_commit[0])]
             self.compiled.update(decode_compiles=self.static.compiles - before[0],  # this request's
                                  decode_compile_s=self.static.compile_s - before[1])
         else:
             gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
                                        self.timing.link, self.stop, self.memory,
-                                       self._before_forward, on_commit=on_commit)
+                                       self.events, on_commit=on_commit)
         shared = dict(self.compiled)
         if self.runtime is not None:
             shared.update(self.runtime.as_record())
@@ -140,6 +137,10 @@ class SpeculativeEngine:
         self.clock = clock
         draft.listen(self.window.on_draft_experts, self.window.on_draft_routes,
                      in_graph=self.window.routes_in_graph)
+        # who hears of each forward, draft step and window end (decoding/loop.py `Events`): the
+        # clock, a second draft instance's clock, the hit rate (verification's demand only),
+        # the window prefetcher
+        self.events = Events(clock, *draft.observers, runtime.stats, self.window)
         self.compiled = compiled or {"draft_compiled": False, "draft_compile": "eager",
                                      "draft_captured": False, "draft_graphs": False}
         self.temperature = temperature  # > 0: speculative sampling, `self.generators`
@@ -164,12 +165,6 @@ class SpeculativeEngine:
         """One sampling generator per request of the next batch (workload.temperature > 0)."""
         self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
 
-    def _before_forward(self, tokens: int, context: int, phase: str, rows: int = 1) -> None:
-        self.clock.begin_forward(tokens, context, phase == "prefill", rows)
-        self.draft.before_forward(tokens, context, phase, rows)
-        self.runtime.record_demand = phase == "verify"  # hit rate: the target's demand
-        self.window.on_forward(phase)
-
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  on_commit=None) -> Generation:
         """One request; `on_commit(tokens)` hears each commit (the `Engine` protocol): the
@@ -191,8 +186,7 @@ class SpeculativeEngine:
         layout = self.draft.layout_for(len(prompts))
         gens = speculative_batch(self.model, layout or SharedKV(self.draft.draft_mode),
                                  prompts, max_new_tokens, self.k, self.device, self.timing.link,
-                                 self.stop, self.memory, self._before_forward,
-                                 prefetcher=self.window,
+                                 self.stop, self.memory, self.events,
                                  accept=acceptance(self.temperature, self.generators, len(prompts)),
                                  depth=self.adaptive, on_commit=on_commit, pieces=self.pieces)
         shared = {**self.runtime.as_record(), **self.timing.link_record(),

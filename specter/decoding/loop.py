@@ -1,4 +1,6 @@
-"""The speculative window loop, as the paper's figure draws it.
+"""The decoding loops: the speculative window loop, as the paper's figure draws it, and the
+greedy loop (`greedy_decode_batch`: prefill, then one token a row a step), with the events
+both tell (`Events`).
 
 Owns: `speculative_batch`, one window after another: draft K tokens -> plan and issue the
 prefetches -> verify -> accept -> commit. The draft proposes K tokens one forward at a time
@@ -30,39 +32,37 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.decoding.draft import SharedKV
-from specter.decoding.batch import BatchCache, Generation
-from specter.offload.prefetch import WindowPrefetcher
+from specter.decoding.batch import BatchCache, Clock, DeviceMemory, Generation
 
 
 @torch.no_grad()
 def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int, k: int,
                       device: torch.device, clock, stop: set[int], memory,
-                      before_forward=None, prefetcher: WindowPrefetcher | None = None,
-                      accept=None, depth=None, on_commit: list | None = None,
-                      pieces=None) -> list[Generation]:
+                      events: "Events | None" = None, accept=None, depth=None,
+                      on_commit: list | None = None, pieces=None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
     `draft` is where and how the draft runs, over which cache (draft.py: `SharedKV`, the
     target's own instance in draft mode over its cache; `OwnKV`, `CopiedKV`: a second model;
-    compiled_draft.py's `StaticKV`: the step compiled); `before_forward(tokens, context, phase,
-    rows)` is told of every forward (phase: "prefill" | "draft" | "verify"), as the cache's
-    subscriber (`BatchCache.announce`); `prefetcher` plans and issues copies between draft
-    steps and hears each window's end; `accept` (`acceptance`: `Greedy`, the default, or
-    `Sampled`) picks and accepts tokens; `depth` (an `AdaptiveDepth`) chooses each window's K
-    instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s), called
-    with each commit's new tokens (`Rows._commit`); None: no listener at all. `pieces`:
+    compiled_draft.py's `StaticKV`: the step compiled); `events` (`Events`, below) is who hears
+    the loop's events: every forward before it runs, each draft step, each window's end (the
+    clock, the demand statistics, the window prefetcher); `accept` (`acceptance`: `Greedy`, the
+    default, or `Sampled`) picks and accepts tokens; `depth` (an `AdaptiveDepth`) chooses each
+    window's K instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s),
+    called with each commit's new tokens (`Rows._commit`); None: no listener at all. `pieces`:
     verification's runner (decoding/verify_pieces.py), or None (transformers' forward)."""
     _check(prompts, k)
-    prefetch = prefetcher or WindowPrefetcher()
+    events = events or Events()
     accept = accept or Greedy()
     depths = WindowDepth(k, depth, clock)
     memory.start()
-    kv = BatchCache(model, device, len(prompts), announce=before_forward)
-    kv.pieces = pieces
+    kv = BatchCache(model, device, len(prompts))
     rows = Rows(prompts, max_new_tokens, k, stop, clock.mark(), on_commit)
 
     # 0. Prefill: each row's last logits give the target's first token, committed at once
     #    (as in autoregressive decoding: TTFT and TPOT mean the same for every system).
-    logits = kv.forward([list(p) for p in prompts], "prefill")  # [B, 1, V]
+    blocks = [list(p) for p in prompts]
+    events.forward("prefill", *kv.shape(blocks))
+    logits = kv.forward(blocks)  # [B, 1, V]
     first = [accept.pick(b, logits[b, -1]) for b in range(len(prompts))]
     now = clock.mark()
     memory.observe_cache(kv.cache)
@@ -78,15 +78,16 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         if max(quotas) > 0:
             # 1. Draft: one forward per step over every live row ...
             for step, last in draft.steps(kv, rows.live_seqs(), quotas, rows.pick(accept.pick),
-                                          stop, proposals, on_device=accept.on_device):
+                                          stop, proposals, events, on_device=accept.on_device):
                 # 2. ... and between the steps, plan and issue the prefetches of the experts
                 #    verification will need (their copies overlap the rest of the draft).
-                prefetch.after_draft_step(step, last)
+                events.draft_step(step, last)
         t_verify = clock.mark()
         # 3. Verify: every row's pending token and its proposals in one target forward.
         blocks = [seq[-1:] + props for seq, props in zip(rows.live_seqs(), proposals)]
         width = max(len(block) for block in blocks)
-        logits = kv.forward(blocks, "verify", logits_to_keep=width)  # [B, width, V], right-aligned
+        events.forward("verify", *kv.shape(blocks))
+        logits = kv.forward(blocks, logits_to_keep=width, pieces=pieces)  # [B, width, V], right-aligned
         accept.read(logits)
         now = clock.mark()
         # 4. Accept: each row's longest agreeing prefix, then the target's own next token.
@@ -102,7 +103,7 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         if max(quotas) > 0:
             draft.commit(draft_kept)
         memory.observe_cache(kv.cache, draft.held_bytes())
-        prefetch.end_window()
+        events.window_end()
         rows.leave(going, kv, draft)
     return rows.generations(clock, memory)
 
@@ -110,16 +111,77 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
 @torch.no_grad()
 def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
                        device: torch.device, clock, stop: set[int], memory,
-                       before_forward=None, prefetcher: WindowPrefetcher | None = None,
-                       temperature: float = 0.0, generator: torch.Generator | None = None,
+                       events: "Events | None" = None, temperature: float = 0.0, generator: torch.Generator | None = None,
                        layout=None, on_commit=None) -> Generation:
     """One request: `speculative_batch` of one row, drafting in `layout` (None: `SharedKV`
     over `shared`, a `DraftMode`); `on_commit(tokens)` hears each commit."""
     return speculative_batch(model, layout or SharedKV(shared), [prompt_ids], max_new_tokens, k,
-                             device, clock, stop, memory, before_forward, prefetcher,
+                             device, clock, stop, memory, events,
                              acceptance(temperature, None if generator is None else [generator],
                                         1),
                              on_commit=None if on_commit is None else [on_commit])[0]
+
+
+@torch.no_grad()
+def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
+                  clock: Clock, stop: set[int], memory: DeviceMemory,
+                  events: "Events | None" = None, on_commit=None) -> Generation:
+    """One request: `greedy_decode_batch` of one row; `on_commit(tokens)` hears each token as
+    it is committed (`Engine.generate`)."""
+    return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, clock, stop, memory,
+                               events,
+                               on_commit=None if on_commit is None else [on_commit])[0]
+
+
+@torch.no_grad()
+def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
+                        device: torch.device, clock: Clock, stop: set[int],
+                        memory: DeviceMemory, events: "Events | None" = None,
+                        on_commit: list | None = None) -> list[Generation]:
+    """Prefill the batch, then one token per unfinished row per step; each token's commit
+    time read from `clock`; a row that commits a stop token or its last token leaves the
+    batch while the others go on. `events` (`Events`) hears of each forward before it runs
+    (phase: "prefill" | "decode"). `on_commit`: per request a
+    listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
+    None: no listener at all."""
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("every request needs at least one prompt token")
+    memory.start()
+    events = events or Events()
+    kv = BatchCache(model, device, len(prompts))
+    start = clock.mark()  # marks: read as seconds after the last token (no device wait)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    times: list[list] = [[] for _ in prompts]
+    live = list(range(len(prompts)))  # the request of each cache row
+    # 1. Prefill the prompts; their last logits give the first tokens.
+    blocks = [list(p) for p in prompts]
+    events.forward("prefill", *kv.shape(blocks))
+    logits = kv.forward(blocks)  # [B, 1, V]
+    while True:
+        # 2. Commit each row's greedy token.
+        picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
+        now = clock.mark()
+        going = []
+        for r, b in enumerate(live):
+            tokens[b].append(picked[r])
+            times[b].append(now)
+            if on_commit is not None and on_commit[b] is not None:
+                on_commit[b]([picked[r]])
+            if len(tokens[b]) < max_new_tokens and picked[r] not in stop:
+                going.append(r)
+        memory.observe_cache(kv.cache)
+        if not going:
+            break
+        kv.select(going)
+        live = [live[r] for r in going]
+        # 3. Decode one step of every unfinished row.
+        blocks = [[tokens[b][-1]] for b in live]
+        events.forward("decode", *kv.shape(blocks))
+        logits = kv.forward(blocks)
+    peak, source = memory.peak()
+    return [Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
+                       start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+                       peak_mem_source=source) for b in range(len(prompts))]
 
 
 def acceptance(temperature: float, generators: list[torch.Generator] | None, rows: int):
@@ -136,6 +198,37 @@ def _check(prompts: list[list[int]], k: int) -> None:
         raise ValueError(f"k must be at least 1 (got {k})")
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
+
+
+class Events:
+    """The loop's events, and who hears them, in the order given:
+    - `forward(phase, tokens, context, rows)` before every forward: `rows` sequences of `tokens`
+      positions each (padding included), attending over `context` positions (holes included);
+      phase: "prefill" | "decode" (greedy) | "draft" | "verify" (speculative);
+    - `draft_step(step, last)` after each draft step (1-based; `last`: the window's last step);
+    - `window_end()` once a window's tokens are committed.
+    An observer defines the events it hears, no more: the compute clock (clock/observer.py), the
+    demand statistics (offload/runtime.py `DemandStats`), a second draft instance's clock, the
+    window prefetcher (offload/prefetch.py). The engine lists them (decoding/engines.py); the
+    loops, and a draft's steps for its own forwards, tell them."""
+
+    def __init__(self, *observers):
+        self.observers = [o for o in observers if o is not None]
+
+    def _tell(self, event: str, *args) -> None:
+        for observer in self.observers:
+            heard = getattr(observer, event, None)
+            if heard is not None:
+                heard(*args)
+
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
+        self._tell("forward", phase, tokens, context, rows)
+
+    def draft_step(self, step: int, last: int) -> None:
+        self._tell("draft_step", step, last)
+
+    def window_end(self) -> None:
+        self._tell("window_end")
 
 
 @dataclass

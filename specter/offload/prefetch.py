@@ -10,7 +10,10 @@ and last-window policies). Both load through the runtime's public `prefetch(...)
 cache's own `load/pin/stage`, and advance the clock through `runtime.clock (specter/clock/observer.py)`; neither
 touches the runtime's private members.
 
-Subclass the base classes below for the no-op defaults; the engines call every hook.
+Subclass the base classes below for the no-op defaults. The offload runtime calls a
+LayerPrefetcher's hooks; a WindowPrefetcher hears `forward`, `draft_step` and `window_end` as
+one of the loop's `Events` observers (decoding/loop.py), and `on_draft_experts` from the
+draft's MoE layers.
 """
 
 from __future__ import annotations
@@ -45,13 +48,14 @@ class WindowPrefetcher:
     # no new tensor kept): a draft step captured as one CUDA graph then runs it inside the graph
     routes_in_graph = False
 
-    def on_forward(self, phase: str) -> None:
+    # The loop's events (decoding/loop.py `Events`): the engine lists its window prefetcher.
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
         """A forward is about to run: "prefill" | "draft" | "verify"."""
 
-    def after_draft_step(self, i: int, k_eff: int) -> None:
+    def draft_step(self, i: int, k_eff: int) -> None:
         """Draft step `i` (1-based) of `k_eff` in this window is done (i == k_eff: the last)."""
 
-    def end_window(self) -> None:
+    def window_end(self) -> None:
         """Verification of the window is done and its tokens committed."""
 
     def reset(self) -> None:

@@ -49,8 +49,18 @@ def register_experts_implementation() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _specter_experts_forward)
 
 
+COUNTED_PHASES = ("decode", "verify")  # the target's decoding demand: not prefill, not the draft
+
+
 @dataclass
 class DemandStats:
+    """A request's demand on the expert cache (the hit rate and its parts). It hears the loop's
+    forwards (decoding/loop.py `Events`) and counts only the target's decoding ones
+    (`COUNTED_PHASES`: greedy decode steps, speculative verification), so the hit rate
+    excludes the prefill and the draft; `counting` says whether the current forward counts
+    (a caller that tells it nothing is always counted)."""
+
+    counting: bool = True
     hits: int = 0
     misses: int = 0
     inflight_hits: int = 0  # needed while its (prefetch) copy was still in flight
@@ -65,6 +75,14 @@ class DemandStats:
     host_tokens: int = 0  # ... and the (token, expert) pairs they served
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
+
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
+        self.counting = phase in COUNTED_PHASES
+
+    def clear(self) -> None:
+        """Every count back to zero, before a request (`counting` stays as the last forward
+        left it)."""
+        self.__init__(counting=self.counting)
 
     def as_record(self) -> dict:
         total = self.hits + self.misses
@@ -276,8 +294,7 @@ class OffloadRuntime:
         self.compute = compute or verification(self.device, cache.layout.dtype)
         self.rates = rates or cost
         self.host_compute, self.host_all = host_misses, host_all
-        self.stats = DemandStats()
-        self.record_demand = True  # False during prefill (hit rate excludes it)
+        self.stats = DemandStats()  # an observer of the loop's forwards: engines list it
         self.routed: Routed | None = None  # the next call's routing, grouped by its caller
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
@@ -308,7 +325,7 @@ class OffloadRuntime:
 
     def reset(self) -> None:
         self.cache.reset()
-        self.stats = DemandStats()
+        self.stats.clear()
         if self.host_weights is not None:
             self.host_weights.reset_stats()
         self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
@@ -375,7 +392,7 @@ class OffloadRuntime:
         self.last_shape[l] = tuple(layer.top_k_index.shape)
         hits = [e for e in needed if cache.resident(l, e)]
         misses = [e for e in needed if not cache.resident(l, e)]
-        if self.record_demand:
+        if self.stats.counting:
             self.stats.hits += len(hits)
             self.stats.misses += len(misses)
             self.stats.cap_hits += min(cache.slots + cache.staging, len(needed))
@@ -393,7 +410,7 @@ class OffloadRuntime:
         cache, l, counts = self.cache, layer.l, layer.groups.counts
         late = {e: cache.arrival(l, e) for e in hits if not cache.ready(l, e)}
         host = self._host_side(misses, counts, late)
-        if host and self.record_demand:
+        if host and self.stats.counting:
             self.stats.host_experts += len(host)
             self.stats.host_tokens += sum(counts[e] for e in host)
         return host
@@ -451,7 +468,7 @@ class OffloadRuntime:
         groups = group_by_expert(top_k_index.to(cpu), self.cache.store.layout.num_experts)
         self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
         self.last_shape[l] = tuple(top_k_index.shape)
-        if self.record_demand:
+        if self.stats.counting:
             self.stats.distinct[l].update(groups.needed)
             self.stats.forward_distinct.append(len(groups.needed))
             self.stats.host_experts += len(groups.needed)
@@ -536,7 +553,7 @@ class OffloadRuntime:
         for e in experts:
             if not self.cache.resident(layer, e) and self.cache.load(layer, e) is not None:
                 issued += 1
-        if count and self.record_demand:
+        if count and self.stats.counting:
             self.stats.prefetches += issued
         return issued
 

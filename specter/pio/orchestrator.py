@@ -13,9 +13,10 @@ With host-computed misses on (`specter_hybrid`), each plan also hands the host t
 experts it could not load (`runtime.prepare_host`): beside a GPU their fp32 copies are made
 on the host thread during the draft (hostweights.py), not on verification's critical path.
 
-Hooks, wired by the engine: `on_draft_experts(layer, top_k_index)` from the draft instance,
-`on_forward(phase)` before every forward, `after_draft_step(i, k_eff)` after each draft token,
-`end_window()` after each verification, `reset()` before each request.
+Hooks: `on_draft_experts(layer, top_k_index)` from the draft instance (wired by the engine);
+the loop's events (decoding/loop.py `Events`): `forward(phase, tokens, context, rows)` before
+every forward, `draft_step(i, k_eff)` after each draft token, `window_end()` after each
+verification; `reset()` before each request.
 
 Rules where the authors' artifact and our first reading differ, each a switch whose default
 is the artifact's (system.* in conf/system/specter.yaml): the first boundary's rounding
@@ -160,13 +161,13 @@ class Orchestrator(WindowPrefetcher):
 
     routes_in_graph = True  # the lookahead buffer's scatter: inside a captured draft step
 
-    def on_forward(self, phase: str) -> None:
+    def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
         if phase == "draft":
             self._t_step = self.link.mark()
         elif phase == "verify" and self.wait_last_batch:
             self._wait_last_batch()
 
-    def after_draft_step(self, i: int, k_eff: int) -> None:
+    def draft_step(self, i: int, k_eff: int) -> None:
         if self._t_step is not None:
             self._steps.append((self._t_step, self.link.mark()))
         self._time_steps()
@@ -222,7 +223,7 @@ class Orchestrator(WindowPrefetcher):
         self._waits.append((t0, self.link.mark()))
         self._time_waits()
 
-    def end_window(self) -> None:
+    def window_end(self) -> None:
         """After verification: score the window's plan against the target's demand."""
         s = self.stats
         s.windows += 1
