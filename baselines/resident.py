@@ -45,7 +45,7 @@ def decode_step(job, timing, clock):
     from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
 
     sc = job.system
-    on, why = resolve_system_compile(sc.compile, job.rows, timing.clock)
+    on, why = resolve_system_compile(sc.compile, job.rows, timing.kind)
     cuda = job.device.type == "cuda"
     static = None
     if on:
@@ -57,4 +57,4 @@ def decode_step(job, timing, clock):
     if on and cuda:
         why = f"{why}: {CAPTURED_DECODE}"
     return static, {"decode_compiled": on, "decode_compile": why,  # captured: a CUDA graph
-                    "decode_captured": on and (cuda or timing.clock == "virtual")}  # or charged as one
+                    "decode_captured": on and (cuda or timing.kind.charged)}  # or charged as one

@@ -50,7 +50,7 @@ from torch import nn
 
 from specter.config import SystemConfig
 from specter.counting import charging_only
-from specter.decoding.draft import Draft, charges_virtually
+from specter.decoding.draft import Draft
 from specter.decoding.engines import SpeculativeEngine, build_speculative
 from specter.decoding.draft_mode import DraftMode
 from specter.errors import UserError
@@ -146,7 +146,7 @@ class HostDraft(Draft):
         # Told of each draft layer call: (moe_layer, router top_k_index [T, k], its weights,
         # kept index [T, draft_top_k]); `charge` after them.
         self.listeners: list = []
-        self.charge = self._charge_host_experts if charges_virtually(timing) else None
+        self.charge = self._charge_host_experts if timing.charged else None
         self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
         self.draft_mode = DraftMode(model, None, draft_layers=self.layers, draft_bytes=0)
 

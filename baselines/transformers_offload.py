@@ -98,7 +98,7 @@ class TransformersOffloadEngine:
         AlignDevicesHook, ModelHook, add_hook_to_module = _accelerate()
         self.model, self.device, self.timing = model, device, timing
         self.link = timing.link
-        self.real_clock = timing.clock == "cuda"  # copies timed by events, not charged
+        self.real_clock = timing.kind.real and device.type == "cuda"  # copies timed by events
         self.stop_on_eos = stop_on_eos
         moe = experts_modules(model)
         num_experts = moe[0][1].gate_up_proj.shape[0]
@@ -274,7 +274,7 @@ class TransformersOffloadEngine:
 
 def build(job) -> TransformersOffloadEngine:
     timing = timing_for(job)  # before any hook: the emulated clock calibrates on the model
-    refuse_wall_clock_offload(timing.clock, job.device, job.budget.slots,
+    refuse_wall_clock_offload(timing.kind, job.device, job.budget.slots,
                               job.loaded.spec.num_experts)
     return TransformersOffloadEngine(job.loaded.model, job.device, timing, job.budget.slots,
                                      stop_on_eos=job.stop_on_eos,

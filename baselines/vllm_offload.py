@@ -140,7 +140,7 @@ class VllmOffloadEngine(GreedyEngine):
 
 def build(job) -> VllmOffloadEngine:
     timing = timing_for(job)
-    if timing.cost is None or timing.clock not in ("virtual", "emulated"):
+    if timing.cost is None or not timing.kind.modelled:
         raise UserError("system=vllm_offload models vLLM's cpu_offload_gb on a modelled clock: "
                         "use a GPU profile, e.g. hardware=a100_pcie4_ideal (vLLM decodes under "
                         "CUDA graphs: the optimised engine).")

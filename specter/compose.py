@@ -177,16 +177,16 @@ def build(planned: Planned, log=print, kv_tokens: int | None = None) -> Parts:
     return Parts(planned, loaded, built, engine, account, held, load)
 
 
-def resolve_device(kind: str, asked_by: str = "hardware",
+def resolve_device(device: str, asked_by: str = "hardware",
                    instead: str = "hardware=cpu") -> torch.device:
-    if kind == "auto":
+    if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
+    if device == "cuda" and not torch.cuda.is_available():
         raise UserError(f"{asked_by} asks for a CUDA device but torch sees none; use {instead} "
                         "or install a CUDA build of torch.")
-    if kind not in ("cpu", "cuda"):
-        raise UserError(f"hardware.device must be auto, cpu or cuda (got '{kind}').")
-    return torch.device(kind)
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"hardware.device must be auto, cpu or cuda (got '{device}').")
+    return torch.device(device)
 
 
 HARDWARE_DIR = CONF / "hardware"
@@ -207,7 +207,7 @@ def resolve_auto_hardware(cfg: RunConfig, device: torch.device, log=print) -> Ru
     """hardware=auto without a GPU: decoding systems run on the virtual clock of the fallback
     GPU profile (offloading needs a modelled link; one line says so)."""
     hw = cfg.hardware
-    if not hw.cpu_fallback or device.type != "cpu" or hw.clock != "wall" or cfg.system.name == "fidelity":
+    if not hw.cpu_fallback or device.type != "cpu" or not hw.kind.real or cfg.system.name == "fidelity":
         return cfg
     profile = dataclasses.replace(load_hardware(hw.cpu_fallback), device="cpu")
     if hw.host_matrix_flops > 0:  # host=NAME chose the host CPU's rates: they stay
@@ -231,7 +231,7 @@ def warm_up(engine, cfg: RunConfig, prompt: list[int], log) -> float:
     them and every system is timed warm alike. Its wall seconds: the `compile_warmup_s` column
     (0.0 when nothing ran)."""
     compiled, on_gpu = engine.compiled, engine.device.type == "cuda"
-    if cfg.hardware.clock != "wall" or not (compiled.get("draft_compiled") or on_gpu
+    if not cfg.hardware.kind.real or not (compiled.get("draft_compiled") or on_gpu
                                             or compiled.get("decode_compiled")):
         return 0.0
     began = time.perf_counter()
@@ -255,8 +255,6 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
     """What can be checked before the weights load, each failure one sentence: the context
     length, knobs against the expert count, the draft kernel against the device, the charged
     sizes against the model, and that out_dir and the cache can be written."""
-    from specter.clock.timing import charges_real_sizes
-
     positions = read_max_positions(checkpoint)
     w = cfg.workload
     spec = window_tokens(cfg)
@@ -280,7 +278,7 @@ def preflight(cfg: RunConfig, checkpoint: Path, device: torch.device, n_experts:
                         "use quant.graphs=auto or off.")
     charged_real(cfg)  # hardware.charge checked
     offloads = recipe(cfg.system.name).offloads
-    if offloads and cfg.hardware.clock == "wall" and device.type == "cpu" \
+    if offloads and cfg.hardware.kind.real and device.type == "cpu" \
             and cfg.budget.name != "full" and not footprint(cfg.system).host_experts:
         raise UserError(f"system={cfg.system.name}: {WALL_CLOCK_OFFLOAD}")
     check_host_holds(cfg, checkpoint, device, n_experts)
@@ -291,7 +289,7 @@ def charged_real(cfg: RunConfig) -> bool:
     refused in one sentence where it names no real model)."""
     from specter.clock.timing import charges_real_sizes
 
-    return cfg.hardware.clock in ("virtual", "emulated") and \
+    return cfg.hardware.kind.modelled and \
         charges_real_sizes(cfg.hardware.charge, cfg.model.name, cfg.model.stands_for)
 
 

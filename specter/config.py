@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from specter.clock.kinds import HARDWARE_CLOCKS, ClockKind, clock_kind
 from specter.errors import UserError
 
 
@@ -107,7 +108,7 @@ class HardwareConfig:
 
     name: str
     device: str = "auto"  # auto | cpu | cuda
-    clock: str = "wall"  # wall | virtual | emulated
+    clock: str = "wall"  # wall | virtual | emulated (specter/clock/kinds.py)
     charge: str = "own"  # auto | own | real: the real model's sizes (auto: where the model stands for one)
     matrix_flops: float = 0.0  # the modelled device (virtual / emulated clocks)
     mem_bandwidth_Bps: float = 0.0
@@ -151,6 +152,13 @@ class HardwareConfig:
     host_matrix_flops: float = 0.0  # the host CPU (systems that compute experts on the host)
     host_mem_bandwidth_Bps: float = 0.0
     host: str = "assumed"  # whose host rates those are: a conf/host/ profile (host=NAME) or assumed
+
+    @property
+    def kind(self) -> ClockKind:
+        """What `clock` is, by trait (charged, modelled, measured, real, sleeps)."""
+        if self.clock not in HARDWARE_CLOCKS:
+            raise UserError(f"hardware.clock must be wall, virtual or emulated (got '{self.clock}').")
+        return clock_kind(self.clock)
 
 
 @dataclass

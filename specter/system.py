@@ -86,7 +86,7 @@ def orchestrator_for(job, sc: SpecterConfig, plan_mode: str):
     running average), else the link profile's; real-time links (CUDA) carry no profile, so the
     hardware's nominal PCIe bandwidth (or PCIe 4.0 x16's 25 GB/s effective) until measured."""
     hw = job.clock.hardware
-    real_time = hw.clock not in ("virtual", "emulated")
+    real_time = hw.kind.real
 
     def make(runtime, timing, draft) -> Orchestrator:
         cache, link, cost = runtime.cache, timing.link, timing.cost

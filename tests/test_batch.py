@@ -212,7 +212,8 @@ def test_charger_charges_a_batched_forward_as_rows_times_tokens():
     every token-linear step, attention as 32 sequences each reading its own KV
     (`attention_batch_s`), and the lm head by rows x kept positions."""
     from specter.clock.costmodel import CostModel, HardwareProfile, charged_sizes
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
     from specter.clock.observer import ComputeClock
 
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project"), CPU, progress=False)

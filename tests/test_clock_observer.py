@@ -10,7 +10,8 @@ from specter.clock.costmodel import CostModel, HardwareProfile, charged_sizes
 from specter.clock.observer import NULL_CLOCK, ComputeClock, runtime_clock
 from specter.clock.timing import Timing
 from specter.config import ModelConfig
-from specter.offload.link import LinkProfile, make_link
+from specter.clock.timing import make_link
+from specter.offload.link import LinkProfile
 from specter.placement.loader import load_model
 
 CPU = torch.device("cpu")

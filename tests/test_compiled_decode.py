@@ -10,6 +10,7 @@ import torch
 from baselines.resident import Config as ResidentConfig
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import ModelConfig
+from specter.clock.kinds import clock_kind
 from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
 from specter.decoding.batch import DeviceMemory, eos_ids
 from specter.decoding.loop import greedy_decode_batch
@@ -69,19 +70,19 @@ def test_a_captured_resident_step_replays_one_graph_per_step():
 
 
 def test_resolve_system_compile_says_why_and_refuses_on_in_one_sentence():
-    assert resolve_system_compile("off", 1, "wall") == (False, "system.compile=off")
-    assert resolve_system_compile("auto", 1, "wall")[0]
-    on, why = resolve_system_compile("auto", 1, "virtual")
+    assert resolve_system_compile("off", 1, clock_kind("wall")) == (False, "system.compile=off")
+    assert resolve_system_compile("auto", 1, clock_kind("wall"))[0]
+    on, why = resolve_system_compile("auto", 1, clock_kind("virtual"))
     assert not on and "virtual clock" in why
-    assert resolve_system_compile("on", 1, "virtual")[0]  # charged as a captured graph
-    assert resolve_system_compile("on", 1, "cuda")[0]  # a GPU's own clock
+    assert resolve_system_compile("on", 1, clock_kind("virtual"))[0]  # charged as a captured graph
+    assert resolve_system_compile("on", 1, clock_kind("cuda"))[0]  # a GPU's own clock
     with pytest.raises(UserError, match="emulated clock"):
-        resolve_system_compile("on", 1, "emulated")
+        resolve_system_compile("on", 1, clock_kind("emulated"))
     with pytest.raises(UserError, match="system.compile=on cannot compile"):
-        resolve_system_compile("on", 4, "wall")
+        resolve_system_compile("on", 4, clock_kind("wall"))
     with pytest.raises(UserError, match="system.compile must be one of"):  # with its config
         ResidentConfig(name="resident", compile="yes").validate()
-    assert resolve_system_compile("auto", 1, "cuda")[0]  # captured as one CUDA graph
+    assert resolve_system_compile("auto", 1, clock_kind("cuda"))[0]  # captured as one CUDA graph
 
 
 def test_the_default_stays_eager_on_a_virtual_clock_and_says_why(tmp_path):

@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from conftest import TINY, hf_greedy, run_cli
-from specter.config import ModelConfig
+from specter.config import HardwareConfig, ModelConfig
 from specter.settings import run_config
 from specter.decoding.loop import speculative_greedy
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.compiled_draft import StaticKV, resolve_compile
 from specter.decoding.batch import DeviceMemory, eos_ids
 from specter.errors import UserError
+from specter.clock.kinds import CUDA
 from specter.clock.timing import Timing
 from specter.placement.loader import load_model
 from specter.quant import calibrate
@@ -179,7 +180,7 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
     def wants(clock="wall", compile="auto", batch=1, temperature=0.0, device=cpu, host_op_s=0.0):
-        job = NS(clock=NS(hardware=NS(clock=clock, host_op_s=host_op_s, sync_s=0.0)),
+        job = NS(clock=NS(hardware=HardwareConfig("t", clock=clock, host_op_s=host_op_s)),
                  draft=NS(compile=compile, quant=NS(graphs="auto")), rows=batch,
                  temperature=temperature, device=device)
         return draft_compiles(job)
@@ -193,7 +194,7 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
     # CUDA, a real clock: auto captures the whole step, so the backend is gather_int4 ...
     assert wants(device=cuda) and not wants(device=cuda, clock="virtual")
     # ... unless quant.graphs=on asked for each draft layer's own graph
-    on_graphs = NS(clock=NS(hardware=NS(clock="wall")),
+    on_graphs = NS(clock=NS(hardware=HardwareConfig("t", clock="wall")),
                    draft=NS(compile="auto", quant=NS(graphs="on")), rows=1, temperature=0.0,
                    device=cuda)
     assert not draft_compiles(on_graphs)
@@ -346,8 +347,8 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
 
     graphed = NS(backend="gather_int4", graphs=True)  # an Int4Experts with quant.graphs=on
     with pytest.raises(UserError, match="choose one"):
-        compiled_mode(job(compile="on", graphs="on"), graphed, "cuda", 4)
-    mode = compiled_mode(job(graphs="on"), graphed, "cuda", 4)
+        compiled_mode(job(compile="on", graphs="on"), graphed, CUDA, 4)
+    mode = compiled_mode(job(graphs="on"), graphed, CUDA, 4)
     assert not mode.on and "quant.graphs=on" in mode.record["draft_compile"]
     assert mode.record["draft_graphs"] and mode.static_kv(None) is None
     assert "choose one" in GRAPHS_AND_STEP
@@ -355,22 +356,22 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     from specter.quant.kernels import capture_graph
 
     plain = NS(backend="gather_int4", graphs=False)
-    mode = compiled_mode(job(), plain, "cuda", 4)
+    mode = compiled_mode(job(), plain, CUDA, 4)
     assert mode.on and mode.capture is capture_graph and mode.positions == 16 + 8 + 4 + 1
     assert mode.record["draft_compiled"] and mode.record["draft_captured"]
     assert "one CUDA graph" in mode.record["draft_compile"]
     # a layout that cannot compile (system.shared=false: a per-window KV copy) under auto:
     # eager, said, and its layers graphed instead (quant.graphs=auto was off for the step)
-    mode = compiled_mode(job(), plain, "cuda", 4, copied_kv=True)
+    mode = compiled_mode(job(), plain, CUDA, 4, copied_kv=True)
     assert not mode.on and "per-window copy" in mode.record["draft_compile"]
     assert mode.graph_layers and "step stays eager" in mode.graph_layers
     assert mode.record["draft_graphs"]
     with pytest.raises(UserError, match="per-window copy"):
-        compiled_mode(job(compile="on"), plain, "cuda", 4, copied_kv=True)
+        compiled_mode(job(compile="on"), plain, CUDA, 4, copied_kv=True)
     # a draft with no INT4 experts on the device (SpecMoE's host draft): eager, or refused
-    assert "no INT4 draft" in compiled_mode(job(), None, "cuda", 4).record["draft_compile"]
+    assert "no INT4 draft" in compiled_mode(job(), None, CUDA, 4).record["draft_compile"]
     with pytest.raises(UserError, match="compiles an INT4 draft"):
-        compiled_mode(job(compile="on"), None, "cuda", 4)
+        compiled_mode(job(compile="on"), None, CUDA, 4)
 
 
 def test_a_captured_step_replays_one_graph_per_step_and_reads_proposals_once():

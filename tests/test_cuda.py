@@ -318,7 +318,8 @@ def test_the_cuda_clock_marks_without_waiting():
     """`CudaLink.mark` records an event (no device sync); `elapsed` answers None until the
     device reaches the end mark, then the span in seconds, and waits only when asked."""
     from specter.counting import OpCounter
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     dev = torch.device("cuda")
     link = make_link("cuda", LinkProfile(bandwidth_Bps=1e10, latency_s=0.0), dev)

@@ -138,7 +138,8 @@ def test_the_emulated_clock_runs_host_jobs_on_their_own_thread_and_stays_lossles
 
 
 def test_a_real_link_host_job_reports_its_value_error_and_wait():
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU,
                      time_scale=2.0)  # a job held to 2 x its modelled 10 ms
@@ -235,7 +236,7 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
     the tokens equal those of the same run converting on demand (no lookahead)."""
     import torch
 
-    from specter.offload.hostweights import HostWeights
+    from specter.offload.host import HostWeights
 
     def run(lookahead: bool):
         engine, lm = engine_for("tiny_deepseek", "specter_hybrid", hardware=dict(SLOW, clock="emulated"))
@@ -261,7 +262,8 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
 def test_a_real_link_estimates_its_copy_queue_and_forgets_finished_copies():
     import torch
 
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     link = make_link("wall", LinkProfile(bandwidth_Bps=1e6, latency_s=0.0), CPU)
     try:
@@ -283,7 +285,8 @@ def test_a_real_link_estimates_its_copy_queue_and_forgets_finished_copies():
 def test_a_dropped_real_link_stops_its_host_thread():
     import gc
 
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     link = make_link("wall", LinkProfile(bandwidth_Bps=1e9, latency_s=0.0), CPU)
     link.wait_host(link.host(lambda: None, 0.0))

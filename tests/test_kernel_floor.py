@@ -120,7 +120,8 @@ def _cost(floor: float, host_op: float = 0.0, multiplier: float = 1.0) -> CostMo
 
 def test_a_captured_step_is_charged_its_kernels_floors_per_real_layer():
     from specter.clock.observer import ComputeClock
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     link = make_link("virtual", LinkProfile(bandwidth_Bps=1e10, latency_s=0.0),
                      torch.device("cpu"))
@@ -134,7 +135,8 @@ def test_a_captured_step_is_charged_its_kernels_floors_per_real_layer():
 
 def test_an_eager_kernel_costs_the_larger_of_its_issue_and_its_floor():
     from specter.clock.counted import ChargingCounter
-    from specter.offload.link import LinkProfile, make_link
+    from specter.clock.timing import make_link
+    from specter.offload.link import LinkProfile
 
     for host_op, floor, each in ((30e-6, 3e-6, 30e-6), (1e-6, 3e-6, 3e-6)):
         link = make_link("virtual", LinkProfile(bandwidth_Bps=1e10, latency_s=0.0),

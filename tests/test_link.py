@@ -15,7 +15,8 @@ import torch
 
 from specter.errors import UserError
 from specter.clock.intervals import intersection_length, merge, union_length
-from specter.offload.link import LinkProfile, make_link
+from specter.clock.timing import make_link
+from specter.offload.link import LinkProfile
 
 CPU = torch.device("cpu")
 KIB = 1024

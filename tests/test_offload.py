@@ -400,14 +400,15 @@ def test_every_builder_reads_one_rule_for_copying_under_the_cpus_own_clock(tmp_p
     preflight and builds, the transformers path included (the sentence recommends it)."""
     from conftest import run_cli
     from specter.errors import UserError
+    from specter.clock.kinds import clock_kind
     from specter.offload.build import WALL_CLOCK_OFFLOAD, refuse_wall_clock_offload
 
     for slots in (1, 7):
         with pytest.raises(UserError, match="needs a modelled link"):
-            refuse_wall_clock_offload("wall", "cpu", slots, 8)
+            refuse_wall_clock_offload(clock_kind("wall"), "cpu", slots, 8)
     for clock, device, slots in (("wall", "cpu", 0), ("wall", "cpu", 8), ("virtual", "cpu", 2),
                                  ("wall", "cuda", 2)):
-        refuse_wall_clock_offload(clock, device, slots, 8)
+        refuse_wall_clock_offload(clock_kind(clock), device, slots, 8)
     common = ("model=tiny_deepseek", "system=transformers", "hardware=cpu", "workload.items=1",
               "workload.max_new_tokens=4", "progress=false")
     r = run_cli(*common, "budget=low", f"out_dir={tmp_path / 'low'}")

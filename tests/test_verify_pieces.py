@@ -162,9 +162,9 @@ def test_pieces_on_refuse_what_they_cannot_run():
                                device=torch.device(device),
                                loaded=SimpleNamespace(model=SimpleNamespace(
                                    config=SimpleNamespace(model_type=arch))))
-    floor = SimpleNamespace(clock="virtual", cost=SimpleNamespace(
+    floor = SimpleNamespace(clock="virtual", charged=True, cost=SimpleNamespace(
         hw=SimpleNamespace(kernel_floor_s=4e-6)))
-    wall = SimpleNamespace(clock="wall", cost=None)
+    wall = SimpleNamespace(clock="wall", charged=False, cost=None)
     with pytest.raises(UserError, match="offload.verify_pieces=on cannot run here: qwen2_moe "
                                         "verifies eagerly"):
         vp.pieces_for(job("qwen2_moe", "on"), floor, None)

@@ -113,7 +113,7 @@ def counted_host_costs(engine):
     issues (yields the counter, or None where the profile is not counted)."""
     timing = getattr(engine, "timing", None)
     cost = getattr(timing, "cost", None)
-    if cost is None or timing.clock != "virtual" or not cost.hw.counted:
+    if not timing.charged or not cost.hw.counted:
         yield None
         return
     counter = ChargingCounter(timing.link, cost, cpu_run=engine.device.type == "cpu")

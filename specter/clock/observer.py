@@ -5,7 +5,7 @@ experts, the lm head; HF's routed experts from the router's choice) and told by 
 runtime of the steps it runs itself (router, its own host work, each expert or grouped call);
 `NullClock`, the same calls doing nothing, for clocks that are the real thing (compute takes
 the time it takes). Engines and drafts hold one and call it; nothing else charges compute.
-Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py).
+Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py, clock/virtual_link.py).
 """
 
 from __future__ import annotations

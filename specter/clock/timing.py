@@ -15,15 +15,18 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.clock.kinds import ClockKind, clock_kind
 from specter.clock.costmodel import (ChargedSizes, CostModel, HardwareProfile, charged_sizes,
                                      layer_counts, real_charged_sizes)
 from specter.clock.observer import NULL_CLOCK, ComputeClock, NullClock
 from specter.config import HardwareConfig
 from specter.errors import UserError
 from specter.models.real_configs import REAL_CONFIGS
-from specter.offload.link import Link, LinkProfile, make_link
+from specter.clock.virtual_link import VirtualLink
+from specter.offload.link import CudaLink, Link, LinkProfile, WallLink
 
 NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing
+KINDS = ("virtual", "wall", "cuda")  # the links make_link builds
 
 
 @dataclass
@@ -36,6 +39,16 @@ class Timing:
     # at this model's own sizes, for decisions only (host-computed misses); never charged.
     rates: CostModel | None = None
 
+    @property
+    def kind(self) -> ClockKind:
+        """What this clock is, by trait (kinds.py): ask `timing.kind.real`, never its name."""
+        return clock_kind(self.clock)
+
+    @property
+    def charged(self) -> bool:
+        """Whether compute steps are charged by the cost model (the virtual clock)."""
+        return self.cost is not None and self.kind.charged
+
     @staticmethod
     def wall(device: torch.device) -> "Timing":
         kind = "cuda" if device.type == "cuda" else "wall"
@@ -44,7 +57,7 @@ class Timing:
     def observer(self, model, charge_experts: bool) -> NullClock:
         """The clock a model's forwards report to (observer.py): priced on the virtual clock,
         a no-op on the others (the emulated clock's compute takes its own time)."""
-        if self.clock != "virtual":
+        if not self.charged:
             return NULL_CLOCK
         return ComputeClock(self.link, self.cost, model, charge_experts)
 
@@ -179,3 +192,21 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
         clock.remove()
         virtual.close()
     return wall_s / virtual_s
+
+
+def make_link(kind: str, profile: LinkProfile, device: torch.device | str,
+              time_scale: float = 1.0) -> Link:
+    """The link of `kind` ("virtual" | "wall" | "cuda") for copies into `device`; a wall link
+    of the emulated clock takes its `time_scale` (real seconds per modelled second)."""
+    device = torch.device(device)
+    if kind == "virtual":
+        return VirtualLink(profile, device)
+    if kind == "wall":
+        return WallLink(profile, device, time_scale)
+    if kind == "cuda":
+        if device.type != "cuda" or not torch.cuda.is_available():
+            raise UserError(f"link=cuda needs a CUDA GPU and a cuda device (got {device}, "
+                            f"cuda available: {torch.cuda.is_available()}); use link=virtual "
+                            "or link=wall on this machine.")
+        return CudaLink(profile, device)
+    raise UserError(f"unknown link kind {kind!r}; choose one of {', '.join(KINDS)}.")

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from specter.clock.graph_kernels import KernelTally
+from specter.clock.kinds import ClockKind
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
@@ -64,20 +65,20 @@ def _register() -> None:
         ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _fixed_shape_experts)
 
 
-def resolve_system_compile(setting: str, rows: int, clock: str) -> tuple[bool, str]:
+def resolve_system_compile(setting: str, rows: int, clock: ClockKind) -> tuple[bool, str]:
     """(compiled, why) for resident's `system.compile`: one row; not the emulated clock (it
     sleeps in hooks a graph does not run). `auto` compiles on a real clock (the CPU's, or a
     GPU's, where the step is captured as one CUDA graph); on a virtual clock it stays eager,
     as the paper's resident, and `on` charges the step as a captured graph (as a compiled
     draft step is)."""
-    if setting == "auto" and clock == "virtual":
+    if setting == "auto" and clock.charged:
         return False, ("eager: on a virtual clock auto stays eager, as the paper's resident "
                        "(system.compile=on charges the step as a captured graph)")
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
-    if clock not in ("wall", "cuda", "virtual"):
-        reasons.append(f"the {clock} clock charges each forward from hooks a compiled graph "
+    if clock.sleeps:
+        reasons.append(f"the {clock.name} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")
     return settle_compile("system.compile", setting, "resident's decode step", reasons)
 

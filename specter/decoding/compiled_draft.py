@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from specter.clock.graph_kernels import KernelTally
+from specter.clock.kinds import ClockKind
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
@@ -179,7 +180,7 @@ def eager_batch_record(rows: int) -> dict:
 COPIED_KV_EAGER = "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
 
 
-def compiled_mode(job, int4, clock_kind: str, k_max: int, clock: NullClock = NULL_CLOCK,
+def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock = NULL_CLOCK,
                   copied_kv: bool = False) -> CompiledMode:
     """`spec.compile`: an INT4 draft's step (`int4`: its Int4Experts; None: a draft that
     computes its experts otherwise) as one compiled graph over a static cache, where its shapes
@@ -219,7 +220,7 @@ def compiled_mode(job, int4, clock_kind: str, k_max: int, clock: NullClock = NUL
     elif on and cuda:
         why = f"{why}: {CAPTURED}"
     # captured: replayed as a CUDA graph, or charged as one on a virtual clock
-    captured = on and (cuda or clock_kind == "virtual")
+    captured = on and (cuda or clock_kind.charged)
     return CompiledMode(on, spec.compile_backend, job.positions + k_max + 1,
                         capture_graph if on and cuda else None, clock, graph_layers,
                         {"draft_compiled": on, "draft_compile": why, "draft_captured": captured,

@@ -47,11 +47,6 @@ from specter.offload.store import release_fused
 from specter.quant.build import Int4Experts
 
 
-def charges_virtually(timing: Timing) -> bool:
-    """Whether compute steps are charged by the cost model (the virtual clock)."""
-    return timing.cost is not None and timing.clock == "virtual"
-
-
 class Draft:
     """The interface above, with its no-op defaults: a draft subclasses it and sets
     `draft_mode` or `layout`."""
@@ -123,7 +118,7 @@ class Draft:
         and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
         real clocks measure the copy itself."""
         cost = self.timing.cost
-        if charges_virtually(self.timing):
+        if self.timing.charged:
             s = cost.sizes
             layers = len(self.target_model.model.layers) * s.attn_multiplier
             nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
@@ -172,7 +167,7 @@ class SelfInt4Draft(Draft):
         self.draft_mode = DraftMode(model, int4.experts, int4.backend, device,
                                     graphs=int4.graphs)
         self.device_bytes = self.draft_mode.draft_bytes
-        if charges_virtually(timing):
+        if timing.charged:
             self.listen(*draft_experts_charge(timing, int4))
         self.layout = compiled.static_kv(self.draft_mode, on_copy=self._charge_kv_copy)
 
@@ -216,7 +211,7 @@ class SeparateInt4Draft(Draft):
                        else compiled.static_kv(self.instance, clock=self.clock, own_kv=True)
                        or OwnKV(draft_model))
         self.draft_model = draft_model
-        if charges_virtually(timing):
+        if timing.charged:
             self.listen(*draft_experts_charge(timing, int4))
         # the INT4 copy (counted once) and the second instance's non-expert weights
         self.device_bytes = self.instance.draft_bytes + sum(

@@ -251,12 +251,12 @@ def build_speculative(job, name: str, make_draft, window=None, reorder: bool = T
     # the target's forwards, charged on a virtual clock; a compiled draft step of the target's
     # own instance is charged by it after the step runs (its hooks do not run inside)
     clock = timing.observer(job.loaded.model, charge_experts=False)
-    compiled = compiled_mode(job, int4, timing.clock, depth.k_max, clock, copied_kv)
+    compiled = compiled_mode(job, int4, timing.kind, depth.k_max, clock, copied_kv)
     from specter.decoding.verify_pieces import pieces_for
 
     pieces = pieces_for(job, timing, clock)
     draft = make_draft(timing, runtime, compiled)
-    if timing.clock != "virtual":  # per-layer CUDA graphs captured now, not in a timed window
+    if not timing.kind.charged:  # per-layer CUDA graphs captured now, not in a timed window
         draft.warm_graphs(job.rows, depth.k_max)
     return SpeculativeEngine(name, job.loaded.model, job.device, timing, runtime, draft, depth,
                              clock=clock, window=window(runtime, timing, draft) if window else None,

@@ -242,7 +242,7 @@ def pieces_for(job, timing, clock):
     elif job.device.type == "cuda":
         install(job.loaded.model)
         return CapturedPieces(), "captured: each fixed-shape piece a CUDA graph"
-    elif timing.clock == "virtual" and cost is not None and (
+    elif timing.charged and (
             setting == "on" or cost.hw.kernel_floor_s > 0):
         install(job.loaded.model)
         return ChargedPieces(clock), "charged as captured (virtual clock)"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from specter.clock.costmodel import CostModel
+from specter.clock.kinds import ClockKind
 from specter.clock.timing import Timing
 from specter.errors import UserError
 from specter.offload.cache import ExpertCache
@@ -24,12 +25,12 @@ WALL_CLOCK_OFFLOAD = ("offloading on the CPU needs a modelled link: use hardware
                       "budget=full (every expert resident: the CPU's own clock).")
 
 
-def refuse_wall_clock_offload(clock: str, device, slots: int, num_experts: int) -> None:
+def refuse_wall_clock_offload(clock: ClockKind, device, slots: int, num_experts: int) -> None:
     """The one rule for copying experts under the CPU's own clock: there is no link to time
     (a wall-clock run on the CPU copies in memory), so a run that holds some experts but not
     all (0 < slots < experts) needs a modelled link. Every expert resident (budget=full) or
     none held (host_experts) copies nothing while decoding: the CPU's clock times the compute."""
-    if clock == "wall" and torch.device(device).type == "cpu" and 0 < slots < num_experts:
+    if not clock.times_copies and torch.device(device).type == "cpu" and 0 < slots < num_experts:
         raise UserError(WALL_CLOCK_OFFLOAD)
 
 
@@ -59,7 +60,7 @@ def offload_model(job, timing: Timing, prefetcher: LayerPrefetcher | None = None
     runtime's ablations (runtime.py `verification`)."""
     spec = job.offload
     slots = 0 if host_all else spec.slots
-    refuse_wall_clock_offload(timing.clock, job.device, slots, job.loaded.spec.num_experts)
+    refuse_wall_clock_offload(timing.kind, job.device, slots, job.loaded.spec.num_experts)
     rates = timing.cost or timing.rates
     if host_misses:
         check_host_rates(rates, timing.clock)

@@ -9,10 +9,10 @@ policies decide; they call `copy` and `wait`), pinning host memory (the caller p
 cost of compute steps (the cost model supplies the seconds passed to `compute`).
 It moves bytes and keeps time; it decides nothing.
 
-Three kinds behind one interface, chosen once by `make_link` (docs/clocks.md):
-- `virtual`: a simulated clock with two resources, the compute stream (time `tc`) and one
-  copy engine (free at `te`). Data is copied for real at issue; time moves only by the model,
-  so results are deterministic and exact.
+Three kinds behind one interface, chosen once by `make_link` (clock/timing.py; docs/clocks.md):
+- `virtual` (clock/virtual_link.py, with the clock it is): a simulated clock with two
+  resources, the compute stream (time `tc`) and one copy engine (free at `te`). Data is copied
+  for real at issue; time moves only by the model, so results are deterministic and exact.
 - `wall`: a background copy-engine thread that completes each transfer no earlier than
   bytes / bandwidth + latency after it starts (sleeping, never spinning); waits are measured
   in wall-clock time. A sanity check of real overlap on a CPU machine.
@@ -48,11 +48,8 @@ from dataclasses import dataclass
 import torch
 
 from specter.counting import expert_copy
-from specter.errors import UserError
 from specter.clock.intervals import Interval, intersection_length, union_length
-
-KINDS = ("virtual", "wall", "cuda")
-
+from specter.offload.host import HostJob, HostQueue, sleep_until
 
 @dataclass(frozen=True)
 class LinkProfile:
@@ -96,69 +93,7 @@ class Transfer(ABC):
         """Waited for: drop what kept its tensors alive (real links)."""
 
 
-class HostJob(Transfer):
-    """Handle of one host-CPU expert job: `value` once `finished` (or `error`); `estimate_s`:
-    its modelled seconds on this link's clock."""
-
-    def __init__(self, estimate_s: float) -> None:
-        super().__init__(0)
-        self.estimate_s = estimate_s
-        self.value = None
-        self.error: BaseException | None = None
-        self.finished = threading.Event()
-
-    def done(self) -> bool:
-        # virtual jobs are finished at issue (their data); their time is `end`
-        return self.finished.is_set()
-
-
-class _HostThread:
-    """The host CPU's FIFO of expert jobs on a real clock: one daemon thread runs each job's
-    function (torch releases the GIL in its kernels, so it overlaps the launching thread),
-    holding it to at least its `estimate_s` when the link's clock is emulated. The thread
-    gets the queue and a counter, not the link, so a dropped link can be collected."""
-
-    def __init__(self, hold: bool, busy: list[float]) -> None:
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._queued: deque[HostJob] = deque()
-        self._thread = threading.Thread(target=_host_loop, args=(self._jobs, hold, busy),
-                                        name="specter-host-experts", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: HostJob, fn) -> None:
-        self._queued.append(job)
-        self._jobs.put((job, fn))
-
-    def pending_s(self) -> float:
-        while self._queued and self._queued[0].done():
-            self._queued.popleft()
-        return sum(j.estimate_s for j in self._queued)
-
-    def stop(self, join: bool = True) -> None:
-        self._jobs.put(None)
-        if join:
-            self._thread.join()
-
-
-def _host_loop(jobs: queue.SimpleQueue, hold: bool, busy: list[float]) -> None:
-    while (item := jobs.get()) is not None:
-        job, fn = item
-        item = None
-        job.start = time.perf_counter()
-        try:
-            job.value = fn()
-        except Exception as exc:  # surfaced to the caller by wait_host
-            job.error = exc
-        fn = None
-        if hold:
-            _sleep_until(job.start + job.estimate_s)
-        job.end = time.perf_counter()
-        busy[0] += job.end - job.start
-        job.finished.set()
-        job = None
-
-
-def _copy_data(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+def copy_data(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
     """dst <- src, element for element (shapes may differ when the element counts agree)."""
     view = src if src.shape == dst.shape else src.reshape(dst.shape)
     dst.copy_(view, non_blocking=non_blocking)
@@ -175,7 +110,7 @@ def _charged_bytes(dst: torch.Tensor, src: torch.Tensor, nbytes: int | None) -> 
     return int(nbytes)
 
 
-def _check_compute(seconds: float) -> None:
+def check_compute(seconds: float) -> None:
     if not seconds >= 0:  # also rejects nan
         raise ValueError(f"compute seconds must be >= 0, got {seconds}")
 
@@ -188,6 +123,7 @@ class Link(ABC):
     """
 
     kind: str = ""
+    charged = False  # time moves only by the cost model's charges (the virtual link)
 
     def __init__(self, profile: LinkProfile, device: torch.device) -> None:
         self.profile = profile
@@ -196,7 +132,7 @@ class Link(ABC):
         self._waits: list[Interval] = []
         self._pending: deque[Transfer] = deque()  # real links: copies maybe not finished
         self._seq = 0  # copies issued (Transfer.seq)
-        self._host: _HostThread | None = None
+        self._host: HostQueue | None = None
         # the host's busy seconds (modelled on the virtual clock, added by the host thread on
         # real ones) and their total at the last reset
         self._host_busy, self._host_busy_base = [0.0], 0.0
@@ -212,7 +148,7 @@ class Link(ABC):
         self._seq += 1
         transfer.seq = self._seq
         self._transfers.append(transfer)
-        if self.kind != "virtual":
+        if not self.charged:
             self._prune_pending()
             self._pending.append(transfer)
         return transfer
@@ -298,9 +234,9 @@ class Link(ABC):
 
     def host(self, fn, seconds: float) -> HostJob:
         """Queue `fn()` on the host CPU, modelled to take `seconds`; `wait_host` returns its value."""
-        _check_compute(seconds)
+        check_compute(seconds)
         if self._host is None:
-            self._host = _HostThread(hold=self.time_scale != 1.0, busy=self._host_busy)
+            self._host = HostQueue(hold=self.time_scale != 1.0, busy=self._host_busy)
         job = HostJob(seconds * self.time_scale)
         self._host.submit(job, fn)
         return job
@@ -360,81 +296,6 @@ class Link(ABC):
 
 
 # ======================================================================================
-# virtual
-# ======================================================================================
-class VirtualTransfer(Transfer):
-    def __init__(self, nbytes: int, start: float, end: float, link: VirtualLink) -> None:
-        super().__init__(nbytes)
-        self.start, self.end = start, end
-        self._link = link
-
-    def done(self) -> bool:
-        # complete once the compute clock has reached its end
-        return self.end <= self._link.now()
-
-
-class VirtualLink(Link):
-    """Simulated clock: compute time `tc`, one FIFO copy engine free at `te`, both from 0."""
-
-    kind = "virtual"
-
-    def __init__(self, profile: LinkProfile, device: torch.device) -> None:
-        super().__init__(profile, device)
-        self._tc = 0.0
-        self._te = 0.0
-        self._th = 0.0  # the host CPU's expert jobs
-
-    def now(self) -> float:
-        return self._tc
-
-    def host_free(self) -> float:
-        return self._th
-
-    def copy_engine_free(self) -> float:
-        return self._te
-
-    def host(self, fn, seconds: float) -> HostJob:
-        # the data now (the same arithmetic as later), the time on the host's own timeline
-        _check_compute(seconds)
-        job = HostJob(seconds)
-        job.start = max(self._tc, self._th)
-        job.end = self._th = job.start + seconds
-        self._host_busy[0] += seconds
-        job.value = fn()
-        job.finished.set()
-        return job
-
-    def wait_host(self, job: HostJob):
-        if job.end > self._tc:
-            self.host_wait_s += job.end - self._tc
-            self._tc = job.end
-        return job.value
-
-    def _issue(self, dst: torch.Tensor, src: torch.Tensor, nbytes: int, after=None) -> Transfer:
-        # issued at tc, it starts when the engine is free and occupies it for the modelled time
-        start = max(self._tc, self._te)
-        end = start + self.profile.transfer_s(nbytes)
-        self._te = end
-        _copy_data(dst, src)  # data correctness now; time moves only by the model
-        return VirtualTransfer(nbytes, start, end, self)
-
-    def wait(self, t: Transfer) -> None:
-        # a wait on an unfinished copy moves compute time to its end: an exposed stall
-        if t.end > self._tc:
-            self._waits.append((self._tc, t.end))
-            self._tc = t.end
-
-    def compute(self, seconds: float) -> None:
-        _check_compute(seconds)
-        self._tc += seconds
-
-    def synchronize(self) -> None:
-        # every copy's data is already in place and its times known; the compute clock is
-        # left alone (the engine may be ahead of it, which is fine between requests)
-        return None
-
-
-# ======================================================================================
 # wall
 # ======================================================================================
 class WallTransfer(Transfer):
@@ -446,12 +307,6 @@ class WallTransfer(Transfer):
 
     def done(self) -> bool:
         return self.finished.is_set()
-
-
-def _sleep_until(deadline: float) -> None:
-    """Sleep (never spin: a spinning thread holds the GIL) until perf_counter >= deadline."""
-    while (remaining := deadline - time.perf_counter()) > 0:
-        time.sleep(remaining)
 
 
 def _engine_loop(jobs: queue.SimpleQueue, profile: LinkProfile) -> None:
@@ -471,12 +326,12 @@ def _engine_loop(jobs: queue.SimpleQueue, profile: LinkProfile) -> None:
         job = None
         start = max(t.issued, engine_free)
         try:
-            _copy_data(dst, src)
+            copy_data(dst, src)
         except Exception as exc:  # surfaced to the caller by wait / synchronize
             t.error = exc
         dst = src = None  # do not keep the caller's tensors alive while sleeping
         end = max(start + profile.transfer_s(t.nbytes), time.perf_counter())
-        _sleep_until(end)
+        sleep_until(end)
         t.start, t.end = start, end
         engine_free = end
         t.finished.set()
@@ -526,7 +381,7 @@ class WallLink(Link):
         _raise_failed(t)
 
     def compute(self, seconds: float) -> None:
-        _check_compute(seconds)  # the real compute already took real time
+        check_compute(seconds)  # the real compute already took real time
 
     def synchronize(self) -> None:
         # FIFO engine: the last issued transfer completes after every earlier one
@@ -647,7 +502,7 @@ class CudaLink(Link):
         start, end = self._timing_event(), self._timing_event()
         with self._cuda.stream(self._stream):
             start.record(self._stream)
-            _copy_data(dst, src, non_blocking=True)
+            copy_data(dst, src, non_blocking=True)
             end.record(self._stream)
         return CudaTransfer(nbytes, start, end, dst, src)
 
@@ -662,7 +517,7 @@ class CudaLink(Link):
         t.release()
 
     def compute(self, seconds: float) -> None:
-        _check_compute(seconds)  # real kernels take real time
+        check_compute(seconds)  # real kernels take real time
 
     def synchronize(self) -> None:
         self._stream.synchronize()
@@ -696,24 +551,3 @@ class CudaLink(Link):
             if e > r:
                 stalls.append((r, e))
         return stalls
-
-
-# ======================================================================================
-# factory
-# ======================================================================================
-def make_link(kind: str, profile: LinkProfile, device: torch.device | str,
-              time_scale: float = 1.0) -> Link:
-    """The link of `kind` ("virtual" | "wall" | "cuda") for copies into `device`; a wall link
-    of the emulated clock takes its `time_scale` (real seconds per modelled second)."""
-    device = torch.device(device)
-    if kind == "virtual":
-        return VirtualLink(profile, device)
-    if kind == "wall":
-        return WallLink(profile, device, time_scale)
-    if kind == "cuda":
-        if device.type != "cuda" or not torch.cuda.is_available():
-            raise UserError(f"link=cuda needs a CUDA GPU and a cuda device (got {device}, "
-                            f"cuda available: {torch.cuda.is_available()}); use link=virtual "
-                            "or link=wall on this machine.")
-        return CudaLink(profile, device)
-    raise UserError(f"unknown link kind {kind!r}; choose one of {', '.join(KINDS)}.")

@@ -29,7 +29,7 @@ from specter.offload.cache import ExpertCache
 from specter.clock.costmodel import CostModel
 from specter.clock.observer import runtime_clock
 from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
-from specter.offload.hostweights import HostWeights
+from specter.offload.host import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
 
@@ -299,7 +299,7 @@ class OffloadRuntime:
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
         self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
-        # the host's compute copies (hostweights.py), made on first use
+        # the host's compute copies (offload/host.py), made on first use
         self.host_weights: HostWeights | None = None
         register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
@@ -530,7 +530,7 @@ class OffloadRuntime:
         resident are converted to the host's compute dtype now, on the host thread, so a host
         job for them at verification skips that pass (nothing to do on a CPU run)."""
         weights = self.host_weights_for()
-        if weights.same or self.link.kind == "virtual":  # the virtual host reads half precision
+        if weights.same or self.link.charged:  # the virtual host reads half precision
             return 0
         # one read of the half-precision copy and one write of the fp32 one
         seconds = 3 * self.cache.store.layout.nbytes / self.rates.hw.host_mem_bandwidth_Bps

@@ -11,7 +11,7 @@ authoritative; a layer's pins are released as soon as its verification starts).
 
 With host-computed misses on (`specter_hybrid`), each plan also hands the host the predicted
 experts it could not load (`runtime.prepare_host`): beside a GPU their fp32 copies are made
-on the host thread during the draft (hostweights.py), not on verification's critical path.
+on the host thread during the draft (offload/host.py), not on verification's critical path.
 
 Hooks: `on_draft_experts(layer, top_k_index)` from the draft instance (wired by the engine);
 the loop's events (decoding/loop.py `Events`): `forward(phase, tokens, context, rows)` before

@@ -119,8 +119,8 @@ COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step comp
 def counted_clock(hw) -> bool:
     """Whether the hardware settings are a counted profile's virtual clock
     (specter/clock/counted.py: host costs charged from what the code issues)."""
-    return hw.clock == "virtual" and (getattr(hw, "host_op_s", 0) > 0
-                                      or getattr(hw, "sync_s", 0) > 0)
+    return hw.kind.charged and (getattr(hw, "host_op_s", 0) > 0
+                                or getattr(hw, "sync_s", 0) > 0)
 
 
 def draft_compiles(job) -> bool:
@@ -141,7 +141,7 @@ def draft_compiles(job) -> bool:
         return False
     if counted_clock(hw):
         return True  # a counted profile: the GPU's engine, whose step is captured
-    if hw.clock != "wall":
+    if not hw.kind.real:
         return False
     if device.type == "cuda":
         return job.draft.quant.graphs != "on"

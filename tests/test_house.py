@@ -1,0 +1,44 @@
+"""The house's measures that a test can hold (issue 57): code outside specter/clock/ asks a
+clock by trait, never by name (scripts/clock_strings.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import clock_strings  # noqa: E402
+
+from specter.clock.kinds import CLOCKS, clock_kind  # noqa: E402
+from specter.config import HardwareConfig  # noqa: E402
+from specter.errors import UserError  # noqa: E402
+
+
+def test_the_counter_sees_a_string_test_and_lets_a_device_test_be():
+    found = clock_strings.string_tests(
+        "if timing.clock == 'virtual': pass\n"
+        "ok = hw.clock not in ('virtual', 'emulated')\n"
+        "gpu = device.type == 'cuda'\n"
+        "cuda = torch.device(d).type != 'cuda'\n"
+        "x = name == 'fast'\n")
+    assert [line for line, _ in found] == [1, 2]
+
+
+def test_no_string_test_of_the_clock_kind_outside_the_clock():
+    found = clock_strings.clock_string_tests()
+    assert len(found) <= 2, "ask the clock by trait (specter/clock/kinds.py): " + "; ".join(
+        f"{rel}:{line} {code}" for rel, line, code in found)
+
+
+def test_each_clock_answers_its_traits():
+    table = {name: (k.charged, k.modelled, k.measured, k.real, k.sleeps, k.times_copies)
+             for name, k in CLOCKS.items()}
+    assert table == {"virtual": (True, True, False, False, False, True),
+                     "emulated": (False, True, True, False, True, True),
+                     "wall": (False, False, True, True, False, False),
+                     "cuda": (False, False, True, True, False, True)}
+    assert HardwareConfig("h", clock="emulated").kind is clock_kind("emulated")
+    with pytest.raises(UserError, match="hardware.clock must be wall, virtual or emulated"):
+        HardwareConfig("h", clock="cuda").kind  # a run's clock is named wall on a GPU
