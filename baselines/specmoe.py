@@ -146,22 +146,16 @@ class HostDraft(Draft):
         # Told of each draft layer call: (moe_layer, router top_k_index [T, k], its weights,
         # kept index [T, draft_top_k]); `charge` after them.
         self.listeners: list = []
+        self.clock = timing.observer(None, False)  # prices the host work (virtual clock)
         self.charge = self._charge_host_experts if timing.charged else None
         self.layers = [HostDraftExperts(self, l, m) for l, m in enumerate(runtime.modules)]
         self.draft_mode = DraftMode(model, None, draft_layers=self.layers, draft_bytes=0)
 
     def _charge_host_experts(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
-        cost, link = self.timing.cost, self.timing.link
-        tokens = kept_index.shape[0]
-        link.compute(cost.router_s(tokens))
         with charging_only():
             counts = torch.bincount(kept_index.flatten())
             per_expert = counts[counts > 0].tolist()  # host sync: charging only
-        for n in per_expert:
-            link.compute(cost.host_expert_s(n))
-        hw, sizes = cost.hw, cost.sizes
-        nbytes = tokens * self.runtime.cache.layout.hidden * sizes.elem_bytes
-        link.compute(2 * (hw.h2d_latency_s + nbytes / hw.h2d_bandwidth_Bps) * sizes.moe_multiplier)
+        self.clock.host_experts(kept_index.shape[0], per_expert, self.runtime.cache.layout.hidden)
 
     def as_record(self) -> dict:
         return {"draft.method": "host_topk",

@@ -89,7 +89,7 @@ def orchestrator_for(job, sc: SpecterConfig, plan_mode: str):
     real_time = hw.kind.real
 
     def make(runtime, timing, draft) -> Orchestrator:
-        cache, link, cost = runtime.cache, timing.link, timing.cost
+        cache, link = runtime.cache, timing.link
         fallback = (hw.h2d_bandwidth_Bps or 25e9) if real_time else link.profile.bandwidth_Bps
         rules = PlanRules(
             top_m=sc.top_m or job.offload.slots, mode=plan_mode,
@@ -105,7 +105,7 @@ def orchestrator_for(job, sc: SpecterConfig, plan_mode: str):
             runtime, link, ExpertLookaheadBuffer(len(cache.layers), cache.layout.num_experts,
                                                  job.device),
             rules, slots=cache.slots, latency_s=link.profile.latency_s,
-            sync_s=cost.hw.launch_overhead_s if cost is not None else 0.0)
+            clock=timing.observer(None, False))
     return make
 
 

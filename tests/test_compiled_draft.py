@@ -136,9 +136,12 @@ def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerl
     assert steps > 0 and all(len(r) == layers for r in heard)  # one call per step, every layer
 
     charged: list = []
-    timing = SimpleNamespace(link=SimpleNamespace(compute=charged.append), cost=SimpleNamespace(
-        router_s=lambda t: ("router", t),
-        draft_experts_s=lambda n, b, g, dequantized: ("experts", tuple(n))))
+    from specter.clock.observer import ComputeClock
+
+    link = SimpleNamespace(compute=charged.append)
+    cost = SimpleNamespace(router_s=lambda t: ("router", t),
+                           draft_experts_s=lambda n, b, g, dequantized: ("experts", tuple(n)))
+    timing = SimpleNamespace(observer=lambda model, charge_experts: ComputeClock(link, cost))
     per_layer, all_layers = draft_experts_charge(
         timing, SimpleNamespace(experts=SimpleNamespace(spec=SimpleNamespace(bits=4, group=32)),
                                 backend="gather_int4"))

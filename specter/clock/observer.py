@@ -4,7 +4,8 @@ Owns: `ComputeClock`, subscribed to a model's forwards by hooks (attention, dens
 experts, the lm head; HF's routed experts from the router's choice) and told by the offload
 runtime of the steps it runs itself (router, its own host work, each expert or grouped call);
 `NullClock`, the same calls doing nothing, for clocks that are the real thing (compute takes
-the time it takes). Engines and drafts hold one and call it; nothing else charges compute.
+the time it takes). Engines, drafts, the offload runtime and the orchestrator hold one and
+call it; nothing else charges compute (clock/counted.py charges what the code issues).
 Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py, clock/virtual_link.py).
 """
 
@@ -42,6 +43,20 @@ class NullClock:
         pass
 
     def grouped_experts(self, counts: list[int]) -> None:
+        pass
+
+    def draft_experts(self, tokens: int, per_expert: list[int], bits: int, group: int,
+                      dequantized: bool) -> None:
+        pass
+
+    def host_experts(self, tokens: int, per_expert: list[int], hidden: int) -> None:
+        pass
+
+    def kv_copy(self, positions: int, layers: int) -> int | None:
+        """None: a real clock measures the copy itself (the caller counts its bytes)."""
+        return None
+
+    def host_read(self) -> None:
         pass
 
     def captured_step(self, kernels: int = 0):
@@ -156,6 +171,42 @@ class ComputeClock(NullClock):
 
     def grouped_experts(self, counts: list[int]) -> None:
         self.link.compute(self.cost.grouped_experts_s(counts))
+
+    def draft_experts(self, tokens: int, per_expert: list[int], bits: int, group: int,
+                      dequantized: bool) -> None:
+        """One INT4 draft layer: its router, then one fused kernel over every routed expert
+        (`per_expert`: the tokens of each expert chosen; `dequantized`: each pair's weights
+        written out and read back, gather_int4)."""
+        self.link.compute(self.cost.router_s(tokens))
+        self.link.compute(self.cost.draft_experts_s(per_expert, bits, group, dequantized))
+
+    def host_experts(self, tokens: int, per_expert: list[int], hidden: int) -> None:
+        """One draft layer whose routed experts run on the host (SpecMoE's draft): the router,
+        each expert at the host's rates, and the activation (`hidden` wide) over the link and
+        back."""
+        cost, link = self.cost, self.link
+        link.compute(cost.router_s(tokens))
+        for n in per_expert:
+            link.compute(cost.host_expert_s(n))
+        hw, sizes = cost.hw, cost.sizes
+        nbytes = tokens * hidden * sizes.elem_bytes
+        link.compute(2 * (hw.h2d_latency_s + nbytes / hw.h2d_bandwidth_Bps) * sizes.moe_multiplier)
+
+    def kv_copy(self, positions: int, layers: int) -> int:
+        """One device-to-device copy of `positions` KV positions (rows x tokens, holes
+        included: the copy is the whole rectangle) of `layers` decoder layers: the charged
+        sizes' KV bytes (the real model's under charge=real) read and written at the device's
+        memory bandwidth, plus one copy kernel per layer's K and V. Returns the bytes."""
+        s, hw = self.cost.sizes, self.cost.hw
+        layers = layers * s.attn_multiplier
+        nbytes = int(round(positions * s.kv_elems_per_token * s.elem_bytes * layers))
+        self.link.compute(2 * nbytes / hw.mem_bandwidth_Bps + 2 * layers * hw.launch_overhead_s)
+        return nbytes
+
+    def host_read(self) -> None:
+        """The host reading a value the device computed (the orchestrator's snapshot of the
+        draft's routing): one launch's time."""
+        self.link.compute(self.cost.hw.launch_overhead_s)
 
     def _charge_hf_experts(self, module, args) -> None:
         if torch.compiler.is_compiling():  # traced, not run: compiled_step charges it

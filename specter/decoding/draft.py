@@ -112,18 +112,13 @@ class Draft:
 
     def _charge_kv_copy(self, tokens: int, rows: int, cache, nbytes: int | None = None) -> None:
         """One per-window copy of the committed KV (`tokens` positions of `rows` sequences,
-        holes included: the copy is the whole rectangle; `nbytes` when the caller measured
-        them), device to device: on
-        the virtual clock the charged sizes' KV bytes (the real model's under charge=real) read
-        and written at the device's memory bandwidth, plus one copy kernel per layer's K and V;
-        real clocks measure the copy itself."""
-        cost = self.timing.cost
-        if self.timing.charged:
-            s = cost.sizes
-            layers = len(self.target_model.model.layers) * s.attn_multiplier
-            nbytes = int(round(rows * tokens * s.kv_elems_per_token * s.elem_bytes * layers))
-            self.timing.link.compute(2 * nbytes / cost.hw.mem_bandwidth_Bps
-                                     + 2 * layers * cost.hw.launch_overhead_s)
+        holes included; `nbytes` when the caller measured them), device to device: charged on
+        the virtual clock (clock/observer.py `kv_copy`: the charged sizes' KV bytes, the real
+        model's under charge=real); real clocks measure the copy itself."""
+        charged = self.timing.observer(None, False).kv_copy(
+            rows * tokens, len(self.target_model.model.layers))
+        if charged is not None:
+            nbytes = charged
         elif nbytes is None:
             nbytes = cache_bytes(cache)
         self.kv_copy_bytes += nbytes
@@ -135,12 +130,11 @@ def draft_experts_charge(timing: Timing, int4: Int4Experts):
     the virtual clock (one kernel over every routed expert the layer's tokens chose), and its
     every-layer form for a compiled step (one read of the step's routes, counted on the host).
     Returns `(per_layer, all_layers)`, the two arguments of `listen`."""
-    cost, link, spec = timing.cost, timing.link, int4.experts.spec
+    clock, spec = timing.observer(None, False), int4.experts.spec
     dequantized = int4.backend == "gather_int4"  # each pair's weights written out, read back
 
     def charge_counts(tokens: int, per_expert: list[int]) -> None:
-        link.compute(cost.router_s(tokens))
-        link.compute(cost.draft_experts_s(per_expert, spec.bits, spec.group, dequantized))
+        clock.draft_experts(tokens, per_expert, spec.bits, spec.group, dequantized)
 
     def charge(layer: int, top_k_index: torch.Tensor) -> None:
         with charging_only():

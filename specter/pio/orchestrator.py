@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.offload.link import Link, Transfer
 from specter.offload.prefetch import WindowPrefetcher
 from specter.offload.runtime import OffloadRuntime
@@ -101,10 +102,11 @@ class PlanRules:
 class Orchestrator(WindowPrefetcher):
     """Specter's window prefetcher (mode "pio"), or one single plan per window ("early",
     "late": SP-E / SP-L), planning by `rules` over `slots` resident slots per layer, the
-    link's `latency_s` per copy, and `sync_s` charged per ELB snapshot."""
+    link's `latency_s` per copy; `clock` (clock/observer.py) charges the host's read of each
+    ELB snapshot on the virtual clock."""
 
     def __init__(self, runtime: OffloadRuntime, link: Link, elb: ExpertLookaheadBuffer,
-                 rules: PlanRules, *, slots: int, latency_s: float, sync_s: float = 0.0):
+                 rules: PlanRules, *, slots: int, latency_s: float, clock: NullClock = NULL_CLOCK):
         r = rules
         self.runtime, self.cache, self.link, self.elb = runtime, runtime.cache, link, elb
         self.slots, self.top_m, self.mode = slots, r.top_m, r.mode
@@ -115,7 +117,7 @@ class Orchestrator(WindowPrefetcher):
         self.cold_start, self.noise, self.seed = r.cold_start, r.noise, r.seed
         self.cold_start_round, self.final_plan = r.cold_start_round, r.final_plan
         self.wait_last_batch = r.wait_last_batch
-        self.latency_s, self.sync_s = latency_s, sync_s  # sync_s: charged per ELB snapshot
+        self.latency_s, self.clock = latency_s, clock
         self.expert_bytes = self.cache.transfer_bytes
         self.bandwidth = planner.RunningMean(r.bandwidth_Bps, blend=r.blend_priors[0])
         self.step_s = planner.RunningMean(r.step_s, blend=r.blend_priors[1] and r.step_s > 0)
@@ -241,8 +243,7 @@ class Orchestrator(WindowPrefetcher):
         transfer seconds."""
         self._measure_bandwidth()
         counts = self.elb.snapshot()
-        if self.sync_s:
-            self.link.compute(self.sync_s)
+        self.clock.host_read()
         resident = [self.cache.resident_set(l) for l in range(len(counts))]
         batch = planner.plan_batch(counts, resident, self.planned, self.plan_cap, self.top_m)
         self.stats.corrupted += planner.corrupt(batch, counts, resident, self.noise, self.rng)
