@@ -37,6 +37,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+from specter.experts import experts_of
 from specter.counting import OpCounter
 from specter.clock.counted import follow_phases
 
@@ -60,7 +61,8 @@ class HotPath:
         counter.cpu_run = engine.device.type == "cpu"
         runtime = getattr(engine, "runtime", None)
         if runtime is not None:  # the offloaded experts' own share of each phase
-            inner = runtime.experts_forward
+            seat = experts_of(engine.model)  # the dispatcher's target seat: the runtime's
+            inner = seat.target
 
             def experts_forward(*a, **k):
                 c = counter.counts[counter.phase]
@@ -70,7 +72,7 @@ class HotPath:
                 finally:
                     c["experts_launching"] += c["launching"] - c["copies"] - before
                     c["experts_calls"] += 1
-            runtime.experts_forward = experts_forward
+            seat.target = experts_forward
         gen_batch = engine.generate_batch
 
         def counted_batch(prompts, max_new_tokens):
@@ -85,7 +87,7 @@ class HotPath:
         finally:
             del engine.generate_batch
             if runtime is not None:
-                del runtime.experts_forward
+                seat.target = inner
 
     def rows(self, system: str) -> list[dict]:
         out = []

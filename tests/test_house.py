@@ -42,3 +42,17 @@ def test_each_clock_answers_its_traits():
     assert HardwareConfig("h", clock="emulated").kind is clock_kind("emulated")
     with pytest.raises(UserError, match="hardware.clock must be wall, virtual or emulated"):
         HardwareConfig("h", clock="cuda").kind  # a run's clock is named wall on a GPU
+
+
+def test_compute_is_charged_only_through_the_clock():
+    """`link.compute(seconds)` moves the virtual clock: only specter/clock/ calls it (the
+    observer's methods), so every charge is found in one place."""
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    calls = [f"{p.relative_to(root)}:{n}" for top in ("specter", "baselines", "experiments")
+             for p in sorted((root / top).rglob("*.py"))
+             if not p.relative_to(root).as_posix().startswith("specter/clock/")
+             for n, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"link\.compute\(", line)]
+    assert calls == []

@@ -18,6 +18,7 @@ import torch
 from conftest import PROMPTS
 from experiments import hotpath
 from specter.counting import OpCounter
+from specter.experts import experts_of
 from specter.offload import grouped as grouped_mod
 from specter.offload import runtime as runtime_mod
 from test_offload import make_engine
@@ -36,7 +37,8 @@ def _count_layers(engine, ids):
         return real(*a, **k)
 
     counter, rows = OpCounter(), []
-    inner = engine.runtime.experts_forward
+    seat = experts_of(engine.model)  # the dispatcher's target seat: the runtime's
+    inner = seat.target
 
     def per_layer(*a, **k):
         before = dict(counter.counts["moe"])
@@ -52,7 +54,7 @@ def _count_layers(engine, ids):
             rows.append((d["launching"] - d["copies"], d["copies"], d["syncs"], d["host_reads"],
                          rounds[-1], engine.runtime.stats.forward_distinct[-1]))
 
-    engine.runtime.experts_forward = per_layer
+    seat.target = per_layer
     runtime_mod.grouped_products = counted_products
     try:
         engine.reset()
@@ -60,7 +62,7 @@ def _count_layers(engine, ids):
             engine.model(input_ids=ids)
     finally:
         runtime_mod.grouped_products = real
-        del engine.runtime.experts_forward
+        seat.target = inner
     return rows
 
 

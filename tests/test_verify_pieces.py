@@ -239,6 +239,7 @@ def test_the_router_piece_groups_the_routing_for_the_runtime_bitwise():
     device and makes the layer's sum tensors, the runtime takes them (`Routed`) and leaves the
     sum to the last piece: the logits are the eager forward's bit for bit."""
     from test_offload import make_engine
+    from specter.experts import experts_of
 
     vp.install()
     engine, loaded = make_engine("tiny_deepseek", "lru", 8)
@@ -246,14 +247,15 @@ def test_the_router_piece_groups_the_routing_for_the_runtime_bitwise():
     runtime, model = engine.runtime, loaded.model
     assert runtime.takes_routed
     taken = []
-    inner = runtime.experts_forward
+    seat = experts_of(model)  # the dispatcher's target seat: the runtime's experts_forward
+    inner = seat.target
 
     def spy(*args, **kwargs):
         routed = runtime.routed
         out = inner(*args, **kwargs)
         taken.append(routed is not None and routed.deferred)
         return out
-    runtime.experts_forward = spy
+    seat.target = spy
     ids = torch.tensor([[5, 17, 300, 42, 9, 77, 101, 3]])
     with torch.no_grad():
         ref = model(input_ids=ids).logits

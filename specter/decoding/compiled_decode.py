@@ -4,7 +4,8 @@ compiled draft step (every system that decodes one token at a time may compile t
 Owns: `CompiledDecode`, batch-1 greedy decoding whose decode steps (a token id on the device ->
 every layer with every routed expert resident -> logits -> the greedy token, left on the
 device) run as one graph under `torch.compile(fullgraph=True, dynamic=False)`, and the
-fixed-shape experts function that makes the step one graph: Hugging Face's experts loop reads
+fixed-shape experts function (the target seat of specter/experts.py while the step runs)
+that makes the step one graph: Hugging Face's experts loop reads
 the routing on the host (which experts have tokens), a graph break. At one token the layer's
 k experts are its k chosen ones, so the function runs exactly k expert MLPs in expert-id
 order (the k ids sorted on the device), each on the weights indexed by a device tensor, each
@@ -32,19 +33,15 @@ from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
 from specter.decoding.compiled_draft import index_kept, settle_compile
 from specter.decoding.loop import Events
-from specter.models.introspect import experts_modules
+from specter.experts import experts_of
 from specter.offload.runtime import expert_mlp
 
-IMPL_NAME = "specter_static_decode"
-
-
-def _fixed_shape_experts(self, hidden_states, top_k_index, top_k_weights):
+def _fixed_shape_experts(owner, layer, self, hidden_states, top_k_index, top_k_weights):
     """One token's routed experts with no host read: hidden [1, H], top_k_* [1, k]. HF's loop
     visits the chosen experts in ascending id, computes each on its token and adds it to a
     zero sum; here the same k MLPs in the same order (`sort` on the device)."""
-    owner = self._specter_static
     if not owner.active or hidden_states.shape[0] != 1:
-        return owner.eager(self, hidden_states, top_k_index, top_k_weights)
+        return owner.eager(layer, self, hidden_states, top_k_index, top_k_weights)
     owner.routes.append(top_k_index)  # an output of the step (a virtual clock's charge)
     experts, slots = torch.sort(top_k_index[0])  # distinct ids: the order is HF's
     final = torch.zeros_like(hidden_states)
@@ -56,13 +53,6 @@ def _fixed_shape_experts(self, hidden_states, top_k_index, top_k_weights):
         y = y * top_k_weights.index_select(1, slots[j:j + 1])  # [1, 1], as HF's [n, 1]
         final.index_add_(0, row, y.to(final.dtype))
     return final
-
-
-def _register() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _fixed_shape_experts)
 
 
 def resolve_system_compile(setting: str, rows: int, clock: ClockKind) -> tuple[bool, str]:
@@ -91,7 +81,6 @@ class CompiledDecode:
 
     def __init__(self, model: nn.Module, compiler: str = "inductor", positions: int = 0,
                  capture=None, clock: NullClock = NULL_CLOCK):
-        _register()
         self.model, self.compiler = model, compiler
         self.positions = positions
         # capture(fn, warm) -> replay(): on CUDA `quant.kernels.capture_graph`, the draft's
@@ -103,13 +92,13 @@ class CompiledDecode:
         self.captures = 0
         self._tok: torch.Tensor | None = None  # the captured step's token buffer [1, 1]
         self.active = False
-        mods = [m for _, m in experts_modules(model)]
-        from specter.decoding.draft_mode import _target_function
-
-        self.eager = _target_function(model, mods[0])  # HF's loop (the prefill's)
-        for m in mods:
-            m._specter_static = self
-        model.config._experts_implementation = IMPL_NAME
+        # the target seat of the model's experts dispatcher (specter/experts.py): the
+        # fixed-shape function while a compiled step runs, the target before it otherwise
+        # (HF's loop: the prefill's)
+        experts = experts_of(model)
+        self.eager = experts.target
+        experts.target = lambda layer, module, hidden_states, top_k_index, top_k_weights: \
+            _fixed_shape_experts(self, layer, module, hidden_states, top_k_index, top_k_weights)
         self.cache = None
         self.capacity = 0
         self.routes: list[torch.Tensor] = []

@@ -1,17 +1,17 @@
 """The self-draft: one model instance, two precisions (its INT4 draft and its full-precision
 target), and the memory account of sharing the instance against two separate models.
 
-Owns: the experts implementation that switches a model between `target` mode (routed experts
-as the target runs them: Hugging Face's own code, or the offloading runtime when one is
-attached first) and `draft` mode (the same layers' routed experts from their INT4 copy on
-the device), the switch itself, and the memory accounting of the shared instance against
-two separate models.
+Owns: the switch of a model between `target` mode (routed experts as the target runs them:
+Hugging Face's own code, or the offloading runtime) and `draft` mode (the same layers' routed
+experts from their INT4 copy on the device), the draft's layers and listeners, and the memory
+accounting of the shared instance against two separate models.
 Everything but the routed experts (embeddings, attention, norms, routers, shared experts, lm
 head) is the same tensors in both modes: there is one model object and no copy.
 Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (decoding/loop.py).
 
-Use: `sw = DraftMode(model, quantized, backend)`; `with sw.draft(): model(...)`.
-Attach an `OffloadRuntime` before the `DraftMode` so target mode goes through it.
+Use: `sw = DraftMode(model, quantized, backend)`; `with sw.draft(): model(...)`. It takes the
+draft seat of the model's experts dispatcher (specter/experts.py); target mode runs whatever
+holds the target seat (HF's own, or an offload runtime attached before or after).
 """
 
 from __future__ import annotations
@@ -21,43 +21,12 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from specter.experts import experts_of
 from specter.models.introspect import experts_modules
 from specter.switch import switched
 from specter.quant.calibrate import QuantizedExperts
 from specter.quant.formats import draft_expert_bytes
 from specter.quant.kernels import GraphedExperts, layers_nbytes, make_experts
-
-IMPL_NAME = "specter_self_draft"
-
-
-def _self_draft_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    sd: DraftMode = self._specter_self_draft
-    if sd.mode == "draft":
-        layer = self._specter_self_draft_layer
-        if sd.capture:  # a compiled step: its listeners hear it after the step (`replay`)
-            sd.routes.append(top_k_index)
-        else:
-            for listener in sd.draft_listeners:
-                listener(layer, top_k_index)
-        return sd.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
-    return sd.target_forward(self, hidden_states, top_k_index, top_k_weights)
-
-
-def _register() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _self_draft_experts_forward)
-
-
-def _target_function(model: nn.Module, module: nn.Module):
-    """The experts function the model used before the switch was attached."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    name = getattr(model.config, "_experts_implementation", None) or "eager"
-    eager = type(module).forward.__wrapped__  # HF's own loop, under use_experts_implementation
-    return ALL_EXPERTS_FUNCTIONS.get_interface(name, eager) if name != "eager" else eager
-
 
 class DraftMode:
     """Switches one model between its target experts and their draft (the INT4 copy, or any
@@ -72,11 +41,9 @@ class DraftMode:
         device, for a draft that runs its experts some other way. `graphs`: each draft layer
         replayed as a CUDA graph (quant/build.py resolve_graphs). `mode`: the one it starts in
         ("draft" for a second instance that is only ever the draft)."""
-        _register()
         self.model, self.quantized, self.backend = model, quantized, backend
         mods = [m for _, m in experts_modules(model)]
         self.device = device or next(model.parameters()).device
-        self.target_forward = _target_function(model, mods[0])
         dtype = next(p for p in model.parameters() if p.is_floating_point()).dtype
         if draft_layers is not None:
             self.draft_layers, self.draft_bytes = draft_layers, draft_bytes
@@ -90,10 +57,7 @@ class DraftMode:
             # what the backend's layers hold, in their layout (cuda_int4's bf16 scales and
             # zeros included), not the quantized format's packed size
             self.draft_bytes = layers_nbytes(self.draft_layers)
-        for l, m in enumerate(mods):
-            m._specter_self_draft = self
-            m._specter_self_draft_layer = l
-        model.config._experts_implementation = IMPL_NAME
+        experts_of(model).draft = self  # the draft seat of the one dispatcher (specter/experts.py)
         self.mode = mode
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
         # clock's charge, the orchestrator's lookahead buffer.
@@ -109,6 +73,17 @@ class DraftMode:
         # routing is kept in `routes` and `replay` tells them after the step.
         self.capture = False
         self.routes: list = []
+
+    def forward(self, layer: int, hidden_states, top_k_index, top_k_weights):
+        """MoE layer `layer`'s routed experts as the draft computes them (the dispatcher calls
+        it in draft mode): its listeners hear the routing first (or, inside a compiled step,
+        it is kept in `routes` for `replay`)."""
+        if self.capture:
+            self.routes.append(top_k_index)
+        else:
+            for listener in self.draft_listeners:
+                listener(layer, top_k_index)
+        return self.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
 
     def capturing(self):
         """Draft layers keep their routing in `routes` instead of telling the listeners."""

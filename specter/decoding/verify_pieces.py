@@ -506,7 +506,7 @@ def install(model=None) -> None:
         i = PIECES.layer
         residuals = hidden_states
         orig_shape = hidden_states.shape
-        runtime = getattr(self.experts, "_specter_runtime", None)
+        runtime = getattr(getattr(self.experts, "_specter_experts", None), "runtime", None)
         if runtime is not None and runtime.takes_routed:
             return _moe_routed(self, runtime, run, i, hidden_states)
         _, topk_weights, topk_indices = run.run((i, "C"), self.gate, hidden_states)

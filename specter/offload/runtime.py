@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from specter.experts import experts_of
 from specter.errors import UserError
 from specter.grouping import group_by_expert, read_groups
 from specter.models.introspect import experts_modules
@@ -32,22 +33,6 @@ from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
 from specter.offload.host import HostWeights
 from specter.offload.link import Link
 from specter.offload.prefetch import LayerPrefetcher
-
-IMPL_NAME = "specter_offload"
-
-
-def _specter_experts_forward(self, hidden_states, top_k_index, top_k_weights):
-    runtime: OffloadRuntime = self._specter_runtime
-    return runtime.experts_forward(self._specter_moe_layer, self, hidden_states, top_k_index,
-                                   top_k_weights)
-
-
-def register_experts_implementation() -> None:
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
-        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, _specter_experts_forward)
-
 
 COUNTED_PHASES = ("decode", "verify")  # the target's decoding demand: not prefill, not the draft
 
@@ -301,14 +286,13 @@ class OffloadRuntime:
         self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
         # the host's compute copies (offload/host.py), made on first use
         self.host_weights: HostWeights | None = None
-        register_experts_implementation()
         self.modules = [m for _, m in experts_modules(model)]
         for l, m in enumerate(self.modules):
-            m._specter_runtime = self
             m._specter_moe_layer = l
             # The fused copies are already gone: the store (store.py) took every expert.
             assert m.gate_up_proj.numel() == 0, "build the HostExpertStore before the runtime"
-        model.config._experts_implementation = IMPL_NAME
+        experts = experts_of(model)  # the target seat of the one dispatcher (specter/experts.py)
+        experts.target, experts.runtime = self.experts_forward, self
 
     @property
     def takes_routed(self) -> bool:

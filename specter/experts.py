@@ -1,0 +1,84 @@
+"""Who computes each routed-experts call: one dispatcher, registered once.
+
+transformers runs a MoE layer's routed experts through the function its experts registry holds
+under `config._experts_implementation` (`use_experts_implementation`): the experts module's
+forward becomes `fn(module, hidden, top_k_index, top_k_weights)`. Specter registers one such
+function, `dispatch`, and a model it runs gets one `Experts` (`experts_of(model)`), whose two
+seats say who computes:
+
+- `target(layer, module, hidden, top_k_index, top_k_weights)`: the target's experts. By
+  default the function the model used before (Hugging Face's own); the offload runtime
+  (offload/runtime.py), a store streamed layer by layer (offload/streamed.py) or resident's
+  fixed-shape step (decoding/compiled_decode.py) take the seat;
+- `draft`: a `DraftMode` (decoding/draft_mode.py) or None. While it is in draft mode, its
+  layers compute (`DraftMode.forward`); otherwise the target does.
+
+The seats are independent: attaching the runtime and the draft in either order dispatches
+alike. `runtime` names the offload runtime in the target seat, for code that hands it
+routing directly (decoding/verify_pieces.py).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from specter.models.introspect import experts_modules
+
+IMPL_NAME = "specter"
+
+
+def dispatch(module: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """The registered experts function: the draft's layer in draft mode, else the target."""
+    experts: Experts = module._specter_experts
+    layer = module._specter_layer
+    draft = experts.draft
+    if draft is not None and draft.mode == "draft":
+        return draft.forward(layer, hidden_states, top_k_index, top_k_weights)
+    return experts.target(layer, module, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if IMPL_NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(IMPL_NAME, dispatch)
+
+
+def _model_function(model: nn.Module, module: nn.Module):
+    """The experts function the model ran before Specter's dispatcher (HF's own loop unless
+    its config named another registered implementation)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    name = getattr(model.config, "_experts_implementation", None) or "eager"
+    eager = type(module).forward.__wrapped__  # HF's own loop, under use_experts_implementation
+    return ALL_EXPERTS_FUNCTIONS.get_interface(name, eager) if name != "eager" else eager
+
+
+class Experts:
+    """A model's routed experts as Specter dispatches them (module docstring)."""
+
+    def __init__(self, model: nn.Module):
+        _register()
+        self.modules = [m for _, m in experts_modules(model)]
+        before = _model_function(model, self.modules[0])
+        self.model_function = before
+
+        def model_target(layer, module, hidden_states, top_k_index, top_k_weights):
+            return before(module, hidden_states, top_k_index, top_k_weights)
+
+        self.model_target = model_target  # the target as the model ran it
+        self.target = model_target
+        self.draft = None  # a DraftMode
+        self.runtime = None  # the offload runtime, when it holds the target seat
+        for l, m in enumerate(self.modules):
+            m._specter_experts, m._specter_layer = self, l
+        model.config._experts_implementation = IMPL_NAME
+
+
+def experts_of(model: nn.Module) -> Experts:
+    """The model's `Experts`, attached at the first call."""
+    mods = experts_modules(model)
+    found = getattr(mods[0][1], "_specter_experts", None) if mods else None
+    if found is None:
+        found = Experts(model)
+    return found
