@@ -328,7 +328,8 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     from types import SimpleNamespace as NS
 
     from specter.decoding.compiled_draft import compiled_mode
-    from specter.quant.build import GRAPHS_AND_STEP, resolve_graphs, step_captured
+    from specter.decoding.compiled_draft import GRAPHS_AND_STEP
+    from specter.quant.build import resolve_graphs, step_captured
 
     cuda = torch.device("cuda")
 

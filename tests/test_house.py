@@ -56,3 +56,17 @@ def test_compute_is_charged_only_through_the_clock():
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"link\.compute\(", line)]
     assert calls == []
+
+
+def test_import_circles_find_a_loop_and_none_is_added():
+    """scripts/import_circles.py sees a planted loop; inside specter/ the one circle left is
+    the settings' (config.py looks up each system's Config in systems.py, which imports
+    config.py): issue 57 item 5 takes it to none."""
+    import import_circles
+
+    planted = {"p.a": {"p.b"}, "p.b": {"p.c"}, "p.c": {"p.a"}, "p.d": {"p.a"}}
+    assert import_circles.circles(planted) == [["p.a", "p.b", "p.c"]]
+    found = import_circles.circles(import_circles.import_graph(
+        Path(__file__).resolve().parent.parent / "specter"))
+    assert found == [["specter.budget", "specter.config", "specter.models.loading",
+                      "specter.placement.loader", "specter.specs", "specter.systems"]]

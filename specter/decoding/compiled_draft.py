@@ -180,6 +180,11 @@ def eager_batch_record(rows: int) -> dict:
 COPIED_KV_EAGER = "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
 
 
+GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA graph and "
+                   "spec.compile=on captures the whole draft step as one: choose one "
+                   "(quant.graphs=off, or spec.compile=off).")
+
+
 def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock = NULL_CLOCK,
                   copied_kv: bool = False) -> CompiledMode:
     """`spec.compile`: an INT4 draft's step (`int4`: its Int4Experts; None: a draft that
@@ -191,7 +196,6 @@ def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock
     tokens and the deepest window (`k_max`, the settled depth's: spec.k=auto's profiled depths
     included). `copied_kv` (a second instance reading a per-window copy of the target's KV)
     stays eager, its layers graphed on CUDA under quant.graphs=auto."""
-    from specter.quant.build import GRAPHS_AND_STEP
     from specter.quant.kernels import FIXED_SHAPE, capture_graph
 
     spec = job.draft

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from specter.decoding.compiled_draft import GRAPHS_AND_STEP, resolve_compile
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.models.zoo import default_cache_dir
@@ -149,9 +150,6 @@ def draft_compiles(job) -> bool:
 
 
 GRAPHS = ("auto", "on", "off")
-GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA graph and "
-                   "spec.compile=on captures the whole draft step as one: choose one "
-                   "(quant.graphs=off, or spec.compile=off).")
 
 
 def step_captured(job, backend: str) -> bool:
@@ -159,8 +157,6 @@ def step_captured(job, backend: str) -> bool:
     (compiled_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
     quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
     spec.compile=auto leaves the step eager."""
-    from specter.decoding.compiled_draft import resolve_compile
-
     if job.device.type != "cuda" or job.draft.quant.graphs == "on":
         return False
     try:
