@@ -4,7 +4,7 @@ loaded as soon as that window is verified so the copies run under the next windo
 
 A baseline users ask for (routing is temporally local, so the last window's hot experts are a
 cheap guess at the next window's), and the demonstration of how a policy is added: this
-file's policy class and recipe, one line in specter/systems.py, conf/system/last_window.yaml.
+file's policy class and recipe, one line in specter/registry.py, conf/system/last_window.yaml.
 """
 
 from __future__ import annotations

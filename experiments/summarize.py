@@ -17,7 +17,7 @@ from dataclasses import fields
 import pandas as pd
 
 from experiments import records
-from specter.systems import config_class
+from specter.config import system_config_class
 
 KEYS = ["model", "budget", "budget_slots", "hardware", "clock", "charged"]
 METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate": "mean",
@@ -29,7 +29,7 @@ METRICS = {"tpot_ms": "mean", "k": "mean", "acceptance_rate": "mean", "hit_rate"
 
 def variant(row: pd.Series) -> str:
     """What sets a run apart from its system's defaults: system knobs and a fixed spec.k."""
-    cls = config_class(str(row.get("system")))
+    cls = system_config_class(str(row.get("system")))
     defaults = cls(name=str(row.get("system")))
     parts = [f"{f.name}={row[f'cfg.system.{f.name}']}" for f in fields(cls)
              if f.name != "name" and f"cfg.system.{f.name}" in row

@@ -16,6 +16,7 @@ from typing import Any
 
 from specter.clock.kinds import HARDWARE_CLOCKS, ClockKind, clock_kind
 from specter.errors import UserError
+from specter.registry import SYSTEMS, recipe_module
 
 
 @dataclass
@@ -83,12 +84,29 @@ class SystemConfig:
         """Range checks of the knobs (none here)."""
 
 
-def system_config_class(name: str) -> type:
-    """System `name`'s typed settings, from the registry of systems (specter/systems.py,
-    imported here on use: it imports this module)."""
-    from specter.systems import config_class
+def system_config_class(name: str) -> type[SystemConfig]:
+    """System `name`'s typed settings: its recipe's `Config` (a SystemConfig subclass with its
+    knobs; the recipe named in specter/registry.py), else the bare SystemConfig (no knobs)."""
+    if name not in SYSTEMS:
+        return SystemConfig
+    return vars(recipe_module(name)).get("Config", SystemConfig)
 
-    return config_class(name)
+
+def settings_of(name: str) -> list[str]:
+    return [f.name for f in fields(system_config_class(name)) if f.name != "name"]
+
+
+def check_setting(name: str, knob: str) -> None:
+    """`system.<knob>` given for system `name`: one sentence if it has no such setting."""
+    if name not in SYSTEMS or knob in settings_of(name):
+        return
+    owners = [s for s in SYSTEMS if knob in settings_of(s)]
+    if owners:
+        raise UserError(f"system.{knob} applies to {', '.join(owners)} only, not to system={name}.")
+    own = settings_of(name)
+    raise UserError(f"unknown setting 'system.{knob}'; system={name} has "
+                    + (f"the settings {', '.join('system.' + k for k in own)}." if own
+                       else "no settings."))
 
 
 @dataclass
@@ -390,8 +408,6 @@ def _build(cls, d: Any, prefix: str):
     known = {f.name: f for f in fields(cls)}
     unknown = sorted(set(d) - set(known))
     if unknown and issubclass(cls, SystemConfig):
-        from specter.systems import check_setting
-
         for key in unknown:
             check_setting(str(d.get("name")), key)
     if unknown:

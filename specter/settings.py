@@ -57,9 +57,9 @@ def chosen_systems(argv: list[str]) -> list[str]:
 
 def check_system_settings(argv: list[str]) -> None:
     """`system.<knob>=v` that the chosen system does not have: one sentence (each system's
-    knobs are its own typed config, specter/systems.py `config_class`), before Hydra's
+    knobs are its own typed config, specter/config.py `system_config_class`), before Hydra's
     struct check answers in several lines."""
-    from specter.systems import check_setting
+    from specter.config import check_setting
 
     for arg in argv:
         key, eq, _ = arg.lstrip("+~").partition("=")

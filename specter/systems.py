@@ -1,46 +1,29 @@
-"""The registry of systems: a name -> the module (recipe) that builds its engine.
+"""What each system's recipe declares, read once: how to build its engine and what the
+composition root must know before it does.
 
-A new system is one module exposing `build(job) -> Engine` (`job`: specs.py `Job`) and
-`ENGINE` (the engine class it builds: `specter.decoding.engines`' GreedyEngine or
-SpeculativeEngine for every decoding system) and one line here. Recipes are imported by name on use (the baselines live in
-`baselines/`, beside this package; `fidelity` is the harness's routing measurement), and
-import their optional dependencies inside `build`. The composition root
-(specter/compose.py) and the typed settings (specter/config.py, each system's `Config`) read it.
+A system is one module exposing `build(job) -> Engine` (`job`: specs.py `Job`) and `ENGINE`
+(the engine class it builds: `specter.decoding.engines`' GreedyEngine or SpeculativeEngine for
+every decoding system), named in one line of the registry (specter/registry.py `SYSTEMS`).
+Recipes import their optional dependencies inside `build`. The composition root
+(specter/compose.py) reads them here; each system's `Config` is read with the settings
+(specter/config.py `system_config_class`).
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Callable
 
 from specter.budget import Footprint
-from specter.config import RunConfig, SystemConfig
+from specter.config import RunConfig, SystemConfig, system_config_class
 from specter.decoding.batch import Engine
 from specter.errors import UserError
+from specter.registry import SYSTEMS, recipe_module
 from specter.specs import Job
 
-SYSTEMS: dict[str, str] = {
-    "resident": "baselines.resident",
-    "lru": "baselines.lru",
-    "lru_hybrid": "baselines.lru",  # lru with host-computed misses (Fiddler's rule)
-    "mo_sm": "baselines.mo_sm",
-    "quasi_hidden": "baselines.quasi_hidden",
-    "transformers": "baselines.transformers_offload",
-    "vllm_offload": "baselines.vllm_offload",  # vLLM's cpu_offload_gb, modelled
-    "lru_s": "baselines.lru_s",
-    "specmoeoff": "baselines.specmoeoff",
-    "specter": "specter.system",
-    "specter_hybrid": "specter.system",  # specter with host-computed misses
-    "sp_e": "baselines.single_plan",
-    "sp_l": "baselines.single_plan",
-    "specmoe": "baselines.specmoe",
-    "host_experts": "baselines.host_experts",  # every routed expert on the host (llama.cpp's design)
-    "host_experts_s": "baselines.host_experts_s",  # ... with the INT4 self-draft
-    "last_window": "baselines.last_window",
-    "fidelity": "experiments.fidelity",  # a measurement, not a decoder: draft vs target routing
-}
+__all__ = ["SYSTEMS", "Recipe", "recipe", "build_engine", "check_system", "depth_of",
+           "footprint", "sampling_systems"]
 
 
 @dataclass(frozen=True)
@@ -71,27 +54,15 @@ class Recipe:
 def recipe(name: str) -> Recipe:
     """System `name`'s recipe: its module's declarations (module docstring), with their
     defaults, read here only."""
-    module = importlib.import_module(SYSTEMS[name])
+    module = recipe_module(name)
     declared = vars(module)
     fixed = declared.get("FOOTPRINT", Footprint())
     return Recipe(name=name, build=module.build, engine=module.ENGINE,
-                  config=declared.get("Config", SystemConfig),
+                  config=system_config_class(name),
                   offloads=declared.get("OFFLOADS", True),
                   loads_experts=declared.get("LOADS_EXPERTS", "host"),
                   own_k=declared.get("OWN_K"),
                   footprint=declared.get("footprint", lambda system: fixed))
-
-
-def config_class(name: str) -> type[SystemConfig]:
-    """System `name`'s settings: its recipe's `Config` (a SystemConfig subclass with its
-    knobs), else the bare SystemConfig (no knobs)."""
-    if name not in SYSTEMS:
-        return SystemConfig
-    return recipe(name).config
-
-
-def settings_of(name: str) -> list[str]:
-    return [f.name for f in fields(config_class(name)) if f.name != "name"]
 
 
 def sampling_systems() -> tuple[str, ...]:
@@ -116,19 +87,6 @@ def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     if temperature > 0 and not recipe(name).samples:
         raise UserError(f"workload.temperature > 0 needs a speculating system "
                         f"({', '.join(sampling_systems())}); system={name} decodes greedily only.")
-
-
-def check_setting(name: str, knob: str) -> None:
-    """`system.<knob>` given for system `name`: one sentence if it has no such setting."""
-    if name not in SYSTEMS or knob in settings_of(name):
-        return
-    owners = [s for s in SYSTEMS if knob in settings_of(s)]
-    if owners:
-        raise UserError(f"system.{knob} applies to {', '.join(owners)} only, not to system={name}.")
-    own = settings_of(name)
-    raise UserError(f"unknown setting 'system.{knob}'; system={name} has "
-                    + (f"the settings {', '.join('system.' + k for k in own)}." if own
-                       else "no settings."))
 
 
 def build_engine(job: Job) -> Engine:

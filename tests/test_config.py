@@ -32,7 +32,7 @@ def test_knobs_are_refused_by_systems_that_do_not_have_them():
     import yaml
 
     from conftest import REPO
-    from specter.systems import config_class
+    from specter.config import system_config_class as config_class
     from specter.config import RunConfig
     from test_offload import A100
 
