@@ -14,7 +14,7 @@ import torch
 from conftest import TINY, hf_greedy, run_cli
 from specter.config import HardwareConfig, ModelConfig
 from specter.settings import run_config
-from specter.decoding.loop import speculative_greedy
+from specter.decoding.draft import speculative_greedy
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.compiled_draft import StaticKV, resolve_compile
 from specter.decoding.batch import DeviceMemory, eos_ids

@@ -15,7 +15,7 @@ from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
 from specter.clock.timing import Timing
 from specter.quant import calibrate
-from specter.decoding.loop import speculative_greedy
+from specter.decoding.draft import speculative_greedy
 from specter.decoding.draft_mode import DraftMode
 from steering import steered_draft
 from test_offload import A100

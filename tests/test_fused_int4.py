@@ -147,7 +147,7 @@ def test_a_compiled_fused_int4_draft_is_lossless():
     from specter.decoding.batch import DeviceMemory, eos_ids
     from specter.decoding.compiled_draft import StaticKV
     from specter.decoding.draft_mode import DraftMode
-    from specter.decoding.loop import speculative_greedy
+    from specter.decoding.draft import speculative_greedy
     from specter.placement.loader import load_model
 
     lm = load_model(ModelConfig(name="tiny_deepseek", source="project", dtype="float32"), CPU,

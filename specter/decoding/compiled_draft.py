@@ -45,6 +45,7 @@ from specter.clock.kinds import ClockKind
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region, host_side, to_device
 from specter.decoding.batch import BatchCache, cache_bytes
+from specter.decoding.loop import run_steps
 from specter.models import draft_step
 from specter.errors import UserError
 from specter.quant.kernels import COMPILES
@@ -404,103 +405,45 @@ class StaticKV:
         self._set_index(n)
         self.synced = n
 
-    def _catch_up(self, kv: BatchCache, seq: list[int], k: int, events):
-        """own_kv: the window's first step, eager, as the eager layout takes it: the committed
-        tokens the draft has not seen (the target's corrections; the whole prompt at the first
-        window) and the pending token in one forward into the buffers. Returns the first
-        proposal [1, 1] on the device, or None when there is nothing unseen (the pending
-        token is then the first compiled step's)."""
+    def _unseen(self, seq: list[int], k: int, kv: BatchCache) -> list[int]:
+        """Before a window: the buffers hold `k` more positions, their index where the draft
+        writes next. own_kv: the committed tokens the draft has not seen (the target's
+        corrections; the whole prompt at the first window) and the pending token, which the
+        window's first step feeds eagerly, as the eager layout takes them (empty: nothing
+        unseen, the pending token is the first compiled step's). Otherwise the target's newly
+        committed KV is copied in (`_sync`) and nothing is unseen."""
+        if not self.own_kv:
+            self._sync(kv, k)
+            return []
         n = len(seq) - 1  # committed positions; the last token is pending
         self._ensure(kv.cache, n + k + 1)  # the target's layers give the shapes (same model)
         s = self.synced
         self._set_index(s)
-        if n == s:
-            return None
-        with host_side():
-            ids = torch.tensor([seq[s:n + 1]], dtype=torch.long)
-        events.forward("draft", n + 1 - s, n + 1, 1)  # a forward outside the cache
+        return seq[s:n + 1] if n > s else []
+
+    def _catch_up(self, ids: torch.Tensor, device) -> torch.Tensor:
+        """own_kv's first step, eager: the unseen tokens (`ids` [1, T], made on the host) in
+        one forward into the buffers. Returns the first proposal [1, 1] on the device."""
         with self.shared.draft():
-            logits = self._forward(to_device(ids, kv.device)).logits
-        self.synced = n
+            logits = self._forward(to_device(ids, device)).logits
+        self.synced += ids.shape[1] - 1
         return logits[:, -1].argmax(dim=-1, keepdim=True)
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], events, on_device: bool = False):
-        """draft.py `draft_steps` for one row in the static cache: the pending token first, then
-        each proposal. Greedy only (`resolve_compile` keeps sampling eager): the choices stay on
-        the device and are read once after the window's last step (the row drafts its whole
-        quota, as the eager path does)."""
+        """draft.py `run_steps` for one row in the static cache: the pending token first (after
+        own_kv's unseen tokens), then each proposal, each step compiled (`CompiledSteps`) or
+        one replay of the captured step (`capture`). Greedy only (`resolve_compile` keeps
+        sampling eager): the choices stay on the device and are read once after the window's
+        last step (the row drafts its whole quota, as the eager path does)."""
         if not on_device:
             raise ValueError("the compiled draft step drafts greedily; spec.compile keeps a "
                              "sampled draft eager")
         k = k_effs[0]
-        chosen, first = [], None
-        if self.own_kv:
-            first = self._catch_up(kv, seqs[0], k, events)
-        else:
-            self._sync(kv, k)
-        if self.capture is not None:
-            yield from self._replayed(kv, seqs[0], k, first, stop, out, events)
-            return
-        if first is not None:  # the window's first step ran eagerly
-            chosen.append(first)
-            tok = first
-            yield 1, k
-        else:
-            with host_side():
-                tok = torch.tensor([[seqs[0][-1]]], dtype=torch.long)
-            tok = to_device(tok, kv.device)
-        with self.shared.draft(), self.shared.capturing():
-            for i in range(len(chosen), k):
-                events.forward("draft", 1, kv.length + i + 1, 1)
-                began = time.perf_counter()
-                with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath)
-                    nxt, routes = self._stepped(tok)
-                if self._fresh:  # this call compiled (host wall time, whatever the clock)
-                    self.compile_s += time.perf_counter() - began
-                    self.compiles, self._fresh = self.compiles + 1, False
-                self.steps_run += 1
-                with self.clock.captured_step(self.step_kernels):
-                    self.shared.replay(routes)
-                    self.clock.compiled_step()
-                chosen.append(nxt)
-                tok = nxt
-                yield i + 1, k
-        row = torch.cat(chosen, dim=1)[0].tolist()  # the window's one read of its proposals
-        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
-        out[0].extend(row[:cut])
-
-    def _replayed(self, kv: BatchCache, seq: list[int], k: int, first, stop: set[int],
-                  out: list[list[int]], events):
-        """`steps` with each step one replay of the captured graph (`capture`): the window's
-        first input written into the graph's token buffer (the pending token by a fill, no
-        copy from the host; or own_kv's eager first proposal), then one replay per step, no
-        other kernel and no host read until the window's proposals are read, once."""
-        done = 0
-        if first is not None:  # own_kv: the window's first step ran eagerly
-            self._tok.copy_(first)
-            self._proposals[:, :1].copy_(first)
-            self._at.fill_(1)
-            done = 1
-            yield 1, k
-        else:
-            self._tok.fill_(seq[-1])
-            self._at.zero_()
-        with self.shared.draft(), self.shared.capturing():
-            if self.replay is None and done < k:  # the first window with these buffers:
-                self._capture_step()  # captured before its first step (no step's time holds it)
-            for i in range(done, k):
-                events.forward("draft", 1, kv.length + i + 1, 1)
-                with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath;
-                    routes = self.replay()  # the switch as captured, where Python reruns it)
-                self.steps_run += 1
-                with self.clock.captured_step(self.step_kernels):
-                    self.shared.replay(routes, captured=True)  # read before the next replay
-                    self.clock.compiled_step()
-                yield i + 1, k
-        row = self._proposals[0, :k].tolist()  # the window's one read of its proposals
-        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
-        out[0].extend(row[:cut])
+        unseen = self._unseen(seqs[0], k, kv)
+        steps = (ReplayedSteps if self.capture is not None else CompiledSteps)(
+            self, kv, seqs[0], unseen, k)
+        yield from run_steps(steps, k_effs[:1], stop, out, events)
 
     def commit(self, n_valid: list[int]) -> None:
         """After verification: the next window copies what was committed; own_kv: the draft's
@@ -510,3 +453,91 @@ class StaticKV:
 
     def select(self, rows: list[int]) -> None:
         """One row: it leaves when the request ends."""
+
+
+class CompiledSteps:
+    """`StaticKV`'s steps, each one call of the compiled step (draft.py `run_steps`)."""
+
+    def __init__(self, static: StaticKV, kv: BatchCache, seq: list[int], unseen: list[int],
+                 k: int):
+        self.static, self.kv, self.seq, self.unseen = static, kv, seq, unseen
+        self.chosen: list[torch.Tensor] = []
+        self.tok: torch.Tensor | None = None
+        if unseen:  # own_kv's eager first step feeds them
+            with host_side():
+                self.ids = torch.tensor([unseen], dtype=torch.long)
+        else:  # the pending token is the first step's input, on the device
+            self.tok = self._pending()
+
+    def _pending(self) -> torch.Tensor:
+        with host_side():
+            tok = torch.tensor([[self.seq[-1]]], dtype=torch.long)
+        return to_device(tok, self.kv.device)
+
+    def shape(self, i: int, drafting):
+        if i == 0 and self.unseen:  # a forward of the unseen tokens, outside the batch cache
+            n = len(self.seq) - 1
+            return len(self.unseen), n + 1, 1
+        return 1, self.kv.length + i + 1, 1
+
+    def run(self, i: int, drafting) -> None:
+        st = self.static
+        if i == 0 and self.unseen:  # own_kv: the window's first step runs eagerly
+            self.tok = st._catch_up(self.ids, self.kv.device)
+            self.chosen.append(self.tok)
+            return None
+        with st.shared.draft(), st.shared.capturing():
+            began = time.perf_counter()
+            with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath)
+                nxt, routes = st._stepped(self.tok)
+            if st._fresh:  # this call compiled (host wall time, whatever the clock)
+                st.compile_s += time.perf_counter() - began
+                st.compiles, st._fresh = st.compiles + 1, False
+            st.steps_run += 1
+            with st.clock.captured_step(st.step_kernels):
+                st.shared.replay(routes)
+                st.clock.compiled_step()
+        self.chosen.append(nxt)
+        self.tok = nxt
+        return None
+
+    def read(self) -> list[list[int]]:
+        return [torch.cat(self.chosen, dim=1)[0].tolist()]  # the window's one read
+
+
+class ReplayedSteps(CompiledSteps):
+    """`StaticKV`'s steps, each one replay of the captured step (`capture`): the window's
+    first input written into the graph's token buffer (the pending token by a fill, no copy
+    from the host; or own_kv's eager first proposal), then one replay per step, no other
+    kernel and no host read until the window's proposals are read, once."""
+
+    def _pending(self) -> None:
+        self.static._tok.fill_(self.seq[-1])  # no copy from the host
+        self.static._at.zero_()
+
+    def __init__(self, static: StaticKV, kv: BatchCache, seq: list[int], unseen: list[int],
+                 k: int):
+        super().__init__(static, kv, seq, unseen, k)
+        self.k = k
+
+    def run(self, i: int, drafting) -> None:
+        st = self.static
+        if i == 0 and self.unseen:  # own_kv: the window's first step runs eagerly
+            first = st._catch_up(self.ids, self.kv.device)
+            st._tok.copy_(first)
+            st._proposals[:, :1].copy_(first)
+            st._at.fill_(1)
+            return None
+        with st.shared.draft(), st.shared.capturing():
+            if st.replay is None:  # the first window with these buffers: captured before
+                st._capture_step()  # its first step (no step's time holds it)
+            with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath;
+                routes = st.replay()  # the switch as captured, where Python reruns it)
+            st.steps_run += 1
+            with st.clock.captured_step(st.step_kernels):
+                st.shared.replay(routes, captured=True)  # read before the next replay
+                st.clock.compiled_step()
+        return None
+
+    def read(self) -> list[list[int]]:
+        return [self.static._proposals[0, :self.k].tolist()]  # the window's one read

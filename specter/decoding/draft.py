@@ -11,8 +11,9 @@ A speculative engine's draft is one part with the small interface of `Draft`:
   draft, baselines/specmoe.py).
 
 Where a draft's KV lives is its layout, with `steps(...)` (propose K tokens over a cache, one
-forward per step: `draft_steps`, a generator, so the window loop plans its prefetches between
-the steps) and `commit`: `SharedKV` (the target's own instance in draft mode over the target's
+forward per step: `draft_steps` over the batch cache, or the compiled step's, both running
+loop.py's one draft-step loop `run_steps`, a generator, so the window loop plans its
+prefetches between the steps) and `commit`: `SharedKV` (the target's own instance in draft mode over the target's
 cache, Specter's layout: the proposals' KV is cropped after the window), `OwnKV` (a second model
 with its own cache, SpecMoEOff's), `CopiedKV` (a second model reading a per-window copy of the
 target's KV) and the compiled step's `StaticKV` (compiled_draft.py).
@@ -35,10 +36,12 @@ import dataclasses
 
 import torch
 
-from specter.counting import charging_only, host_side, routed_counts, to_device
+from specter.counting import charging_only, routed_counts
 from specter.decoding.compiled_draft import EAGER, CompiledMode, eager_batch_record
+from specter.decoding.loop import (DeviceSteps, Events, HostSteps, acceptance, run_steps,
+                                  speculative_batch)
 from specter.decoding.draft_mode import DraftMode
-from specter.decoding.batch import BatchCache, cache_bytes
+from specter.decoding.batch import BatchCache, Generation, cache_bytes
 from specter.models.introspect import experts_modules
 from specter.placement.loader import load_model
 from specter.placement.plan import PlacementPlan
@@ -228,76 +231,13 @@ class SeparateInt4Draft(Draft):
 
 def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
                 stop: set[int], out: list[list[int]], events, on_device: bool = False):
-    """Up to `k_effs[r]` proposals for each row r of `kv` into `out[r]`, one draft forward per
-    step, each told to `events` (decoding/loop.py `Events`) first: row r feeds `feeds[r]` first (its tokens the draft has not seen, ending with the
-    pending one), then its last proposal; a row that has drafted a stop token or its quota feeds
-    its last token as a hole. `pick(r, logits_row)` chooses row r's token. Yields `(i, k_eff)`
-    after each step i (1-based; k_eff is the window's last step, early once no row drafts).
-
-    `on_device` (greedy): each step's choice (the argmax) stays on the device and is the next
-    step's input; the window's proposals are read once, after its last step, and each row's
-    are cut after its first stop token. A row so drafts its whole quota even past a stop token
-    (those steps' KV is discarded with the window's, their tokens never proposed): the draft
-    step waits for the host only at the window's end."""
-    if on_device:
-        yield from _draft_steps_on_device(kv, feeds, k_effs, stop, out, events)
-        return
-    drafting = [k > 0 for k in k_effs]
-    k_max = max(k_effs)
-    for i in range(k_max):
-        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)]
-        events.forward("draft", *kv.shape(blocks))
-        logits = kv.forward(blocks, live=drafting)
-        for r in range(len(feeds)):
-            if drafting[r]:
-                tok = pick(r, logits[r, -1])
-                out[r].append(tok)
-                feeds[r] = [tok]
-                drafting[r] = tok not in stop and len(out[r]) < k_effs[r]
-        last = not any(drafting)
-        yield i + 1, (i + 1 if last else k_max)  # a window ends early once no row drafts
-        if last:
-            break
-
-
-def _draft_steps_on_device(kv: BatchCache, feeds: list[list[int]], k_effs: list[int],
-                           stop: set[int], out: list[list[int]], events):
-    """`draft_steps` with the greedy choices kept on the device (see there)."""
-    drafting = [k > 0 for k in k_effs]
-    drafted = [0] * len(feeds)
-    chosen: list[torch.Tensor] = []  # per step, every row's argmax [B] (on the device)
-    k_max = max(k_effs)
-    # Each row's next input: its last proposal, or (a row that no longer drafts: a hole) the
-    # last token it fed, as the host path feeds it.
-    with host_side():
-        feed = torch.tensor([f[-1] for f in feeds])
-    feed = to_device(feed, kv.device)
-    for i in range(k_max):
-        blocks = [f if d else f[-1:] for f, d in zip(feeds, drafting)] if i == 0 \
-            else [[0]] * len(feeds)
-        events.forward("draft", *kv.shape(blocks))
-        logits = kv.forward(blocks, live=drafting, device_ids=None if i == 0 else feed[:, None])
-        tok = logits[:, -1].argmax(dim=-1)
-        chosen.append(tok)
-        if not all(drafting):
-            with host_side():
-                live = torch.tensor(drafting)
-            feed = torch.where(to_device(live, kv.device), tok, feed)
-        else:
-            feed = tok
-        for r in range(len(feeds)):
-            if drafting[r]:
-                drafted[r] += 1
-                drafting[r] = drafted[r] < k_effs[r]
-        last = not any(drafting)
-        yield i + 1, (i + 1 if last else k_max)
-        if last:
-            break
-    table = torch.stack(chosen, dim=1).tolist()  # the window's one read of its proposals
-    for r in range(len(feeds)):
-        row = table[r][:drafted[r]]
-        cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
-        out[r].extend(row[:cut])
+    """`run_steps` over the batch cache `kv`: row r feeds `feeds[r]` first (its tokens the
+    draft has not seen, ending with the pending one), then its last proposal; a row that no
+    longer drafts feeds its last token as a hole. `pick(r, logits_row)` chooses row r's token
+    on the host; `on_device` (greedy): each step's argmax stays on the device and is the next
+    step's input."""
+    steps = (DeviceSteps if on_device else HostSteps)(kv, feeds, pick)
+    yield from run_steps(steps, k_effs, stop, out, events)
 
 
 class SharedKV:
@@ -390,3 +330,17 @@ class CopiedKV(OwnKV):
     def commit(self, n_valid: list[int]) -> None:
         """Nothing kept: the next window copies the target's KV afresh."""
         self.kv = None
+
+
+@torch.no_grad()
+def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
+                       device: torch.device, clock, stop: set[int], memory,
+                       events: "Events | None" = None, temperature: float = 0.0, generator: torch.Generator | None = None,
+                       layout=None, on_commit=None) -> Generation:
+    """One request: `speculative_batch` of one row, drafting in `layout` (None: `SharedKV`
+    over `shared`, a `DraftMode`); `on_commit(tokens)` hears each commit."""
+    return speculative_batch(model, layout or SharedKV(shared), [prompt_ids], max_new_tokens, k,
+                             device, clock, stop, memory, events,
+                             acceptance(temperature, None if generator is None else [generator],
+                                        1),
+                             on_commit=None if on_commit is None else [on_commit])[0]

@@ -1,6 +1,7 @@
-"""The decoding loops: the speculative window loop, as the paper's figure draws it, and the
-greedy loop (`greedy_decode_batch`: prefill, then one token a row a step), with the events
-both tell (`Events`).
+"""The decoding loops: the speculative window loop, as the paper's figure draws it, the one
+draft-step loop every draft path runs (`run_steps`: host picks, on-device picks, the compiled
+and the captured step), and the greedy loop (`greedy_decode_batch`: prefill, then one token a
+row a step), with the events they tell (`Events`).
 
 Owns: `speculative_batch`, one window after another: draft K tokens -> plan and issue the
 prefetches -> verify -> accept -> commit. The draft proposes K tokens one forward at a time
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specter.decoding.draft import SharedKV
+from specter.counting import host_side, to_device
 from specter.decoding.batch import BatchCache, Clock, DeviceMemory, Generation
 
 
@@ -106,20 +107,6 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         events.window_end()
         rows.leave(going, kv, draft)
     return rows.generations(clock, memory)
-
-
-@torch.no_grad()
-def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
-                       device: torch.device, clock, stop: set[int], memory,
-                       events: "Events | None" = None, temperature: float = 0.0, generator: torch.Generator | None = None,
-                       layout=None, on_commit=None) -> Generation:
-    """One request: `speculative_batch` of one row, drafting in `layout` (None: `SharedKV`
-    over `shared`, a `DraftMode`); `on_commit(tokens)` hears each commit."""
-    return speculative_batch(model, layout or SharedKV(shared), [prompt_ids], max_new_tokens, k,
-                             device, clock, stop, memory, events,
-                             acceptance(temperature, None if generator is None else [generator],
-                                        1),
-                             on_commit=None if on_commit is None else [on_commit])[0]
 
 
 @torch.no_grad()
@@ -198,6 +185,99 @@ def _check(prompts: list[list[int]], k: int) -> None:
         raise ValueError(f"k must be at least 1 (got {k})")
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
+
+
+def run_steps(steps, k_effs: list[int], stop: set[int], out: list[list[int]], events):
+    """The one draft-step loop, which every path runs (`steps`: host picks and on-device picks
+    here, the compiled and the captured step in compiled_draft.py): before step i the events
+    hear its forward (`steps.shape(i, drafting)`: tokens, context, rows), then `steps.run(i,
+    drafting)` runs it and returns each row's token (None: kept on the device). Up to
+    `k_effs[r]` proposals for row r go into `out[r]`; a row that drafted a stop token (seen on
+    the host) or its quota stops drafting. Yields `(i, k_eff)` after each step i (1-based;
+    k_eff is the window's last step, early once no row drafts). Proposals kept on the device
+    are read once, after the window's last step (`steps.read()`), and each row's are cut after
+    its first stop token: such a row drafts its whole quota (those steps' KV is discarded with
+    the window's, their tokens never proposed), so a step waits for the host only at the
+    window's end."""
+    drafting = [k > 0 for k in k_effs]
+    drafted = [0] * len(k_effs)
+    k_max = max(k_effs)
+    picks = None
+    for i in range(k_max):
+        events.forward("draft", *steps.shape(i, drafting))
+        picks = steps.run(i, drafting)
+        for r in range(len(k_effs)):
+            if drafting[r]:
+                drafted[r] += 1
+                tok = None if picks is None else picks[r]
+                if tok is not None:
+                    out[r].append(tok)
+                drafting[r] = tok not in stop and drafted[r] < k_effs[r]
+        last = not any(drafting)
+        yield i + 1, (i + 1 if last else k_max)  # a window ends early once no row drafts
+        if last:
+            break
+    if picks is None:  # kept on the device: the window's one read of its proposals
+        for r, row in enumerate(steps.read()):
+            row = row[:drafted[r]]
+            cut = next((j + 1 for j, t in enumerate(row) if t in stop), len(row))
+            out[r].extend(row[:cut])
+
+
+class HostSteps:
+    """Each step's tokens picked on the host (sampling, or greedy without a device feed)."""
+
+    def __init__(self, kv: BatchCache, feeds: list[list[int]], pick):
+        self.kv, self.feeds, self.pick = kv, feeds, pick
+        self.blocks: list[list[int]] = []
+
+    def shape(self, i: int, drafting: list[bool]):
+        self.blocks = [f if d else f[-1:] for f, d in zip(self.feeds, drafting)]
+        return self.kv.shape(self.blocks)
+
+    def run(self, i: int, drafting: list[bool]) -> list[int | None]:
+        logits = self.kv.forward(self.blocks, live=drafting)
+        picks: list[int | None] = [None] * len(self.feeds)
+        for r in range(len(self.feeds)):
+            if drafting[r]:
+                picks[r] = tok = self.pick(r, logits[r, -1])
+                self.feeds[r] = [tok]
+        return picks
+
+
+class DeviceSteps:
+    """Each step's greedy choice (the argmax) kept on the device as the next step's input."""
+
+    def __init__(self, kv: BatchCache, feeds: list[list[int]], pick=None):
+        self.kv, self.feeds = kv, feeds
+        self.chosen: list[torch.Tensor] = []  # per step, every row's argmax [B] (on the device)
+        # Each row's next input: its last proposal, or (a row that no longer drafts: a hole)
+        # the last token it fed, as the host path feeds it.
+        with host_side():
+            feed = torch.tensor([f[-1] for f in feeds])
+        self.feed = to_device(feed, kv.device)
+        self.blocks: list[list[int]] = []
+
+    def shape(self, i: int, drafting: list[bool]):
+        self.blocks = [f if d else f[-1:] for f, d in zip(self.feeds, drafting)] if i == 0 \
+            else [[0]] * len(self.feeds)
+        return self.kv.shape(self.blocks)
+
+    def run(self, i: int, drafting: list[bool]) -> None:
+        logits = self.kv.forward(self.blocks, live=drafting,
+                                 device_ids=None if i == 0 else self.feed[:, None])
+        tok = logits[:, -1].argmax(dim=-1)
+        self.chosen.append(tok)
+        if not all(drafting):
+            with host_side():
+                live = torch.tensor(drafting)
+            self.feed = torch.where(to_device(live, self.kv.device), tok, self.feed)
+        else:
+            self.feed = tok
+        return None
+
+    def read(self) -> list[list[int]]:
+        return torch.stack(self.chosen, dim=1).tolist()
 
 
 class Events:
