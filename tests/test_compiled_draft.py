@@ -15,6 +15,7 @@ from conftest import TINY, hf_greedy, run_cli
 from specter.config import HardwareConfig, ModelConfig
 from specter.settings import run_config
 from specter.decoding.draft import speculative_greedy
+from specter.decoding.loop import Events
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.compiled_draft import StaticKV, resolve_compile
 from specter.decoding.batch import DeviceMemory, eos_ids
@@ -435,12 +436,31 @@ def test_a_second_instance_captures_its_steps_after_an_eager_first_one():
     ref = _hf(lm.model, ids, 24)
     eager = _run(lm, None, ids, 24, 4, OwnKV(second.model))
     fake = FakeCuda()
-    static = StaticKV(sw2, compiler="eager", own_kv=True, capture=fake.capture_graph)
-    got = _run(lm, None, ids, 24, 4, static)
+    heard: list = []  # the loop's events and the capture, in order
+
+    class Heard:
+        def forward(self, phase, tokens, context, rows):
+            heard.append(("forward", phase))
+
+        def draft_step(self, step, last):
+            heard.append(("draft_step", step))
+
+    def capture(fn, warm):
+        heard.append(("capture",))
+        return fake.capture_graph(fn, warm)
+
+    static = StaticKV(sw2, compiler="eager", own_kv=True, capture=capture)
+    got = speculative_greedy(lm.model, None, ids, 24, 4, CPU, Timing.wall(CPU).link,
+                             eos_ids(lm.model), DeviceMemory(lm.model, CPU),
+                             events=Events(Heard()), layout=static)
     assert got.tokens == eager.tokens == ref
     assert got.stats["accepted_lens"] == eager.stats["accepted_lens"]
     assert min(eager.stats["accepted_lens"]) < 4
     assert static.captures == 1 and fake.replays == static.steps_run > 0
+    # captured between two steps (after the eager first one's, before the first replay's
+    # forward), so no step's time holds the capture
+    at = heard.index(("capture",))
+    assert heard[at - 1] == ("draft_step", 1) and heard[at + 1] == ("forward", "draft")
 
 
 def test_graphed_draft_layers_capture_no_shape_that_reads_the_routing_on_the_host(monkeypatch):

@@ -474,7 +474,7 @@ class CompiledSteps:
             tok = torch.tensor([[self.seq[-1]]], dtype=torch.long)
         return to_device(tok, self.kv.device)
 
-    def shape(self, i: int, drafting):
+    def prepare(self, i: int, drafting):
         if i == 0 and self.unseen:  # a forward of the unseen tokens, outside the batch cache
             n = len(self.seq) - 1
             return len(self.unseen), n + 1, 1
@@ -515,6 +515,15 @@ class ReplayedSteps(CompiledSteps):
         self.static._tok.fill_(self.seq[-1])  # no copy from the host
         self.static._at.zero_()
 
+    def prepare(self, i: int, drafting):
+        """Before step i's forward is told: the first window with these buffers captures the
+        step before its first replay (so no step's time holds the capture)."""
+        st = self.static
+        if st.replay is None and not (i == 0 and self.unseen):
+            with st.shared.draft(), st.shared.capturing():
+                st._capture_step()
+        return super().prepare(i, drafting)
+
     def __init__(self, static: StaticKV, kv: BatchCache, seq: list[int], unseen: list[int],
                  k: int):
         super().__init__(static, kv, seq, unseen, k)
@@ -529,8 +538,6 @@ class ReplayedSteps(CompiledSteps):
             st._at.fill_(1)
             return None
         with st.shared.draft(), st.shared.capturing():
-            if st.replay is None:  # the first window with these buffers: captured before
-                st._capture_step()  # its first step (no step's time holds it)
             with compiled_region(), draft_step.draft_step():  # one graph replay (hotpath;
                 routes = st.replay()  # the switch as captured, where Python reruns it)
             st.steps_run += 1

@@ -190,8 +190,8 @@ def _check(prompts: list[list[int]], k: int) -> None:
 def run_steps(steps, k_effs: list[int], stop: set[int], out: list[list[int]], events):
     """The one draft-step loop, which every path runs (`steps`: host picks and on-device picks
     here, the compiled and the captured step in compiled_draft.py): before step i the events
-    hear its forward (`steps.shape(i, drafting)`: tokens, context, rows), then `steps.run(i,
-    drafting)` runs it and returns each row's token (None: kept on the device). Up to
+    hear its forward (`steps.prepare(i, drafting)` readies the step and returns the forward's
+    tokens, context and rows), then `steps.run(i, drafting)` runs it and returns each row's token (None: kept on the device). Up to
     `k_effs[r]` proposals for row r go into `out[r]`; a row that drafted a stop token (seen on
     the host) or its quota stops drafting. Yields `(i, k_eff)` after each step i (1-based;
     k_eff is the window's last step, early once no row drafts). Proposals kept on the device
@@ -204,7 +204,7 @@ def run_steps(steps, k_effs: list[int], stop: set[int], out: list[list[int]], ev
     k_max = max(k_effs)
     picks = None
     for i in range(k_max):
-        events.forward("draft", *steps.shape(i, drafting))
+        events.forward("draft", *steps.prepare(i, drafting))
         picks = steps.run(i, drafting)
         for r in range(len(k_effs)):
             if drafting[r]:
@@ -231,7 +231,7 @@ class HostSteps:
         self.kv, self.feeds, self.pick = kv, feeds, pick
         self.blocks: list[list[int]] = []
 
-    def shape(self, i: int, drafting: list[bool]):
+    def prepare(self, i: int, drafting: list[bool]):
         self.blocks = [f if d else f[-1:] for f, d in zip(self.feeds, drafting)]
         return self.kv.shape(self.blocks)
 
@@ -258,7 +258,7 @@ class DeviceSteps:
         self.feed = to_device(feed, kv.device)
         self.blocks: list[list[int]] = []
 
-    def shape(self, i: int, drafting: list[bool]):
+    def prepare(self, i: int, drafting: list[bool]):
         self.blocks = [f if d else f[-1:] for f, d in zip(self.feeds, drafting)] if i == 0 \
             else [[0]] * len(self.feeds)
         return self.kv.shape(self.blocks)
