@@ -58,6 +58,42 @@ class ModelConfig:
     # this CPU (cached under $SPECTER_CACHE); rows say which (`model.origin`)
     build: str = "reference"
 
+    def validate(self) -> None:
+        if self.attn not in ("auto", "eager", "sdpa", "flash_attention_2"):
+            raise UserError(f"model.attn must be auto, eager, sdpa or flash_attention_2 "
+                            f"(got '{self.attn}').")
+        if self.weights not in ("checkpoint", "random", "inflated"):
+            raise UserError(f"model.weights must be checkpoint, random or inflated (got "
+                            f"'{self.weights}').")
+        if self.weights != "checkpoint" and self.source == "project":
+            raise UserError(f"model.weights={self.weights} builds a real model from its "
+                            f"published config; model={self.name} is project-made (its "
+                            "weights are built already): use model=deepseek, qwen, phi, "
+                            "mixtral, qwen3, olmoe or glm.")
+        if self.weights == "inflated":
+            from specter.models.inflate import SOURCES
+
+            if self.name not in SOURCES:
+                raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a "
+                                f"project-made model; model={self.name} has no inflation "
+                                "rule (model.weights=random gives its sizes).")
+        if (self.layers is not None or self.inflate_from or self.narrow) \
+                and self.weights == "checkpoint":
+            raise UserError("model.layers, model.narrow and model.inflate_from apply to "
+                            "model.weights=random or inflated only.")
+        if self.layers is not None and self.layers < 2:
+            raise UserError(f"model.layers must be at least 2 (got {self.layers}).")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise UserError(f"model.dtype must be auto, float32, float16 or bfloat16 "
+                            f"(got '{self.dtype}').")
+        for key, value in [("model.paper_k", self.paper_k),
+                           *((f"model.budget_slots.{n}", v) for n, v in self.budget_slots.items())]:
+            if value is not None and value < 1:
+                raise UserError(f"{key} must be at least 1 (got {value}).")
+        for n, value in self.budget_gb.items():
+            if not value > 0:
+                raise UserError(f"model.budget_gb.{n} must be a positive number (got {value}).")
+
 
 @dataclass
 class BudgetConfig:
@@ -69,6 +105,19 @@ class BudgetConfig:
     staging: int = 0  # expert-sized staging buffers (a pool shared by all layers) where
     # prefetches land when every resident slot of their layer is held; counted in the bytes
     reserve_gb: float = 1.0  # CUDA context, allocator slack and activations, kept out of `gb`
+
+    def validate(self) -> None:
+        if self.slots is not None and self.slots < 1:
+            raise UserError(f"budget.slots must be at least 1 (got {self.slots}).")
+        if self.gb is not None and not (0 < self.gb < float("inf")):
+            raise UserError(f"budget.gb must be a positive number of GiB (got {self.gb}).")
+        if self.gb is not None and self.slots is not None:
+            raise UserError("set budget.gb or budget.slots, not both: each decides the resident "
+                            "slots per layer.")
+        if self.staging < 0:
+            raise UserError(f"budget.staging must be >= 0 (got {self.staging}).")
+        if not (0 <= self.reserve_gb < float("inf")):
+            raise UserError(f"budget.reserve_gb must be >= 0 (got {self.reserve_gb}).")
 
 
 @dataclass
@@ -113,6 +162,19 @@ def check_setting(name: str, knob: str) -> None:
 class DatasetConfig:
     name: str  # gsm8k | wikitext2 | humaneval | gpqa | c4 | custom
     prompts: list[str] = field(default_factory=list)  # dataset=custom only
+
+    def validate(self) -> None:
+        prompts = self.prompts
+        if not isinstance(prompts, (list, tuple)) or not all(isinstance(t, str) for t in prompts):
+            raise UserError("dataset.prompts must be a list of texts, e.g. "
+                            f"dataset.prompts='[\"first prompt\", \"second\"]' (got {prompts!r}).")
+        blank = [i for i, t in enumerate(prompts) if not t.strip()]
+        if blank:
+            raise UserError(f"dataset.prompts has an empty prompt (entry {blank[0]}); every "
+                            "prompt needs text.")
+        if prompts and self.name != "custom":
+            raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
+                            f"dataset={self.name}.")
 
 
 @dataclass
@@ -178,6 +240,19 @@ class HardwareConfig:
             raise UserError(f"hardware.clock must be wall, virtual or emulated (got '{self.clock}').")
         return clock_kind(self.clock)
 
+    def validate(self) -> None:
+        for key in ("quant_group", "quant_meta_bytes"):
+            if getattr(self, key) < 1:
+                raise UserError(f"hardware.{key} must be at least 1 (got "
+                                f"{getattr(self, key)}).")
+        if self.attn_quant_group < 0:
+            raise UserError(f"hardware.attn_quant_group must be 0 (quant_group's) or a group size "
+                            f"(got {self.attn_quant_group}).")
+        for key in ("expert_bits", "attn_bits"):
+            if getattr(self, key) not in (0, 2, 3, 4, 8):
+                raise UserError(f"hardware.{key} must be 0 (unquantized), 2, 3, 4 or 8 (got "
+                                f"{getattr(self, key)}).")
+
 
 @dataclass
 class WorkloadConfig:
@@ -192,6 +267,17 @@ class WorkloadConfig:
     # Requests decoded together: consecutive items in batches of `batch` (the last may be
     # smaller), each (batch, repeat) decoded as one; 1: one request at a time.
     batch: int = 1
+
+    def validate(self) -> None:
+        for key, value in (("workload.items", self.items),
+                           ("workload.max_new_tokens", self.max_new_tokens),
+                           ("workload.repeats", self.repeats),
+                           ("workload.prompt_tokens", self.prompt_tokens),
+                           ("workload.batch", self.batch)):
+            if value < 1:
+                raise UserError(f"{key} must be at least 1 (got {value}).")
+        if not (self.temperature >= 0 and self.temperature < float("inf")):
+            raise UserError(f"workload.temperature must be >= 0 (got {self.temperature}).")
 
 
 @dataclass
@@ -210,6 +296,23 @@ class QuantConfig:
     # fixed-shape backend: triton, gather_int4 or fused_int4; auto: on where both hold)
     path: str | None = None  # a GPTQ checkpoint (GPTQModel / AutoGPTQ layout) to import as is
 
+    def validate(self) -> None:
+        for key, value in [("quant.group", self.group), ("quant.calib_tokens", self.calib_tokens)]:
+            if value is not None and value < 1:
+                raise UserError(f"{key} must be at least 1 (got {value}).")
+        if not self.damp > 0:
+            raise UserError(f"quant.damp must be a positive number (got {self.damp}).")
+        if self.bits not in (2, 3, 4, 8):
+            raise UserError(f"quant.bits must be 2, 3, 4 or 8 (got {self.bits}).")
+        backends = ("auto", "reference", "cpu_int4", "cuda_int4", "triton", "gather_int4",
+                    "fused_int4")
+        if self.backend not in backends:  # specter/quant/kernels.py BACKENDS, and auto
+            raise UserError(f"unknown quant.backend '{self.backend}'; choose one of: "
+                            f"{', '.join(backends)}.")
+        if self.graphs not in ("auto", "on", "off"):
+            raise UserError(f"unknown quant.graphs '{self.graphs}'; choose one of: "
+                            "auto, on, off.")
+
 
 @dataclass
 class OffloadConfig:
@@ -221,6 +324,14 @@ class OffloadConfig:
     # (captured on CUDA; charged as captured on a virtual clock whose profile has a kernel
     # floor) | on | off
     verify_pieces: str = "auto"
+
+    def validate(self) -> None:
+        if self.verify_pieces not in ("auto", "on", "off"):
+            raise UserError(f"offload.verify_pieces must be auto, on or off "
+                            f"(got {self.verify_pieces!r}).")
+        if self.grouped not in ("auto", True, False, "padded"):
+            raise UserError(f"offload.grouped must be auto, true, false or padded "
+                            f"(got {self.grouped!r}).")
 
 
 @dataclass
@@ -244,6 +355,22 @@ class SpecConfig:
     # for it on CUDA, gather_int4 on the CPU, on a real clock: quant/build.py)
     compile: str = "auto"
     compile_backend: str = "inductor"  # torch.compile's backend ("eager": graph check only)
+
+    def validate(self) -> None:
+        k = self.k
+        if isinstance(k, str) and k not in ("auto", "adaptive"):
+            raise UserError(f"spec.k must be a positive integer, auto or adaptive (got '{k}').")
+        if self.k_max < 1:
+            raise UserError(f"spec.k_max must be at least 1 (got {self.k_max}).")
+        if isinstance(k, int) and k < 1:
+            raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {k}).")
+        if not self.profile_ks or min(self.profile_ks) < 1:
+            raise UserError("spec.profile_ks must list draft depths of at least 1.")
+        if self.profile_prompts < 1 or self.profile_runs < 1:
+            raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
+        if self.compile not in COMPILE_MODES:
+            raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
+                            f"(got '{self.compile}').")
 
 
 COMPILE_MODES = ("auto", "on", "off")  # spec.compile and system.compile
@@ -275,127 +402,24 @@ class RunConfig:
         return cfg
 
     def validate(self) -> None:
+        """Each group checks its own knobs (its `validate`), then what spans groups."""
         if not str(self.out_dir).strip():
             raise UserError("out_dir is empty; name a folder for the records (e.g. out_dir=results/x).")
         for key in ("out_dir", "cache_dir", "data_dir"):  # `~` means the home folder
             value = getattr(self, key)
             if isinstance(value, str) and value.startswith("~"):
                 setattr(self, key, os.path.expanduser(value))
-        prompts = self.dataset.prompts
-        if not isinstance(prompts, (list, tuple)) or not all(isinstance(t, str) for t in prompts):
-            raise UserError("dataset.prompts must be a list of texts, e.g. "
-                            f"dataset.prompts='[\"first prompt\", \"second\"]' (got {prompts!r}).")
-        blank = [i for i, t in enumerate(prompts) if not t.strip()]
-        if blank:
-            raise UserError(f"dataset.prompts has an empty prompt (entry {blank[0]}); every "
-                            "prompt needs text.")
-        if prompts and self.dataset.name != "custom":
-            raise UserError(f"dataset.prompts applies to dataset=custom only, not to "
-                            f"dataset={self.dataset.name}.")
-        if self.model.attn not in ("auto", "eager", "sdpa", "flash_attention_2"):
-            raise UserError(f"model.attn must be auto, eager, sdpa or flash_attention_2 "
-                            f"(got '{self.model.attn}').")
-        if self.model.weights not in ("checkpoint", "random", "inflated"):
-            raise UserError(f"model.weights must be checkpoint, random or inflated (got "
-                            f"'{self.model.weights}').")
-        if self.model.weights != "checkpoint" and self.model.source == "project":
-            raise UserError(f"model.weights={self.model.weights} builds a real model from its "
-                            f"published config; model={self.model.name} is project-made (its "
-                            "weights are built already): use model=deepseek, qwen, phi, "
-                            "mixtral, qwen3, olmoe or glm.")
-        if self.model.weights == "inflated":
-            from specter.models.inflate import SOURCES
-
-            if self.model.name not in SOURCES:
-                raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a "
-                                f"project-made model; model={self.model.name} has no inflation "
-                                "rule (model.weights=random gives its sizes).")
-        if (self.model.layers is not None or self.model.inflate_from or self.model.narrow) \
-                and self.model.weights == "checkpoint":
-            raise UserError("model.layers, model.narrow and model.inflate_from apply to "
-                            "model.weights=random or inflated only.")
-        if self.model.layers is not None and self.model.layers < 2:
-            raise UserError(f"model.layers must be at least 2 (got {self.model.layers}).")
-        for key in ("quant_group", "quant_meta_bytes"):
-            if getattr(self.hardware, key) < 1:
-                raise UserError(f"hardware.{key} must be at least 1 (got "
-                                f"{getattr(self.hardware, key)}).")
-        if self.hardware.attn_quant_group < 0:
-            raise UserError(f"hardware.attn_quant_group must be 0 (quant_group's) or a group size "
-                            f"(got {self.hardware.attn_quant_group}).")
-        for key in ("expert_bits", "attn_bits"):
-            if getattr(self.hardware, key) not in (0, 2, 3, 4, 8):
-                raise UserError(f"hardware.{key} must be 0 (unquantized), 2, 3, 4 or 8 (got "
-                                f"{getattr(self.hardware, key)}).")
-        if self.model.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise UserError(f"model.dtype must be auto, float32, float16 or bfloat16 "
-                            f"(got '{self.model.dtype}').")
+        for group in (self.dataset, self.model, self.hardware, self.quant, self.workload,
+                      self.spec):
+            group.validate()
         for key in ("seed", "model_seed"):
             if getattr(self, key) < 0:
                 raise UserError(f"{key} must be >= 0 (got {getattr(self, key)}).")
-        m, q = self.model, self.quant
-        for key, value in [("model.paper_k", m.paper_k), ("quant.group", q.group),
-                           ("quant.calib_tokens", q.calib_tokens),
-                           *((f"model.budget_slots.{n}", v) for n, v in m.budget_slots.items())]:
-            if value is not None and value < 1:
-                raise UserError(f"{key} must be at least 1 (got {value}).")
-        for key, value in [("quant.damp", q.damp),
-                           *((f"model.budget_gb.{n}", v) for n, v in m.budget_gb.items())]:
-            if not value > 0:
-                raise UserError(f"{key} must be a positive number (got {value}).")
-        if q.bits not in (2, 3, 4, 8):
-            raise UserError(f"quant.bits must be 2, 3, 4 or 8 (got {q.bits}).")
-        backends = ("auto", "reference", "cpu_int4", "cuda_int4", "triton", "gather_int4",
-                    "fused_int4")
-        if self.quant.backend not in backends:  # specter/quant/kernels.py BACKENDS, and auto
-            raise UserError(f"unknown quant.backend '{self.quant.backend}'; choose one of: "
-                            f"{', '.join(backends)}.")
-        if self.quant.graphs not in ("auto", "on", "off"):
-            raise UserError(f"unknown quant.graphs '{self.quant.graphs}'; choose one of: "
-                            "auto, on, off.")
-        w = self.workload
-        for key, value in (("workload.items", w.items), ("workload.max_new_tokens", w.max_new_tokens),
-                           ("workload.repeats", w.repeats), ("workload.prompt_tokens", w.prompt_tokens),
-                           ("workload.batch", w.batch)):
-            if value < 1:
-                raise UserError(f"{key} must be at least 1 (got {value}).")
-        k = self.spec.k
-        if isinstance(k, str) and k not in ("auto", "adaptive"):
-            raise UserError(f"spec.k must be a positive integer, auto or adaptive (got '{k}').")
-        if self.spec.k_max < 1:
-            raise UserError(f"spec.k_max must be at least 1 (got {self.spec.k_max}).")
-        if isinstance(k, int) and k < 1:
-            raise UserError(f"spec.k (the draft depth K) must be at least 1 (got {k}).")
-        if not self.spec.profile_ks or min(self.spec.profile_ks) < 1:
-            raise UserError("spec.profile_ks must list draft depths of at least 1.")
-        if self.spec.profile_prompts < 1 or self.spec.profile_runs < 1:
-            raise UserError("spec.profile_prompts and spec.profile_runs must be at least 1.")
-        if not (w.temperature >= 0 and w.temperature < float("inf")):
-            raise UserError(f"workload.temperature must be >= 0 (got {w.temperature}).")
-        if self.spec.compile not in COMPILE_MODES:
-            raise UserError(f"spec.compile must be one of {', '.join(COMPILE_MODES)} "
-                            f"(got '{self.spec.compile}').")
         self.system.validate()
         # offload.policy names a class of specter/offload/policy.py: the composition root
         # checks it (compose.settle), so this module imports nothing of the core
-        if self.offload.verify_pieces not in ("auto", "on", "off"):
-            raise UserError(f"offload.verify_pieces must be auto, on or off "
-                            f"(got {self.offload.verify_pieces!r}).")
-        if self.offload.grouped not in ("auto", True, False, "padded"):
-            raise UserError(f"offload.grouped must be auto, true, false or padded "
-                            f"(got {self.offload.grouped!r}).")
-        b = self.budget
-        if b.slots is not None and b.slots < 1:
-            raise UserError(f"budget.slots must be at least 1 (got {b.slots}).")
-        if b.gb is not None and not (0 < b.gb < float("inf")):
-            raise UserError(f"budget.gb must be a positive number of GiB (got {b.gb}).")
-        if b.gb is not None and b.slots is not None:
-            raise UserError("set budget.gb or budget.slots, not both: each decides the resident "
-                            "slots per layer.")
-        if b.staging < 0:
-            raise UserError(f"budget.staging must be >= 0 (got {b.staging}).")
-        if not (0 <= b.reserve_gb < float("inf")):
-            raise UserError(f"budget.reserve_gb must be >= 0 (got {b.reserve_gb}).")
+        self.offload.validate()
+        self.budget.validate()
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
