@@ -75,11 +75,13 @@ def trace(model: str, tokens: int) -> dict[tuple[str, str], int]:
     return seen
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny_deepseek")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--max", nargs=2, type=int, metavar=("FILES", "FUNCTIONS"),
+                    help="exit 1 when three calls deep reads more (issue 57's goal: 8 40)")
     args = ap.parse_args()
     seen = trace(args.model, args.tokens)
     table = []
@@ -100,7 +102,13 @@ def main() -> None:
         args.json.write_text(json.dumps({"summary": table, "functions": [
             {"file": f, "function": n, "depth": d} for (f, n), d in sorted(seen.items())]},
             indent=1))
+    three = table[2]
+    if args.max and (three["files"] > args.max[0] or three["functions"] > args.max[1]):
+        print(f"three calls deep: {three['files']} files, {three['functions']} functions; more "
+              f"than {args.max[0]} / {args.max[1]}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
