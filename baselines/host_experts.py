@@ -5,7 +5,7 @@ kTransformers and Fiddler's decode.
 The non-expert weights (attention, norms, routers, shared experts, the lm head) and the KV
 cache stay on the device. Per MoE layer the tokens' activations go down the link once, the
 host computes each expert the router chose and sums their weighted products in expert-id
-order, and the sum comes back once (offload/runtime.py `_host_layer`). The device holds no
+order, and the sum comes back once (offload/host.py `HostPath.layer_sum`). The device holds no
 expert slots under any budget. Greedy; a CPU run's host computes in the model's dtype, so its
 tokens equal `resident`'s. On the virtual clock the host's time is the hardware profile's host
 rates (conf/host/: memory-bound at batch 1, FLOP-bound as tokens grow), the activations' trips

@@ -57,7 +57,8 @@ from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.clock.timing import Timing
 from specter.offload.prefetch import WindowPrefetcher
-from specter.offload.runtime import OffloadRuntime, host_layer_sum
+from specter.offload.mlp import host_layer_sum
+from specter.offload.runtime import OffloadRuntime
 
 ENGINE = SpeculativeEngine
 K_DEFAULT = 4

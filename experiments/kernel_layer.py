@@ -19,7 +19,7 @@ from torch import nn
 
 from specter.errors import UserError
 from specter.grouping import group_by_expert
-from specter.offload.runtime import expert_output, sum_in_expert_order
+from specter.offload.mlp import expert_output, sum_in_expert_order
 from specter.quant.formats import QuantizedMatrix, effective_group
 
 GROUP = 128  # conf/quant: the draft's INT4 group size

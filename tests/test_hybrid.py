@@ -102,14 +102,14 @@ def test_the_decision_against_hand_arithmetic():
     tokens = {3: 1, 5: 40}
     host_1 = cost.host_expert_job_s(1)
     assert host_1 < copy_s + cost.expert_s(1)  # one token: the host wins on a slow link
-    chosen = rt._host_side([3, 5], tokens)
+    chosen = rt.host.decide([3, 5], tokens)
     # expert 5 after expert 3 on the host, against its copy alone on the link
     expect_5 = host_1 + cost.host_expert_job_s(40) < copy_s + cost.expert_s(40)
     assert chosen == ([3, 5] if expect_5 else [3])
     # A prefetched expert still in flight: the host takes it only if its copy lands too late.
     now = rt.link.now()
-    assert rt._host_side([], {7: 1}, {7: now + 1.0}) == [7]
-    assert rt._host_side([], {7: 1}, {7: now}) == []
+    assert rt.host.decide([], {7: 1}, {7: now + 1.0}) == [7]
+    assert rt.host.decide([], {7: 1}, {7: now}) == []
     t0 = rt.link.now()
     job = rt.link.host(lambda: "value", 0.01)
     rt.link.compute(0.004)
@@ -241,12 +241,12 @@ def test_converted_host_copies_are_made_ahead_by_the_lookahead_and_keep_the_arit
     def run(lookahead: bool):
         engine, lm = engine_for("tiny_deepseek", "specter_hybrid", hardware=dict(SLOW, clock="emulated"))
         rt = engine.runtime
-        rt.host_weights = HostWeights(rt.cache.store, torch.float64, capacity=64)
+        rt.host.weights = HostWeights(rt.cache.store, torch.float64, capacity=64)
         # a draft that routes as verification will: its predictions are the experts the host
         # is then asked for, whatever the trained weights
         engine.draft.draft_mode.draft_layers = exact_draft_layers(lm.model, rt.cache.store)
         if not lookahead:
-            rt.prepare_host = lambda l, experts: 0
+            rt.host.prepare = lambda l, experts: 0
         engine.reset()
         gens = engine.generate_batch(prompts(lm.tokenizer, 2), 12)
         rt.link.close()

@@ -5,6 +5,7 @@ noise) token-identical to the target on every tiny architecture and budget."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -377,7 +378,7 @@ class _Cache:
 class _Runtime:
     def __init__(self, cache):
         self.cache, self.last_needed = cache, {}
-        self.host_compute = False  # the orchestrator hands the host nothing
+        self.host = SimpleNamespace(misses=False)  # the orchestrator hands the host nothing
 
 
 def _drive(orch, link, routing, step_s):

@@ -34,7 +34,7 @@ from specter.decoding.batch import BatchCache, Generation, cache_bytes
 from specter.decoding.compiled_draft import index_kept, settle_compile
 from specter.decoding.loop import Events
 from specter.experts import experts_of
-from specter.offload.runtime import expert_mlp
+from specter.offload.mlp import expert_mlp
 
 def _fixed_shape_experts(owner, layer, self, hidden_states, top_k_index, top_k_weights):
     """One token's routed experts with no host read: hidden [1, H], top_k_* [1, k]. HF's loop

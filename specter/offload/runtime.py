@@ -1,15 +1,18 @@
-"""The offloaded-experts runtime: transformers' experts interface -> store, cache, link, clock.
+"""The offloaded-experts runtime: the target seat of the experts dispatcher -> store, cache,
+link, clock.
 
-Owns: registering the `specter` experts implementation (transformers calls it once per MoE
-layer with the router's choice; routers, attention, norms and shared experts stay Hugging
-Face's and untouched), executing a layer's routed experts from device slots (one host read
-of the routing, the misses' copies issued together, then rounds of one fixed-launch kernel
-each: the resident experts while the misses stream in, `_rounds`, offload/grouped.py; results
-summed in expert order exactly as HF's eager path does), and the per-request demand
-statistics. The steps it runs itself (router, its own host work, each expert or grouped call)
-are reported to its clock (specter/clock/observer.py; a no-op on real clocks).
-Does not own: what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what to
-evict (policy.py), how bytes move and time passes (link.py), the decode loops (decoding/).
+Owns: executing a layer's routed experts from device slots (`experts_forward`, in the target
+seat of specter/experts.py: transformers calls it once per MoE layer with the router's
+choice; routers, attention, norms and shared experts stay Hugging Face's and untouched): one
+host read of the routing, the misses' copies issued together, then rounds of one fixed-launch
+kernel each: the resident experts while the misses stream in (`Rounds`, offload/grouped.py),
+results summed in expert order exactly as HF's eager path does; `prefetch`; and the
+per-request demand statistics (`DemandStats`, an observer of the loop's events). The steps it
+runs itself (router, its own host work, each expert or grouped call) are reported to its
+clock (specter/clock/observer.py; a no-op on real clocks).
+Does not own: the host's share (offload/host.py `HostPath`), an expert's arithmetic
+(offload/mlp.py), what to prefetch (a `LayerPrefetcher` passed in: offload/prefetch.py), what
+to evict (policy.py), how bytes move and time passes (link.py), the decode loops (decoding/).
 
 T = tokens in this forward, k = top-k, H = hidden, E = routed experts.
 """
@@ -30,8 +33,9 @@ from specter.offload.cache import ExpertCache
 from specter.clock.costmodel import CostModel
 from specter.clock.observer import runtime_clock
 from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
-from specter.offload.host import HostWeights
+from specter.offload.host import HostPath
 from specter.offload.link import Link
+from specter.offload.mlp import expert_output, sum_in_expert_order
 from specter.offload.prefetch import LayerPrefetcher
 
 COUNTED_PHASES = ("decode", "verify")  # the target's decoding demand: not prefill, not the draft
@@ -284,9 +288,11 @@ class OffloadRuntime:
         self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
         self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
         self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
-        # the host's compute copies (offload/host.py), made on first use
-        self.host_weights: HostWeights | None = None
         self.modules = [m for _, m in experts_modules(model)]
+        # the host's side: which experts it computes, its jobs and compute copies
+        self.host = HostPath(cache, link, self.rates, self.stats, device=self.device,
+                             layers=len(self.modules), misses=host_misses, every=host_all,
+                             serial=self.compute.serial)
         for l, m in enumerate(self.modules):
             m._specter_moe_layer = l
             # The fused copies are already gone: the store (store.py) took every expert.
@@ -310,8 +316,8 @@ class OffloadRuntime:
     def reset(self) -> None:
         self.cache.reset()
         self.stats.clear()
-        if self.host_weights is not None:
-            self.host_weights.reset_stats()
+        if self.host.weights is not None:
+            self.host.weights.reset_stats()
         self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
         self.link.reset_stats()
 
@@ -337,11 +343,11 @@ class OffloadRuntime:
         # 2. Demand: hits stay, misses are admitted (never evicting a needed expert).
         hits, misses = self._demand(layer)
         # 3. Host: misses, and prefetches still in flight, the host would finish sooner.
-        host = self._to_host(layer, hits, misses)
+        host = self.host.choose(layer, hits, misses)
         if host:
             misses = [e for e in misses if e not in host]
             hits = [e for e in hits if e not in host]
-        jobs = [self._host_expert(layer, e) for e in host]
+        jobs = [self.host.expert_job(layer, e) for e in host]
         cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
         cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
         # 4. Copy: the misses' copies issued together (those that found no slot yet wait; overlap
@@ -387,17 +393,21 @@ class OffloadRuntime:
             self.stats.pair_hits += sum(groups.counts[e] for e in hits)
         return hits, misses
 
-    def _to_host(self, layer: Layer, hits: list[int], misses: list[int]) -> list[int]:
-        """The experts the host computes (`host_misses` only: `_host_side`), counted."""
-        if not self.host_compute:
-            return []
-        cache, l, counts = self.cache, layer.l, layer.groups.counts
-        late = {e: cache.arrival(l, e) for e in hits if not cache.ready(l, e)}
-        host = self._host_side(misses, counts, late)
-        if host and self.stats.counting:
-            self.stats.host_experts += len(host)
-            self.stats.host_tokens += sum(counts[e] for e in host)
-        return host
+    def _host_layer(self, module, l: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Every routed expert of MoE layer `l` on the host (`host_all`): the routing grouped
+        on the host, this request's demand statistics, then the host's one job
+        (offload/host.py `HostPath.layer_sum`)."""
+        groups = group_by_expert(top_k_index.to(torch.device("cpu")),
+                                 self.cache.store.layout.num_experts)
+        self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
+        self.last_shape[l] = tuple(top_k_index.shape)
+        if self.stats.counting:
+            self.stats.distinct[l].update(groups.needed)
+            self.stats.forward_distinct.append(len(groups.needed))
+            self.stats.host_experts += len(groups.needed)
+            self.stats.host_tokens += top_k_weights.numel()
+        return self.host.layer_sum(module, l, hidden, groups, top_k_weights)
 
     def kernel(self) -> str | None:
         """The fixed-launch kernel (offload/grouped.py KERNELS) a layer's resident experts
@@ -409,117 +419,17 @@ class OffloadRuntime:
         """Whether a layer's resident experts compute in fixed-launch rounds (`kernel`)."""
         return self.kernel() is not None
 
-    def _host_side(self, misses: list[int], tokens_of: dict[int, int],
-                   late: dict[int, float | None] | None = None) -> list[int]:
-        """The experts the host computes: each expert still in flight (`late`: when its copy
-        lands) whose host job would end before it lands and computes (the copy goes on and
-        stays resident), then in order each miss whose host job (after the host's earlier
-        jobs) would end before its copy (after the copies queued) lands and computes.
-        Seconds from `rates` (the virtual clock's cost model, or a real clock's profile),
-        scaled to the link's clock; on a real clock the queues are the link's estimates, read
-        on the host's own clock (`host_now`: no device wait)."""
-        if not misses and not any(t is not None for t in (late or {}).values()):
-            return []  # nothing to decide
-        rates, link = self.rates, self.link
-        scale = link.time_scale
-        now = link.host_now()
-        host_free, copy_free = max(now, link.host_free()), max(now, link.copy_engine_free())
-        copy_s = rates.transfer_s(rates.expert_transfer_bytes()) * scale
-        chosen = []
-        for e, lands in (late or {}).items():
-            host_end = host_free + rates.host_expert_job_s(tokens_of[e]) * scale
-            if lands is not None and host_end < lands + rates.expert_s(tokens_of[e]) * scale:
-                chosen.append(e)
-                host_free = host_end
-        for e in misses:
-            n = tokens_of[e]
-            host_end = host_free + rates.host_expert_job_s(n) * scale
-            if host_end < copy_free + copy_s + rates.expert_s(n) * scale:
-                chosen.append(e)
-                host_free = host_end
-            else:
-                copy_free += copy_s
-        return chosen
-
-    def _host_layer(self, module, l: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Every routed expert of MoE layer `l` on the host (`host_all`): the routing, the
-        weights and the T tokens' activations [T, H] down once each (beside a GPU: three
-        reads, the routing grouped on the host), each needed expert's weighted products summed
-        on the host in expert-id order (as HF's eager loop sums: bitwise resident's on a CPU
-        run), the sum [T, H] back once. One host job; the compute stream waits for it."""
-        cpu, weights = torch.device("cpu"), self.host_weights_for()
-        groups = group_by_expert(top_k_index.to(cpu), self.cache.store.layout.num_experts)
-        self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
-        self.last_shape[l] = tuple(top_k_index.shape)
-        if self.stats.counting:
-            self.stats.distinct[l].update(groups.needed)
-            self.stats.forward_distinct.append(len(groups.needed))
-            self.stats.host_experts += len(groups.needed)
-            self.stats.host_tokens += top_k_weights.numel()
-        x = hidden.to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
-        w = top_k_weights.to(cpu, weights.dtype)
-        act, serial = module._apply_gate, self.serial
-
-        def job() -> torch.Tensor:
-            return host_layer_sum(x, groups, w, lambda e: weights.get(l, e), act, serial)
-
-        seconds = self.rates.host_layer_job_s(list(groups.counts.values()), hidden.shape[0]) \
-            if self.rates is not None else 0.0  # a real clock without a profile: the job's own time
-        return self.link.wait_host(self.link.host(job, seconds)).to(hidden.device, hidden.dtype)
-
-    def _host_expert(self, layer: Layer, e: int):
-        """Expert `e` queued on the host CPU from its host copy: the host job whose value is
-        the weighted output [n, H] on the CPU. The host computes in the model's dtype on a CPU
-        run (the same arithmetic as the device: lossless) and in fp32 beside a GPU (CPUs lack
-        fast fp16/bf16 kernels; the tokens may then differ)."""
-        pos, token_idx = layer.groups.of(e)
-        cpu, weights = torch.device("cpu"), self.host_weights_for()
-        x = layer.hidden[token_idx].to(cpu, weights.dtype)  # beside a GPU: the activations' D2H (a sync)
-        w = layer.top_k_weights[token_idx, pos, None].to(cpu, weights.dtype)
-        act, serial, l = layer.module._apply_gate, self.serial, layer.l
-
-        def job() -> torch.Tensor:
-            return expert_mlp(x, *weights.get(l, e), act, serial) * w
-
-        return self.link.host(job, self.rates.host_expert_job_s(token_idx.numel()))
-
     def as_record(self) -> dict:
         """This request's demand statistics, and the host's converted copies when it had some
         (`host_ready_hits`: host jobs that found their expert converted already;
         `host_prepares`: conversions the draft's lookahead queued)."""
         rec = self.stats.as_record()
-        w = self.host_weights
+        w = self.host.weights
         rec["host_ready_hits"] = w.ready_hits if w is not None and not w.same else 0
         rec["host_prepares"] = w.prepares if w is not None and not w.same else 0
         rec["grouped_experts"] = self.grouping()
         rec["experts_kernel"] = self.kernel() or "loop"
         return rec
-
-    def host_weights_for(self) -> HostWeights:
-        """The host's compute copies: the model's dtype on a CPU run, fp32 beside a GPU (made
-        once; converted copies kept for up to 4 experts per MoE layer: for DeepSeek-V2-Lite
-        104 fp32 experts, 3.6 GB of host memory)."""
-        if self.host_weights is None:
-            store = self.cache.store
-            # host_all computes every expert from the store's own dtype, as llama.cpp computes
-            # from the stored format (fp32 copies of every expert would double the host's bytes)
-            same = self.device.type == "cpu" or self.host_all
-            dtype = store.layout.dtype if same else torch.float32
-            self.host_weights = HostWeights(store, dtype, 4 * len(self.modules))
-        return self.host_weights
-
-    def prepare_host(self, l: int, experts) -> int:
-        """The draft's lookahead: experts of MoE layer `l` the draft predicts that will not be
-        resident are converted to the host's compute dtype now, on the host thread, so a host
-        job for them at verification skips that pass (nothing to do on a CPU run)."""
-        weights = self.host_weights_for()
-        if weights.same or self.link.charged:  # the virtual host reads half precision
-            return 0
-        # one read of the half-precision copy and one write of the fp32 one
-        seconds = 3 * self.cache.store.layout.nbytes / self.rates.hw.host_mem_bandwidth_Bps
-        return sum(weights.prepare(self.link, l, e, seconds) for e in experts
-                   if not self.cache.resident(l, e))
 
     def _issue(self, l: int, experts: list[int]) -> list[int]:
         """Load `experts` in order while a slot can be freed; returns those left waiting."""
@@ -540,48 +450,3 @@ class OffloadRuntime:
         if count and self.stats.counting:
             self.stats.prefetches += issued
         return issued
-
-
-def expert_output(hidden: torch.Tensor, pairs: tuple[torch.Tensor, torch.Tensor],
-                  top_k_weights: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
-                  serial: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """One routed expert over its (k-slot, token) `pairs` (`ExpertGroups.of(e)`, in HF's
-    order), weighted: (token_idx [n], out [n, H]). One GEMM per projection over its n tokens,
-    or (`serial`, the token-by-token ablation) one GEMV per token. `act` is the gate (SwiGLU
-    on the fused gate_up output)."""
-    pos, token_idx = pairs
-    y = expert_mlp(hidden[token_idx], gate_up, down, act, serial)  # [n, H]
-    return token_idx, y * top_k_weights[token_idx, pos, None]
-
-
-def expert_mlp(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act,
-               serial: bool = False) -> torch.Tensor:
-    """One expert's MLP over x [n, H]: one GEMM per projection, or (`serial`) one GEMV per row."""
-    def mlp(v):
-        return nn.functional.linear(act(nn.functional.linear(v, gate_up)), down)
-
-    if serial:
-        return torch.cat([mlp(x[i:i + 1]) for i in range(len(x))]) if len(x) else x
-    return mlp(x)
-
-
-def host_layer_sum(x: torch.Tensor, groups, w: torch.Tensor, views_of, act,
-                   serial: bool = False) -> torch.Tensor:
-    """A MoE layer's routed experts computed where `x` [T, H] lies (the host): every needed
-    expert of `groups` (its (gate_up, down) from `views_of(e)`) over its tokens, weighted by
-    `w` [T, k], summed in expert-id order (HF's order: bitwise the resident layer's)."""
-    final = torch.zeros_like(x)
-    for e in groups.needed:
-        token_idx, out = expert_output(x, groups.of(e), w, *views_of(e), act, serial)
-        final.index_add_(0, token_idx, out.to(final.dtype))
-    return final
-
-
-def sum_in_expert_order(hidden: torch.Tensor, outs: dict, experts: list[int]) -> torch.Tensor:
-    """The layer's output: each expert's (token_idx, out) added in `experts` order (expert-id
-    order, as HF's eager loop sums, so outputs are bitwise those of the resident model)."""
-    final = torch.zeros_like(hidden)
-    for e in experts:
-        token_idx, out = outs[e]
-        final.index_add_(0, token_idx, out.to(final.dtype))
-    return final

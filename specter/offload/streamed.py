@@ -16,7 +16,7 @@ from torch import nn
 
 from specter.experts import experts_of
 from specter.grouping import group_by_expert
-from specter.offload.runtime import expert_output, sum_in_expert_order
+from specter.offload.mlp import expert_output, sum_in_expert_order
 from specter.offload.store import HostExpertStore
 
 

@@ -10,7 +10,7 @@ the verification's own demand loading (offload/runtime.py: the target router sta
 authoritative; a layer's pins are released as soon as its verification starts).
 
 With host-computed misses on (`specter_hybrid`), each plan also hands the host the predicted
-experts it could not load (`runtime.prepare_host`): beside a GPU their fp32 copies are made
+experts it could not load (`runtime.host.prepare`, offload/host.py): beside a GPU their fp32 copies are made
 on the host thread during the draft (offload/host.py), not on verification's critical path.
 
 Hooks: `on_draft_experts(layer, top_k_index)` from the draft instance (wired by the engine);
@@ -269,9 +269,9 @@ class Orchestrator(WindowPrefetcher):
                 n += 1
         self.stats.loads += n
         self.stats.boundaries += 1
-        if self.runtime.host_compute:  # the host starts on what the plan could not load
+        if self.runtime.host.misses:  # the host starts on what the plan could not load
             for l, c in enumerate(counts):
-                self.runtime.prepare_host(l, [e for e, n_e in enumerate(c)
+                self.runtime.host.prepare(l, [e for e, n_e in enumerate(c)
                                               if n_e >= 1 and e not in self.planned[l]])
         return planner.batch_seconds(n, self.expert_bytes, self.bandwidth.value, self.latency_s)
 
