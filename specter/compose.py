@@ -207,7 +207,8 @@ def resolve_auto_hardware(cfg: RunConfig, device: torch.device, log=print) -> Ru
     """hardware=auto without a GPU: decoding systems run on the virtual clock of the fallback
     GPU profile (offloading needs a modelled link; one line says so)."""
     hw = cfg.hardware
-    if not hw.cpu_fallback or device.type != "cpu" or not hw.kind.real or cfg.system.name == "fidelity":
+    if (not hw.cpu_fallback or device.type != "cpu" or not hw.kind.real
+            or cfg.system.name == "fidelity"):
         return cfg
     profile = dataclasses.replace(load_hardware(hw.cpu_fallback), device="cpu")
     if hw.host_matrix_flops > 0:  # host=NAME chose the host CPU's rates: they stay

@@ -61,13 +61,11 @@ class Experts:
         _register()
         self.modules = [m for _, m in experts_modules(model)]
         before = _model_function(model, self.modules[0])
-        self.model_function = before
 
-        def model_target(layer, module, hidden_states, top_k_index, top_k_weights):
+        def as_the_model_ran(layer, module, hidden_states, top_k_index, top_k_weights):
             return before(module, hidden_states, top_k_index, top_k_weights)
 
-        self.model_target = model_target  # the target as the model ran it
-        self.target = model_target
+        self.target = as_the_model_ran
         self.draft = None  # a DraftMode
         self.runtime = None  # the offload runtime, when it holds the target seat
         for l, m in enumerate(self.modules):

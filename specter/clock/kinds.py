@@ -1,8 +1,8 @@
 """The four clocks a run can keep, and what each one is, asked by name of trait.
 
 Code outside this package asks a clock what it does (`charged`, `modelled`, `measured`,
-`real`, `sleeps`, `times_copies`), never which one it is: adding a fifth clock is one entry here, not a search for
-string tests. `hardware.clock` (config) names one of wall | virtual | emulated; a wall run on a
+`real`, `sleeps`, `times_copies`), never which one it is: adding a fifth clock is one entry
+here, not a search for string tests. `hardware.clock` (config) names one of wall | virtual | emulated; a wall run on a
 GPU keeps the `cuda` clock (its link times copies with CUDA events).
 
 | clock    | charged | modelled | measured | real | sleeps | times_copies |

@@ -6,7 +6,8 @@ runtime of the steps it runs itself (router, its own host work, each expert or g
 `NullClock`, the same calls doing nothing, for clocks that are the real thing (compute takes
 the time it takes). Engines, drafts, the offload runtime and the orchestrator hold one and
 call it; nothing else charges compute (clock/counted.py charges what the code issues).
-Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py, clock/virtual_link.py).
+Does not own: the cost of a step (costmodel.py), how time passes (offload/link.py,
+clock/virtual_link.py).
 """
 
 from __future__ import annotations

@@ -431,7 +431,7 @@ class StaticKV:
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], events, on_device: bool = False):
-        """draft.py `run_steps` for one row in the static cache: the pending token first (after
+        """loop.py `run_steps` for one row in the static cache: the pending token first (after
         own_kv's unseen tokens), then each proposal, each step compiled (`CompiledSteps`) or
         one replay of the captured step (`capture`). Greedy only (`resolve_compile` keeps
         sampling eager): the choices stay on the device and are read once after the window's
@@ -456,7 +456,7 @@ class StaticKV:
 
 
 class CompiledSteps:
-    """`StaticKV`'s steps, each one call of the compiled step (draft.py `run_steps`)."""
+    """`StaticKV`'s steps, each one call of the compiled step (loop.py `run_steps`)."""
 
     def __init__(self, static: StaticKV, kv: BatchCache, seq: list[int], unseen: list[int],
                  k: int):

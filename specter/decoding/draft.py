@@ -13,10 +13,11 @@ A speculative engine's draft is one part with the small interface of `Draft`:
 Where a draft's KV lives is its layout, with `steps(...)` (propose K tokens over a cache, one
 forward per step: `draft_steps` over the batch cache, or the compiled step's, both running
 loop.py's one draft-step loop `run_steps`, a generator, so the window loop plans its
-prefetches between the steps) and `commit`: `SharedKV` (the target's own instance in draft mode over the target's
-cache, Specter's layout: the proposals' KV is cropped after the window), `OwnKV` (a second model
-with its own cache, SpecMoEOff's), `CopiedKV` (a second model reading a per-window copy of the
-target's KV) and the compiled step's `StaticKV` (compiled_draft.py).
+prefetches between the steps) and `commit`: `SharedKV` (the target's own instance in draft
+mode over the target's cache, Specter's layout: the proposals' KV is cropped after the
+window), `OwnKV` (a second model with its own cache, SpecMoEOff's), `CopiedKV` (a second model
+reading a per-window copy of the target's KV) and the compiled step's `StaticKV`
+(compiled_draft.py).
 
 Each draft: `draft_mode` (the target's `DraftMode` whose draft mode the loop switches in; None
 when the draft is a second model), `layout` (None: `SharedKV` over the target's cache),
@@ -335,8 +336,8 @@ class CopiedKV(OwnKV):
 @torch.no_grad()
 def speculative_greedy(model, shared, prompt_ids: list[int], max_new_tokens: int, k: int,
                        device: torch.device, clock, stop: set[int], memory,
-                       events: "Events | None" = None, temperature: float = 0.0, generator: torch.Generator | None = None,
-                       layout=None, on_commit=None) -> Generation:
+                       events: "Events | None" = None, temperature: float = 0.0,
+                       generator: torch.Generator | None = None, layout=None, on_commit=None) -> Generation:
     """One request: `speculative_batch` of one row, drafting in `layout` (None: `SharedKV`
     over `shared`, a `DraftMode`); `on_commit(tokens)` hears each commit."""
     return speculative_batch(model, layout or SharedKV(shared), [prompt_ids], max_new_tokens, k,

@@ -191,8 +191,8 @@ def run_steps(steps, k_effs: list[int], stop: set[int], out: list[list[int]], ev
     """The one draft-step loop, which every path runs (`steps`: host picks and on-device picks
     here, the compiled and the captured step in compiled_draft.py): before step i the events
     hear its forward (`steps.prepare(i, drafting)` readies the step and returns the forward's
-    tokens, context and rows), then `steps.run(i, drafting)` runs it and returns each row's token (None: kept on the device). Up to
-    `k_effs[r]` proposals for row r go into `out[r]`; a row that drafted a stop token (seen on
+    tokens, context and rows), then `steps.run(i, drafting)` runs it and returns each row's
+    token (None: kept on the device). Up to `k_effs[r]` proposals for row r go into `out[r]`; a row that drafted a stop token (seen on
     the host) or its quota stops drafting. Yields `(i, k_eff)` after each step i (1-based;
     k_eff is the window's last step, early once no row drafts). Proposals kept on the device
     are read once, after the window's last step (`steps.read()`), and each row's are cut after

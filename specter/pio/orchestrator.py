@@ -10,8 +10,8 @@ the verification's own demand loading (offload/runtime.py: the target router sta
 authoritative; a layer's pins are released as soon as its verification starts).
 
 With host-computed misses on (`specter_hybrid`), each plan also hands the host the predicted
-experts it could not load (`runtime.host.prepare`, offload/host.py): beside a GPU their fp32 copies are made
-on the host thread during the draft (offload/host.py), not on verification's critical path.
+experts it could not load (`runtime.host.prepare`, offload/host.py): beside a GPU their fp32
+copies are made on the host thread during the draft, not on verification's critical path.
 
 Hooks: `on_draft_experts(layer, top_k_index)` from the draft instance (wired by the engine);
 the loop's events (decoding/loop.py `Events`): `forward(phase, tokens, context, rows)` before
