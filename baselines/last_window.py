@@ -41,7 +41,7 @@ class LastWindowPrefetch(WindowPrefetcher):
         self.prefetched = 0
 
     def window_end(self) -> None:
-        for layer, counts in self.runtime.last_counts.items():
+        for layer, counts in self.runtime.stats.last_counts.items():
             ranked = sorted(counts, key=lambda e: (-counts[e], e))[:self.top_m]
             self.prefetched += self.runtime.prefetch(layer, ranked, count=False)
 

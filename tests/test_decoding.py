@@ -481,8 +481,8 @@ def test_adaptive_depth_follows_the_slots_and_the_link():
         pytest.approx(20.0, rel=0.05)
     assert effective_pool(17, 64, 6, 64) == 64
     # a prefill of 40 tokens touching 30 of 64 experts in each of 2 MoE layers: pool ~30
-    runtime = SimpleNamespace(last_needed={0: list(range(30)), 1: list(range(30))},
-                              last_shape={0: (40, 6), 1: (40, 6)})
+    runtime = SimpleNamespace(stats=SimpleNamespace(
+        last_needed={0: list(range(30)), 1: list(range(30))}, last_shape={0: (40, 6), 1: (40, 6)}))
 
     def depth(copy_s, slots=13):
         return AdaptiveDepth(16, 16, view=SlotView(runtime, slots, 64, copy_s))

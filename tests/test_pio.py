@@ -377,7 +377,7 @@ class _Cache:
 
 class _Runtime:
     def __init__(self, cache):
-        self.cache, self.last_needed = cache, {}
+        self.cache, self.stats = cache, SimpleNamespace(last_needed={})
         self.host = SimpleNamespace(misses=False)  # the orchestrator hands the host nothing
 
 

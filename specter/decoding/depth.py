@@ -104,8 +104,8 @@ class SlotView:
         MoE layers: distinct experts beyond the slots)."""
         rt = self.runtime
         excess = 0.0
-        for l, needed in rt.last_needed.items():
-            tokens, self.top_k = rt.last_shape[l]
+        for l, needed in rt.stats.last_needed.items():
+            tokens, self.top_k = rt.stats.last_shape[l]
             if tokens < 1:
                 continue
             pool = effective_pool(tokens, len(needed), self.top_k, self.num_experts)

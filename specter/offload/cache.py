@@ -8,18 +8,25 @@ the compute stream after the last kernel that read it (`touch` notes a read, `en
 fences a layer's reads once per forward), which a copy into that buffer waits for and
 nothing else (link.py `copy(after=)`). Eviction order is the policy's (policy.py);
 moving bytes is the link's (link.py).
-Does not own: deciding what to load (systems and prefetchers call `load`).
+It streams a layer's experts to its forward (`stream`): ready batches, the resident ones
+first while the misses land, each batch's copies waited for with one wait; the caller's rule
+(offload/runtime.py `Rounds`, `OneByOne`) picks each batch and computes it.
+Does not own: deciding what to load (systems and prefetchers call `load`, `issue`).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
 from specter.offload.link import Link, Transfer
 from specter.offload.policy import EvictionPolicy
 from specter.offload.store import HostExpertStore
+
+
+# A stream's batch rule: (cache, layer, experts left, experts waiting) -> (batch, waiting).
+Picker = Callable[["ExpertCache", int, list[int], list[int]], tuple[list[int], list[int]]]
 
 
 class LayerCache:
@@ -136,6 +143,42 @@ class ExpertCache:
     def release_all_pins(self) -> None:
         for lc in self.layers:
             lc.pinned.clear()
+
+    # --- a forward's demand ---------------------------------------------------------------
+    def split(self, l: int, needed: list[int]) -> tuple[list[int], list[int]]:
+        """Layer `l`'s `needed` experts split into hits (resident, or their copy in flight)
+        and misses."""
+        return ([e for e in needed if self.resident(l, e)],
+                [e for e in needed if not self.resident(l, e)])
+
+    def issue(self, l: int, experts: list[int]) -> list[int]:
+        """Load `experts` in order while a slot can be freed; returns those left waiting."""
+        for i, e in enumerate(experts):
+            if self.load(l, e) is None:
+                return experts[i:]
+        return []
+
+    def stream(self, l: int, todo: list[int], waiting: list[int], pick: Picker
+               ) -> Iterator[list[int]]:
+        """Layer `l`'s experts `todo` (each resident or its copy issued; `waiting`: the misses
+        that found no slot yet) in ready batches: `pick(cache, l, todo, waiting) -> (batch,
+        waiting)` chooses each (the caller's rule); the batch's copies are waited for with one
+        wait (on the latest issued: the copy engine is FIFO) and its buffers marked read, then
+        it is yielded to be computed. Once the caller has queued its compute, the batch's
+        experts are released and the ones still waiting copied into the slots that frees
+        (after those reads), while later batches compute."""
+        while todo:
+            batch, waiting = pick(self, l, todo, waiting)
+            self.wait_all(l, batch)  # (landed ones: no stall, the bookkeeping only)
+            for e in batch:
+                self.touch(l, e)
+            yield batch
+            for e in batch:
+                self.unprotect(l, e)
+            done = set(batch)
+            todo = [e for e in todo if e not in done]
+            if waiting:
+                waiting = self.issue(l, waiting)
 
     # --- moves -------------------------------------------------------------------------
     def free_slots(self, l: int) -> int:

@@ -4,10 +4,12 @@ link, clock.
 Owns: executing a layer's routed experts from device slots (`experts_forward`, in the target
 seat of specter/experts.py: transformers calls it once per MoE layer with the router's
 choice; routers, attention, norms and shared experts stay Hugging Face's and untouched): one
-host read of the routing, the misses' copies issued together, then rounds of one fixed-launch
-kernel each: the resident experts while the misses stream in (`Rounds`, offload/grouped.py),
-results summed in expert order exactly as HF's eager path does; `prefetch`; and the
-per-request demand statistics (`DemandStats`, an observer of the loop's events). The steps it
+host read of the routing, the misses' copies issued together, then the ready batches the
+cache streams (offload/cache.py `ExpertCache.stream`: resident first while the misses land),
+each computed one way (`Rounds` of one fixed-launch kernel, offload/grouped.py, or
+`OneByOne`), results summed in expert order exactly as HF's eager path does; `prefetch`; and
+the per-request demand statistics (`DemandStats`, an observer of the loop's events, which
+also notes each layer's last forward). The steps it
 runs itself (router, its own host work, each expert or grouped call) are reported to its
 clock (specter/clock/observer.py; a no-op on real clocks).
 Does not own: the host's share (offload/host.py `HostPath`), an expert's arithmetic
@@ -29,7 +31,7 @@ from specter.experts import experts_of
 from specter.errors import UserError
 from specter.grouping import group_by_expert, read_groups
 from specter.models.introspect import experts_modules
-from specter.offload.cache import ExpertCache
+from specter.offload.cache import ExpertCache, Picker
 from specter.clock.costmodel import CostModel
 from specter.clock.observer import runtime_clock
 from specter.offload.grouped import LayerSum, grouped_products, pick_kernel
@@ -64,9 +66,41 @@ class DemandStats:
     host_tokens: int = 0  # ... and the (token, expert) pairs they served
     distinct: dict[int, set[int]] = field(default_factory=lambda: defaultdict(set))
     forward_distinct: list[int] = field(default_factory=list)  # experts needed, per layer call
+    # each MoE layer's last forward, counted or not (its experts, the tokens routed to each,
+    # its (tokens, top-k)): what the prefetchers and the adaptive depth read
+    last_needed: dict[int, list[int]] = field(default_factory=dict)
+    last_counts: dict[int, dict[int, int]] = field(default_factory=dict)
+    last_shape: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def forward(self, phase: str, tokens: int, context: int, rows: int = 1) -> None:
         self.counting = phase in COUNTED_PHASES
+
+    def demand(self, l: int, groups, shape: tuple[int, int], hits: list[int],
+               cache: ExpertCache) -> None:
+        """Layer `l`'s forward needs `groups.needed` (routing [T, k] = `shape`), of which `hits`
+        are resident (or their copy in flight) in `cache`."""
+        if self._seen(l, groups, shape):
+            self.hits += len(hits)
+            self.misses += len(groups.needed) - len(hits)
+            self.cap_hits += min(cache.slots + cache.staging, len(groups.needed))
+            self.inflight_hits += sum(not cache.ready(l, e) for e in hits)
+            self.pair_requests += shape[0] * shape[1]
+            self.pair_hits += sum(groups.counts[e] for e in hits)
+
+    def host_layer(self, l: int, groups, shape: tuple[int, int]) -> None:
+        """Layer `l`'s forward computes every expert it needs on the host (system=host_experts)."""
+        if self._seen(l, groups, shape):
+            self.host_experts += len(groups.needed)
+            self.host_tokens += shape[0] * shape[1]
+
+    def _seen(self, l: int, groups, shape: tuple[int, int]) -> bool:
+        """Note the layer's last forward; whether it counts."""
+        self.last_needed[l], self.last_counts[l], self.last_shape[l] = \
+            groups.needed, groups.counts, shape
+        if self.counting:
+            self.distinct[l].update(groups.needed)
+            self.forward_distinct.append(len(groups.needed))
+        return self.counting
 
     def clear(self) -> None:
         """Every count back to zero, before a request (`counting` stays as the last forward
@@ -130,7 +164,12 @@ class Layer:
 class Rounds:
     """Verification's experts in rounds of one fixed-launch kernel each (`kernel`, one of
     offload/grouped.py KERNELS) while the misses stream in: every miss's copy is issued before
-    anything computes. The default wherever a kernel runs without a host sync."""
+    anything computes. The default wherever a kernel runs without a host sync.
+
+    A way of computing a layer (this and `OneByOne`) answers three questions of the one path
+    in `OffloadRuntime.experts_forward`: `start` (the layer's empty sum), `picker` (the batch
+    rule of the cache's stream: offload/cache.py `ExpertCache.stream`) and `run` (a ready
+    batch's compute); `add` and `result` place the host's experts and finish the sum."""
 
     serial, overlap = False, True
 
@@ -142,53 +181,46 @@ class Rounds:
     def __init__(self, kernel: str):
         self.kernel = kernel
 
-    def compute(self, rt: "OffloadRuntime", layer: Layer, hits: list[int], misses: list[int],
-                waiting: list[int]) -> LayerSum:
-        """The layer's experts (`hits`, then `misses`, whose copies are issued; `waiting`: the
-        misses that found no slot yet) in rounds, each one `grouped_products` call over the
-        slots: whatever has landed (no wait), else the next chunk of copies in issue order
-        (prefetches still in flight, then the misses; MISS_ROUNDS chunks of them), after one
-        wait on the chunk's latest copy (the copy engine is FIFO), so a chunk computes while
-        the next one's copies land. A round's experts are released as soon as it is queued,
-        so the misses still waiting are copied into their slots (after the round's reads)
-        while later rounds wait. Host work per round, not per expert: one upload, no host
-        read. Returns the layer's sum so far (`LayerSum`)."""
-        cache, l, groups = rt.cache, layer.l, layer.groups
-        total = LayerSum(layer.hidden, layer.top_k_index, groups, layer.top_k_weights,
-                         layer.made)
-        todo = hits + misses
+    def start(self, layer: Layer) -> LayerSum:
+        """The layer's sum, empty."""
+        return LayerSum(layer.hidden, layer.top_k_index, layer.groups, layer.top_k_weights,
+                        layer.made)
+
+    def picker(self, todo: list[int]) -> Picker:
+        """The batch rule for the layer's stream (offload/cache.py `ExpertCache.stream`) over
+        `todo` (hits, then misses): whatever has landed (no wait; a chunk of it while misses
+        wait for the slots it frees), else the next chunk of copies in issue order
+        (prefetches still in flight, then the misses: MISS_ROUNDS chunks of them), so a chunk
+        computes while the next one's copies land."""
         chunk = max(1, -(-len(todo) // self.MISS_ROUNDS))
-        while todo:
+
+        def pick(cache: ExpertCache, l: int, todo: list[int], waiting: list[int]):
             resident = [e for e in todo if cache.resident(l, e)]
             if not resident:
                 raise RuntimeError(f"layer {l}: no slot can be freed for expert {todo[0]}")
-            # what has landed (a chunk of it while misses wait for the slots it frees); else
-            # the next chunk of copies in issue order (prefetches first)
             landed = [e for e in resident if cache.landed(l, e)]
-            batch = (landed[:chunk] if waiting else landed) or \
-                sorted(resident, key=lambda e: cache.issued(l, e))[:chunk]
-            cache.wait_all(l, batch)  # (landed ones: no stall, the bookkeeping only)
-            slot_of = {}
-            for e in batch:
-                cache.touch(l, e)
-                s = cache.slot(l, e)
-                if s is None:  # a staging buffer (beyond the slots): on its own
-                    rt.clock.expert(groups.counts[e])
-                    _, out = layer.expert(e, cache.weights(l, e))
-                    total.place(*groups.of(e), out)
-                else:
-                    slot_of[e] = s
-            if slot_of:  # one kernel call, charged as one (the clock follows the engine)
-                rt.clock.grouped_experts([groups.counts[e] for e in slot_of])
-                grouped_products(self.kernel, groups, slot_of, cache.slot_buffers(l),
-                                 layer.module._apply_gate, total)
-            done = set(batch)
-            for e in batch:
-                cache.unprotect(l, e)
-            todo = [e for e in todo if e not in done]
-            if waiting:
-                waiting = rt._issue(l, waiting)
-        return total
+            return ((landed[:chunk] if waiting else landed) or
+                    sorted(resident, key=lambda e: cache.issued(l, e))[:chunk]), waiting
+        return pick
+
+    def run(self, clock, cache: ExpertCache, layer: Layer, batch: list[int],
+            total: LayerSum) -> None:
+        """One round: the batch's slots in one `grouped_products` call, charged as one (the
+        clock follows the engine); a staged expert (beyond the slots) on its own. Host work
+        per round, not per expert: one upload, no host read."""
+        l, groups, slot_of = layer.l, layer.groups, {}
+        for e in batch:
+            s = cache.slot(l, e)
+            if s is None:  # a staging buffer (beyond the slots): on its own
+                clock.expert(groups.counts[e])
+                _, out = layer.expert(e, cache.weights(l, e))
+                total.place(*groups.of(e), out)
+            else:
+                slot_of[e] = s
+        if slot_of:
+            clock.grouped_experts([groups.counts[e] for e in slot_of])
+            grouped_products(self.kernel, groups, slot_of, cache.slot_buffers(l),
+                             layer.module._apply_gate, total)
 
     @staticmethod
     def add(total: LayerSum, layer: Layer, experts: list[int], outs: list[torch.Tensor]) -> None:
@@ -214,25 +246,29 @@ class OneByOne:
     def __init__(self, serial: bool = False, overlap: bool = True):
         self.serial, self.overlap = serial, overlap
 
-    def compute(self, rt: "OffloadRuntime", layer: Layer, hits: list[int], misses: list[int],
-                waiting: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-        """(token_idx, weighted out) per expert, in `hits + misses` order."""
-        cache, l, outs = rt.cache, layer.l, {}
-        for e in hits + misses:
+    def start(self, layer: Layer) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(token_idx, weighted out) per expert, filled in `hits + misses` order."""
+        return {}
+
+    def picker(self, todo: list[int]) -> Picker:
+        return self.pick
+
+    def pick(self, cache: ExpertCache, l: int, todo: list[int], waiting: list[int]):
+        """The next expert alone; not resident: the misses still waiting are copied first
+        (overlap off: only this one, now)."""
+        e = todo[0]
+        if not cache.resident(l, e):
+            waiting = cache.issue(l, waiting) if self.overlap else cache.issue(l, [e])
             if not cache.resident(l, e):
-                waiting = rt._issue(l, waiting) if self.overlap else rt._issue(l, [e])
-                if not cache.resident(l, e):
-                    raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
-            cache.wait(l, e)
-            n = layer.groups.counts[e]
-            for _ in range(n if self.serial else 1):
-                rt.clock.expert(1 if self.serial else n)
-            cache.touch(l, e)
-            outs[e] = layer.expert(e, cache.weights(l, e), self.serial)
-            cache.unprotect(l, e)
-            if waiting:
-                waiting = rt._issue(l, waiting)
-        return outs
+                raise RuntimeError(f"layer {l}: no slot can be freed for expert {e}")
+        return [e], waiting
+
+    def run(self, clock, cache: ExpertCache, layer: Layer, batch: list[int], outs: dict) -> None:
+        (e,) = batch
+        n = layer.groups.counts[e]
+        for _ in range(n if self.serial else 1):
+            clock.expert(1 if self.serial else n)
+        outs[e] = layer.expert(e, cache.weights(layer.l, e), self.serial)
 
     @staticmethod
     def add(outs: dict, layer: Layer, experts: list[int], back: list[torch.Tensor]) -> None:
@@ -269,7 +305,7 @@ class OffloadRuntime:
     computed on the host from its host copy, never admitted (Fiddler's rule; `rates`, the cost
     model that decides: the virtual clock's, or on a real clock a profile's, never charged);
     `host_all` (system=host_experts): every routed expert computed on the host, none ever
-    copied (the cache has no slots: `_host_layer`)."""
+    copied (the cache has no slots: `HostPath.layer_sum`)."""
 
     def __init__(self, model: nn.Module, cache: ExpertCache, link: Link, cost: CostModel | None,
                  prefetcher: LayerPrefetcher | None = None, *,
@@ -285,9 +321,6 @@ class OffloadRuntime:
         self.host_compute, self.host_all = host_misses, host_all
         self.stats = DemandStats()  # an observer of the loop's forwards: engines list it
         self.routed: Routed | None = None  # the next call's routing, grouped by its caller
-        self.last_needed: dict[int, list[int]] = {}  # per layer, the experts of its last forward
-        self.last_counts: dict[int, dict[int, int]] = {}  # ... and the tokens routed to each
-        self.last_shape: dict[int, tuple[int, int]] = {}  # ... and its (tokens, top-k)
         self.modules = [m for _, m in experts_modules(model)]
         # the host's side: which experts it computes, its jobs and compute copies
         self.host = HostPath(cache, link, self.rates, self.stats, device=self.device,
@@ -318,7 +351,6 @@ class OffloadRuntime:
         self.stats.clear()
         if self.host.weights is not None:
             self.host.weights.reset_stats()
-        self.last_needed, self.last_counts, self.last_shape = {}, {}, {}
         self.link.reset_stats()
 
     @torch.no_grad()
@@ -332,8 +364,11 @@ class OffloadRuntime:
             routed = None
         self.clock.router(hidden.shape[0])  # the router that just ran
         self.clock.offload_layer(hidden.shape[0])  # this method's own host work
-        if self.host_all:  # every expert on the host: the routing is grouped there
-            return self._host_layer(module, l, hidden, top_k_index, top_k_weights)
+        if self.host_all:  # every expert on the host (one job), the routing grouped there
+            groups = group_by_expert(top_k_index.to(torch.device("cpu")),
+                                     cache.store.layout.num_experts)
+            self.stats.host_layer(l, groups, tuple(top_k_index.shape))
+            return self.host.layer_sum(module, l, hidden, groups, top_k_weights)
         # 1. Route: the layer's one host read (residency is a host decision: specter/grouping.py).
         groups = (read_groups(routed.counts, routed.pos, routed.token) if routed is not None
                   else group_by_expert(top_k_index, cache.store.layout.num_experts))
@@ -341,7 +376,8 @@ class OffloadRuntime:
                       routed.made if routed is not None else None)
         needed = layer.groups.needed
         # 2. Demand: hits stay, misses are admitted (never evicting a needed expert).
-        hits, misses = self._demand(layer)
+        hits, misses = cache.split(l, needed)
+        self.stats.demand(l, groups, tuple(top_k_index.shape), hits, cache)
         # 3. Host: misses, and prefetches still in flight, the host would finish sooner.
         host = self.host.choose(layer, hits, misses)
         if host:
@@ -353,11 +389,14 @@ class OffloadRuntime:
         # 4. Copy: the misses' copies issued together (those that found no slot yet wait; overlap
         # off: none yet, each is copied when its turn comes), the layer prefetcher's
         # speculative loads for later layers behind them.
-        waiting = self._issue(l, misses) if self.compute.overlap else []
+        waiting = cache.issue(l, misses) if self.compute.overlap else []
         if self.prefetcher is not None:
             self.prefetcher.after_demand(self, l, hidden, top_k_index, top_k_weights)
-        # 5. Compute: the resident experts while the misses stream in, then the host's.
-        part = self.compute.compute(self, layer, hits, misses, waiting)
+        # 5. Compute: the cache streams ready batches (resident first while the misses land),
+        # each computed the chosen way (`Rounds`, `OneByOne`); then the host's experts.
+        way, part = self.compute, self.compute.start(layer)
+        for batch in cache.stream(l, hits + misses, waiting, way.picker(hits + misses)):
+            way.run(self.clock, cache, layer, batch, part)
         self.compute.add(part, layer, host, [self.link.wait_host(job).to(hidden.device)
                                              for job in jobs])
         for e in host:
@@ -371,43 +410,6 @@ class OffloadRuntime:
         cache.release_staged(l)  # staging buffers serve one forward of their layer
         cache.end_forward(l)  # later copies into this layer's slots wait for these reads only
         return final
-
-    def _demand(self, layer: Layer) -> tuple[list[int], list[int]]:
-        """The layer's needed experts split into hits (resident, or their copy in flight) and
-        misses; this request's demand statistics (when they are recorded)."""
-        cache, l, groups = self.cache, layer.l, layer.groups
-        needed = groups.needed
-        self.last_needed[l] = needed
-        self.last_counts[l] = groups.counts
-        self.last_shape[l] = tuple(layer.top_k_index.shape)
-        hits = [e for e in needed if cache.resident(l, e)]
-        misses = [e for e in needed if not cache.resident(l, e)]
-        if self.stats.counting:
-            self.stats.hits += len(hits)
-            self.stats.misses += len(misses)
-            self.stats.cap_hits += min(cache.slots + cache.staging, len(needed))
-            self.stats.inflight_hits += sum(not cache.ready(l, e) for e in hits)
-            self.stats.distinct[l].update(needed)
-            self.stats.forward_distinct.append(len(needed))
-            self.stats.pair_requests += layer.top_k_index.numel()
-            self.stats.pair_hits += sum(groups.counts[e] for e in hits)
-        return hits, misses
-
-    def _host_layer(self, module, l: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Every routed expert of MoE layer `l` on the host (`host_all`): the routing grouped
-        on the host, this request's demand statistics, then the host's one job
-        (offload/host.py `HostPath.layer_sum`)."""
-        groups = group_by_expert(top_k_index.to(torch.device("cpu")),
-                                 self.cache.store.layout.num_experts)
-        self.last_needed[l], self.last_counts[l] = groups.needed, groups.counts
-        self.last_shape[l] = tuple(top_k_index.shape)
-        if self.stats.counting:
-            self.stats.distinct[l].update(groups.needed)
-            self.stats.forward_distinct.append(len(groups.needed))
-            self.stats.host_experts += len(groups.needed)
-            self.stats.host_tokens += top_k_weights.numel()
-        return self.host.layer_sum(module, l, hidden, groups, top_k_weights)
 
     def kernel(self) -> str | None:
         """The fixed-launch kernel (offload/grouped.py KERNELS) a layer's resident experts
@@ -430,13 +432,6 @@ class OffloadRuntime:
         rec["grouped_experts"] = self.grouping()
         rec["experts_kernel"] = self.kernel() or "loop"
         return rec
-
-    def _issue(self, l: int, experts: list[int]) -> list[int]:
-        """Load `experts` in order while a slot can be freed; returns those left waiting."""
-        for i, e in enumerate(experts):
-            if self.cache.load(l, e) is None:
-                return experts[i:]
-        return []
 
     def prefetch(self, layer: int, experts, count: bool = True) -> int:
         """Load `experts` of MoE layer `layer` that are not resident, in order, while a slot

@@ -229,7 +229,7 @@ class Orchestrator(WindowPrefetcher):
         """After verification: score the window's plan against the target's demand."""
         s = self.stats
         s.windows += 1
-        for l, needed in self.runtime.last_needed.items():
+        for l, needed in self.runtime.stats.last_needed.items():
             need = set(needed)
             s.demand += len(need)
             s.demand_planned += len(need & self.planned[l])
