@@ -24,6 +24,6 @@ class Config(SystemConfig):
 
 
 def build(job) -> GreedyEngine:
-    from specter.system import host_compute_on
+    from specter.specter_recipe import host_compute_on
 
     return build_greedy(job, job.system.name, host_compute=host_compute_on(job.system))

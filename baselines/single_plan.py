@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specter.config import SystemConfig
 from specter.budget import Footprint
 from specter.decoding.engines import SpeculativeEngine
-from specter.system import SpecterConfig, build_planned
+from specter.specter_recipe import SpecterConfig, build_planned
 
 ENGINE = SpeculativeEngine
 FOOTPRINT = Footprint(int4_draft=True)  # the INT4 copy on the device (budget.gb)

@@ -26,10 +26,10 @@ are ours:
 - Prefetch: at every draft MoE layer, as soon as the draft's router has chosen, each expert
   of its *full* top-k (ranked by weight; the router's choice is the best guess of what the
   target will need, and the target computes all top-k) that is new in this window is loaded
-  for the target if not resident (`cache.load`, one prefetch per new expert) and pinned (also
-  if already resident) so later prefetches of the window do not evict it; pinning stops
-  once the layer's pinned set fills its slots. The copies overlap the host's draft work.
-  The runtime releases a layer's pins when verification reaches it; all pins are released
+  for the target if not resident (`cache.load`, one prefetch per new expert) and held (also
+  if already resident) so later prefetches of the window do not evict it; holding stops
+  once the layer's held set fills its slots. The copies overlap the host's draft work.
+  The runtime releases a layer's holds when verification reaches it; all holds are released
   again between windows.
 - Verification on the device: the offload runtime with the LRU cache, misses loaded on
   demand. Greedy acceptance (`speculative_greedy`) keeps the output the target's exactly.
@@ -168,8 +168,8 @@ class HostDraft(Draft):
 
 
 class WindowPrefetch(WindowPrefetcher):
-    """Loads and pins, per layer, every expert the draft's router picks that is new in the
-    window; pins stop at the layer's slot count. Told by the host draft (it ranks by the
+    """Loads and holds, per layer, every expert the draft's router picks that is new in the
+    window; holds stop at the layer's slot count. Told by the host draft (it ranks by the
     router's weights, which `on_draft_experts` does not carry)."""
 
     def __init__(self, runtime: OffloadRuntime):
@@ -179,7 +179,7 @@ class WindowPrefetch(WindowPrefetcher):
         self.new_window()
 
     def new_window(self) -> None:
-        self.runtime.cache.release_all_pins()
+        self.runtime.cache.release_all_holds()
         self.seen = [set() for _ in self.runtime.modules]
 
     def __call__(self, layer: int, top_k_index, top_k_weights, kept_index) -> None:
@@ -188,13 +188,13 @@ class WindowPrefetch(WindowPrefetcher):
             if e in seen:
                 continue
             seen.add(e)
-            if len(cache.layers[layer].pinned) >= cache.slots:
+            if len(cache.layers[layer].held) >= cache.slots:
                 continue  # the layer's slots are all planned: no load could land
             if not cache.resident(layer, e):
                 if cache.load(layer, e) is None:
                     continue
                 self.prefetched += 1
-            cache.pin(layer, [e])
+            cache.hold(layer, [e])
 
     def window_end(self) -> None:
         self.new_window()
@@ -204,7 +204,7 @@ class WindowPrefetch(WindowPrefetcher):
         self.prefetched = 0
 
     def as_record(self) -> dict:
-        return {"prefetches": self.prefetched}
+        return {"window_prefetches": self.prefetched}
 
 
 def build(job, draft_top_k: int | None = None, renormalize: bool | None = None) -> SpeculativeEngine:

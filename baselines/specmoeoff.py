@@ -79,7 +79,7 @@ class RouteFrequencyPrefetch(WindowPrefetcher):
         self.prefetched = 0
 
     def as_record(self) -> dict:
-        return {"prefetches": self.prefetched, "top_m": self.top_m}
+        return {"window_prefetches": self.prefetched, "top_m": self.top_m}
 
 
 def build(job) -> SpeculativeEngine:

@@ -12,7 +12,7 @@ host memory one sweep shares stays drawn: the last random host store
 pinned and checksummed once) is kept on purpose; the device keeps nothing of a finished job.
 Does not own: turning the settings into a model and an engine (specter/compose.py, the
 composition root the library shares), Hydra (specter/settings.py converts its config before
-`run`), the systems (specter/systems.py), the record layout (records.py).
+`run`), the systems (specter/recipes.py), the record layout (records.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from specter.metrics import distinct_n, timing
 from specter.models.routing_stats import checkpoint_record
 from specter.models.zoo import build_id, default_cache_dir
 from specter.clock.counted import counted_host_costs
-from specter.systems import depth_of, recipe
+from specter.recipes import depth_of, recipe
 from specter.workloads import DATASETS, MIX, Workload, load_workload, truncate_prompt
 
 

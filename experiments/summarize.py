@@ -46,7 +46,7 @@ def variant(row: pd.Series) -> str:
 def _default(defaults, knob: str):
     """A knob's default for this system (host_compute's None means "by the system's name")."""
     if knob == "host_compute":
-        from specter.system import host_compute_on
+        from specter.specter_recipe import host_compute_on
 
         return host_compute_on(defaults)
     return getattr(defaults, knob)

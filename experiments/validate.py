@@ -110,7 +110,7 @@ def _mean(df: pd.DataFrame, column: str) -> float:
 def _knob(df: pd.DataFrame, name: str, value):
     """Rows whose `system.<name>` is `value`; a record without it (a system that lacks the
     knob, or an older record) holds the default."""
-    from specter.system import SpecterConfig
+    from specter.specter_recipe import SpecterConfig
 
     is_default = value == getattr(SpecterConfig(name="-"), name)
     col = f"cfg.system.{name}"
@@ -125,7 +125,7 @@ def _defaults(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def _variant(df: pd.DataFrame, overrides: tuple[str, ...]) -> pd.DataFrame:
-    from specter.system import SpecterConfig  # the variants are Specter's ablations
+    from specter.specter_recipe import SpecterConfig  # the variants are Specter's ablations
 
     want = {f.name: getattr(SpecterConfig(name="-"), f.name) for f in fields(SpecterConfig)
             if f.name != "name"}

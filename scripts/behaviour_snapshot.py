@@ -28,7 +28,7 @@ FIELDS = ("tpot_ms", "h2d_bytes", "hit_rate", "acceptance_rate")
 
 def _systems() -> tuple[list[str], list[str]]:
     sys.path.insert(0, str(ROOT))
-    from specter.systems import SYSTEMS, sampling_systems
+    from specter.recipes import SYSTEMS, sampling_systems
 
     decoders = [s for s in SYSTEMS if s != "fidelity"]  # fidelity measures routing, no decode
     return decoders, [s for s in decoders if s in sampling_systems()]

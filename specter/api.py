@@ -148,7 +148,7 @@ def load(model: str = "small_deepseek", *, path: str | None = None,
              f"workload.max_new_tokens={max_new_tokens}", "workload.batch=1", f"seed={seed}",
              "progress=false", *overrides]
     settings = run_config(args)
-    from specter.systems import depth_of
+    from specter.recipes import depth_of
 
     depth = depth_of(settings)
     if depth is not None and depth.mode == "auto":

@@ -15,7 +15,7 @@ hold (counted from the safetensors headers), a budget that cannot hold top-k.
 Owns: the order of those checks, the placement plan, the byte checks before loading, the load
 meter, the untimed warm-up request, and freeing a finished job.
 Does not own: the settings (specter/settings.py, specter/config.py), the registry of systems
-(specter/systems.py), workloads and records (the harness: experiments/).
+(specter/recipes.py), workloads and records (the harness: experiments/).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from specter.placement.loader import LoadedModel, load_model
 from specter.placement.plan import PlacementPlan
 from specter.settings import CONF
 from specter.specs import ClockSpec, DraftSpec, Files, Job, OffloadSpec
-from specter.systems import build_engine, check_system, depth_of, footprint, recipe
+from specter.recipes import build_engine, check_system, depth_of, footprint, recipe
 
 
 @dataclass(frozen=True)

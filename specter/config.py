@@ -123,7 +123,7 @@ class BudgetConfig:
 @dataclass
 class SystemConfig:
     """The decoding system: its `name`, and its own knobs. A system with knobs declares them
-    as a subclass (`Config` in its recipe module, e.g. specter/system.py `SpecterConfig`),
+    as a subclass (`Config` in its recipe module, e.g. specter/specter_recipe.py `SpecterConfig`),
     which `RunConfig.from_dict` builds for that system, so a knob the system does not have
     is refused by construction; conf/system/<name>.yaml lists the same knobs."""
 

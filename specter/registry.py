@@ -1,9 +1,9 @@
 """The registry of systems: each system's name -> the module (its recipe) that builds it.
 
 A new system is one line here and one module exposing `build(job) -> Engine` and `ENGINE`
-(specter/systems.py reads the rest of what a recipe declares). The table imports nothing of
+(specter/recipes.py reads the rest of what a recipe declares). The table imports nothing of
 the project, so the settings (specter/config.py: each system's `Config`) and the recipes'
-reader (specter/systems.py) both read it without importing each other. Recipes are imported
+reader (specter/recipes.py) both read it without importing each other. Recipes are imported
 by name on use (the baselines live in `baselines/`, beside this package; `fidelity` is the
 harness's routing measurement).
 """
@@ -23,8 +23,8 @@ SYSTEMS: dict[str, str] = {
     "vllm_offload": "baselines.vllm_offload",  # vLLM's cpu_offload_gb, modelled
     "lru_s": "baselines.lru_s",
     "specmoeoff": "baselines.specmoeoff",
-    "specter": "specter.system",
-    "specter_hybrid": "specter.system",  # specter with host-computed misses
+    "specter": "specter.specter_recipe",
+    "specter_hybrid": "specter.specter_recipe",  # specter with host-computed misses
     "sp_e": "baselines.single_plan",
     "sp_l": "baselines.single_plan",
     "specmoe": "baselines.specmoe",

@@ -10,7 +10,7 @@ whole argument list in this process, as run.py's entry, the library (specter/api
 experiments.validate, experiments.hotpath and the tests compose it).
 Does not own: the command-line entries and their exit statuses (run.py, specter/__main__.py),
 the typed settings and their validation (specter.config), each system's knobs
-(specter/systems.py), turning settings into parts (specter/compose.py).
+(specter/recipes.py), turning settings into parts (specter/compose.py).
 """
 
 from __future__ import annotations

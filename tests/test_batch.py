@@ -17,7 +17,7 @@ import torch
 from conftest import PROMPTS, TINY
 from steering import steered_draft
 from specter.compose import job_of
-from specter.systems import SYSTEMS, build_engine
+from specter.recipes import SYSTEMS, build_engine
 from specter.budget import resolve_slots
 from specter.config import ModelConfig, RunConfig
 from specter.decoding.batch import BatchCache, pad_id

@@ -107,7 +107,7 @@ def numeric_settings():
     the systems' own knobs included."""
     import dataclasses
 
-    from specter.systems import SYSTEMS
+    from specter.recipes import SYSTEMS
     from specter.config import RunConfig, section_classes, system_config_class
 
     out, seen = [], set()

@@ -511,7 +511,7 @@ def test_adaptive_k_is_lossless_and_records_each_windows_k(name, monkeypatch):
     """spec.k=adaptive on offloaded experts: resident's tokens; the K of every window recorded;
     a draft made wrong on purpose drives K down to the shallowest windows."""
     from specter.compose import job_of
-    from specter.systems import build_engine
+    from specter.recipes import build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.decoding.engines import resident_engine

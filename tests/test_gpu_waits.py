@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from specter.compose import job_of
-from specter.systems import build_engine
+from specter.recipes import build_engine
 from fake_cuda import FakeCuda
 from specter.budget import resolve_slots
 from specter.config import RunConfig

@@ -11,7 +11,7 @@ import torch
 
 from conftest import TINY
 from specter.compose import job_of
-from specter.systems import build_engine, footprint
+from specter.recipes import build_engine, footprint
 from specter import budget as budget_mod
 from specter.config import RunConfig, SystemConfig
 from specter.models import archs

@@ -11,7 +11,7 @@ import pytest
 
 from conftest import TINY
 from specter.compose import job_of
-from specter.systems import build_engine
+from specter.recipes import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.errors import UserError

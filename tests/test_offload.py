@@ -10,7 +10,7 @@ import torch
 
 from conftest import PROMPTS, TINY
 from specter.compose import job_of
-from specter.systems import build_engine
+from specter.recipes import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models import archs
@@ -259,7 +259,7 @@ def test_transformers_sizes_its_device_map_from_the_budgets_gib():
     the same share of the tiny model's layers stays resident, the link is charged the real
     model's 7 offloaded layers per token, and the record says what accelerate moved."""
     from specter.budget import resolve
-    from specter.systems import footprint
+    from specter.recipes import footprint
 
     cfg = RunConfig.from_dict({
         "model": {"name": "tiny_deepseek", "source": "project", "stands_for": "deepseek",

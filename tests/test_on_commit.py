@@ -24,7 +24,7 @@ from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.placement.loader import load_model
 from specter.compose import job_of
-from specter.systems import build_engine
+from specter.recipes import build_engine
 
 from test_batch import A100  # the virtual A100 with host rates (lru_hybrid's)
 

@@ -16,7 +16,7 @@ import torch
 
 from fake_cuda import FakeCuda
 from specter.compose import job_of
-from specter.systems import SYSTEMS, build_engine
+from specter.recipes import SYSTEMS, build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.decoding import engines

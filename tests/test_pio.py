@@ -1,5 +1,5 @@
 """The predictive I/O orchestrator: the planner's rules on synthetic counters and timings,
-the ELB, pins in the cache, and `system=specter` (and sp_e / sp_l, its ablations, the oracle
+the ELB, holds in the cache, and `system=specter` (and sp_e / sp_l, its ablations, the oracle
 noise) token-identical to the target on every tiny architecture and budget."""
 
 from __future__ import annotations
@@ -39,15 +39,15 @@ def test_plan_layer_ranks_pins_loads_and_caps():
     counts = [0, 5, 2, 2, 9, 0, 1, 3]  # ranked: 4(9) 1(5) 7(3) 2(2) 3(2) 6(1)
     assert planner.rank(counts) == [4, 1, 7, 2, 3, 6]
     b = planner.plan_layer(counts, resident={1, 3, 5}, planned=set(), slots=8, top_m=2)
-    assert b.pin == [1] and b.load == [4, 7]  # stops after top_m loads: 3 (resident) not pinned
+    assert b.hold == [1] and b.load == [4, 7]  # stops after top_m loads: 3 (resident) not held
     b = planner.plan_layer(counts, resident={1, 3, 5}, planned=set(), slots=3, top_m=8)
-    assert b.pin == [1] and b.load == [4, 7]  # the plan holds `slots` experts
+    assert b.hold == [1] and b.load == [4, 7]  # the plan holds `slots` experts
     b = planner.plan_layer(counts, resident={1}, planned={4, 1}, slots=4, top_m=8)
-    assert b.pin == [] and b.load == [7, 2]  # already planned: skipped, counted toward slots
+    assert b.hold == [] and b.load == [7, 2]  # already planned: skipped, counted toward slots
     b = planner.plan_layer([0] * 8, resident=set(), planned=set(), slots=4, top_m=4)
-    assert b.pin == [] and b.load == []  # count >= 1 only
+    assert b.hold == [] and b.load == []  # count >= 1 only
     plans = planner.plan_batch([counts, [1, 0, 0, 0, 0, 0, 0, 0]], [set(), {0}], [set(), set()], 2, 2)
-    assert [p.load for p in plans] == [[4, 1], []] and plans[1].pin == [0]
+    assert [p.load for p in plans] == [[4, 1], []] and plans[1].hold == [0]
     assert planner.plan_full([{1, 2}, {3, 4}], 2) and not planner.plan_full([{1, 2}, {3}], 2)
 
 
@@ -99,20 +99,20 @@ def test_elb_counts_like_bincount_and_snapshots_once_per_call():
     assert elb.snapshot() == [[0] * 8] * 3
 
 
-# -- the cache's pins ------------------------------------------------------------------------
+# -- the cache's holds ------------------------------------------------------------------------
 
 
-def test_pinned_experts_survive_later_loads_until_released():
+def test_held_experts_survive_later_loads_until_released():
     lru, _ = make_engine("tiny_deepseek", "lru", 6)
     cache = lru.runtime.cache
     cache.reset()  # experts 0..5 resident in every layer
-    cache.pin(0, [0, 1, 2, 3, 4])
-    cache.load(0, 9)  # evicts 5, the only unpinned one
+    cache.hold(0, [0, 1, 2, 3, 4])
+    cache.load(0, 9)  # evicts 5, the only unheld one
     assert cache.resident_set(0) == {0, 1, 2, 3, 4, 9}
-    cache.pin(0, [9])
+    cache.hold(0, [9])
     assert cache.free_slots(0) == 0 and cache.load(0, 10) is None  # everything is held
-    assert cache.load(1, 10) is not None  # pins are per layer
-    cache.release_pins(0)
+    assert cache.load(1, 10) is not None  # holds are per layer
+    cache.release_holds(0)
     assert cache.load(0, 10) is not None and len(cache.resident_set(0)) == 6
 
 
@@ -339,7 +339,7 @@ class _Cache:
         self.layers = [None] * layers
         self.slots, self.link, self.transfer_bytes = slots, link, nbytes
         self.res = [set(range(slots)) for _ in range(layers)]
-        self.pins = [set() for _ in range(layers)]
+        self.holds = [set() for _ in range(layers)]
         self.issued: list[tuple[float, int, int]] = []  # (time, layer, expert)
         self.inflight: dict[tuple[int, int], _Transfer] = {}
         self.staging = 0  # no staging buffers: a load that finds no slot stays unplanned
@@ -355,15 +355,15 @@ class _Cache:
     def resident_set(self, l):
         return set(self.res[l])
 
-    def pin(self, l, experts):
-        self.pins[l].update(experts)
+    def hold(self, l, experts):
+        self.holds[l].update(experts)
 
-    def release_all_pins(self):
-        for p in self.pins:
+    def release_all_holds(self):
+        for p in self.holds:
             p.clear()
 
     def load(self, l, e, avoid=frozenset()):
-        victims = sorted(self.res[l] - self.pins[l] - set(avoid))
+        victims = sorted(self.res[l] - self.holds[l] - set(avoid))
         if e in self.res[l] or not victims:
             return None
         self.res[l].remove(victims[0])
@@ -395,7 +395,7 @@ def _drive(orch, link, routing, step_s):
 def test_orchestrator_phases_follow_transfer_time_and_step_time():
     """Cold start after ceil(0.2K) steps; the next boundary after as many steps as the batch
     takes to move (bandwidth known from the profile, step time measured); final cleanup at the
-    window's end; pins never exceed the slots; nothing evicts a predicted expert."""
+    window's end; holds never exceed the slots; nothing evicts a predicted expert."""
     from specter.pio.orchestrator import Orchestrator, PlanRules
 
     link = _Link(bandwidth=1000.0)  # 1000 B/s
@@ -411,11 +411,11 @@ def test_orchestrator_phases_follow_transfer_time_and_step_time():
     # 2 s = 2 steps, so the next boundary is at step 4, then 6, ...
     assert times[:3] == [2.0, 4.0, 6.0]
     assert orch.stats.boundaries >= 3
-    assert all(len(p) <= 4 for p in cache.pins)
+    assert all(len(p) <= 4 for p in cache.holds)
     # Plans stop once every layer's plan holds its 4 slots (here: 4 loads per layer).
     assert orch.stats.loads == 8 and orch.stats.full_windows == 1
     orch.window_end()
-    assert all(not p for p in cache.pins) and orch.stats.windows == 1
+    assert all(not p for p in cache.holds) and orch.stats.windows == 1
 
 
 def _synthetic(k, cold_start_round="floor", final_plan=False, top_m=1, layers=2):
@@ -469,7 +469,7 @@ def test_orchestrator_late_plan_waits_for_the_whole_window():
                         latency_s=0.0)
     _drive(orch, link, [[[9]], [[10]], [[9]], [[11]], [[0]]], step_s=1.0)
     assert orch.stats.boundaries == 1 and {t for t, _, _ in cache.issued} == {5.0}
-    # Ranked by count: 9 (twice) first; 0 is resident and pinned, so it is never evicted.
+    # Ranked by count: 9 (twice) first; 0 is resident and held, so it is never evicted.
     assert [e for _, _, e in cache.issued] == [9, 10, 11] and 0 in cache.res[0]
 
 

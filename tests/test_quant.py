@@ -479,7 +479,7 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
     the draft as it is: its weights dequantize to (q - 8) x scale, nothing is calibrated, and
     Specter with it is lossless."""
     from specter.compose import job_of
-    from specter.systems import build_engine
+    from specter.recipes import build_engine
     from specter.budget import ResolvedBudget
     from specter.config import RunConfig
     from specter.models.introspect import experts_modules

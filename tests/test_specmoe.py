@@ -1,7 +1,7 @@
 """specmoe (our reading of SpecMoE, arXiv 2604.10152): lossless through the runner on four tiny
 architectures at the lowest (top-k slots) and a high budget and two draft depths; a draft that
 really computes only its top draft_top_k experts from the host copy (and is the target itself
-when draft_top_k == top_k); prefetches that happen, pins that never exceed a layer's slots and
+when draft_top_k == top_k); prefetches that happen, holds that never exceed a layer's slots and
 are released between windows."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from baselines import specmoe
 from conftest import REPO
 from experiments import records, runner
 from specter.compose import job_of
-from specter.systems import build_engine
+from specter.recipes import build_engine
 from specter.budget import resolve_slots
 from specter.config import RunConfig
 from specter.models.introspect import experts_modules
@@ -65,7 +65,7 @@ def test_specmoe_is_lossless_through_the_runner(name, tiny_models, tmp_path):
     top_k, e = spec.top_k, spec.num_experts
     quiet = lambda *_: None  # noqa: E731
     runner.run(run_cfg(name, "resident", None, tmp_path), log=quiet)
-    # The lowest budget (top-k slots: pins must be released or verification cannot load)
+    # The lowest budget (top-k slots: holds must be released or verification cannot load)
     # and a high one, each at two depths; the case key differs by slots and K.
     for slots in (top_k, (top_k + e) // 2):
         for k in (2, 5):
@@ -174,7 +174,7 @@ def test_draft_top_k_is_checked():
         make_engine("tiny_phi", slots=2, draft_top_k=3)
 
 
-# -- 3. prefetch and pins --------------------------------------------------------------------
+# -- 3. prefetch and holds --------------------------------------------------------------------
 def test_prefetch_pins_stay_within_slots_and_are_released_between_windows():
     name = "tiny_deepseek"
     slots = 6  # top-k: the lowest budget
@@ -182,13 +182,13 @@ def test_prefetch_pins_stay_within_slots_and_are_released_between_windows():
     cache = engine.runtime.cache
     peak = [0]
     engine.draft.listeners.append(
-        lambda l, *_: peak.__setitem__(0, max(peak[0], len(cache.layers[l].pinned))))
+        lambda l, *_: peak.__setitem__(0, max(peak[0], len(cache.layers[l].held))))
     ends = []
     original = engine.window.window_end
 
     def window_end():
         original()
-        ends.append(sum(len(lc.pinned) for lc in cache.layers))
+        ends.append(sum(len(lc.held) for lc in cache.layers))
 
     engine.window.window_end = window_end
     gens = decode(engine, loaded.tokenizer, n=32)

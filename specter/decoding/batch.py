@@ -3,7 +3,7 @@
 Owns: `Engine` (reset before a request, outside timing; generate a request), `Generation`
 (committed tokens with their commit times and the system's own statistics), `BatchCache` (B
 sequences in one rectangular KV cache), `DeviceMemory` (a request's peak device bytes) and the
-`Clock` a decode loop reads time from (a link's compute-stream clock: virtual, emulated or
+`Timeline` a decode loop reads time from (a link's compute-stream clock: virtual, emulated or
 real).
 Does not own: the decode loops (decoding/loop.py), where experts live (offloading runtime),
 metrics arithmetic (metrics.py).
@@ -97,8 +97,9 @@ def eos_ids(model) -> set[int]:
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
 
 
-class Clock(Protocol):
-    """What a decode loop reads time from (a link: offload/link.py). It takes marks on the
+class Timeline(Protocol):
+    """What a decode loop reads time from (the link: offload/link.py, whose compute timeline
+    the clock advances; "clock" names the charging side, clock/). It takes marks on the
     compute timeline as it goes (no device wait) and reads them as seconds once the request
     is over."""
     kind: str

@@ -178,7 +178,7 @@ class CompiledDecode:
             dst.values[:, :, :src.values.shape[2]].copy_(src.values)
             dst.cumulative_length.fill_(src.keys.shape[2])
 
-    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device, clock,
+    def generate(self, prompt: list[int], max_new_tokens: int, device: torch.device, timeline,
                  stop: set[int], memory, events=None, on_commit=None) -> Generation:
         """loop.py `greedy_decode_batch` for one request, its decode steps compiled (each told to
         `events` as a forward of one token); `on_commit`
@@ -189,7 +189,7 @@ class CompiledDecode:
         events = events or Events()
         memory.start()
         kv = BatchCache(self.model, device, 1)
-        start = clock.mark()
+        start = timeline.mark()
         events.forward("prefill", *kv.shape([list(prompt)]))
         logits = kv.forward([list(prompt)])
         tok = logits[:, -1].argmax(dim=-1, keepdim=True)  # [1, 1] on the device
@@ -200,7 +200,7 @@ class CompiledDecode:
         while True:
             picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
             tokens.append(picked)
-            times.append(clock.mark())
+            times.append(timeline.mark())
             if on_commit is not None:
                 on_commit([picked])
             memory.observe_cache(None, cache_bytes(self.cache))
@@ -217,6 +217,6 @@ class CompiledDecode:
             self.steps_run += 1
             n += 1
         peak, source = memory.peak()
-        return Generation(tokens=tokens, commit_times_s=[clock.timestamp(m) for m in times],
-                          start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+        return Generation(tokens=tokens, commit_times_s=[timeline.timestamp(m) for m in times],
+                          start_time_s=timeline.timestamp(start), peak_mem_bytes=peak,
                           peak_mem_source=source)

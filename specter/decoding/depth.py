@@ -8,7 +8,7 @@ baseline, reported as its own variant); `spec.k=adaptive` -> a K per window (`Ad
 starting from the unset rule's K, at most `spec.k_max`); unset -> the system's own K if its
 recipe has one (`OWN_K`: SpecMoEOff 3, SpecMoE 4, as their papers run them), else the model's
 paper K (`model.paper_k`), else DEFAULT_K. Every record says which one applied (`k_source`).
-The rule has one caller, `specter/systems.py depth_of` (the recipe's `OWN_K` read there):
+The rule has one caller, `specter/recipes.py depth_of` (the recipe's `OWN_K` read there):
 the build context settles it once and the engine is built with that `Depth`; the runner's
 context check, before the weights load, asks `depth_of` for the deepest window (`k_max`).
 Does not own: the engine (systems), the profiler (experiments/depth_profile.py), timing.

@@ -9,7 +9,7 @@ An engine is a decoding loop x a draft x a prefetcher x an eviction policy:
   with a draft part (`decoding/draft.py`, or a system's own) and an optional
   `WindowPrefetcher` told of the draft's routing and steps.
 
-Systems are recipes choosing the parts and their knobs (`specter/system.py`, `baselines/`);
+Systems are recipes choosing the parts and their knobs (`specter/specter_recipe.py`, `baselines/`);
 no system subclasses an engine. Each engine owns what every system shares: the stop set, the
 device-memory account, the compute clock (clock/observer.py), the per-request reset and the
 record columns.
@@ -104,6 +104,7 @@ class GreedyEngine:
         shared.update(self.timing.link_record())
         if self.prefetcher is not None:
             shared.update(self.prefetcher.as_record())
+        add_prefetches(shared)
         for gen in gens:
             gen.stats.update(shared)
         return gens
@@ -197,9 +198,20 @@ class SpeculativeEngine:
                   "staged_loads": self.runtime.cache.staged_loads,  # prefetches into staging
                   "reorder": not self.runtime.serial, "overlap": self.runtime.overlap,
                   **self.window.as_record()}
+        add_prefetches(shared)
         for gen in gens:
             gen.stats.update(shared)
         return gens
+
+
+def add_prefetches(record: dict) -> None:
+    """The request's `prefetches`: every copy its prefetchers issued, the layer prefetcher's
+    (`layer_prefetches`, counted by the runtime: offload/runtime.py `prefetch`) and the window
+    prefetcher's (`window_prefetches`, its own record), each column written by one owner;
+    none where nothing prefetches."""
+    if "layer_prefetches" in record or "window_prefetches" in record:
+        record["prefetches"] = (record.get("layer_prefetches", 0)
+                                + record.get("window_prefetches", 0))
 
 
 def slot_view(runtime: OffloadRuntime, timing: Timing) -> SlotView:

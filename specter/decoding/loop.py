@@ -19,8 +19,8 @@ prefetched (the prefetcher: Specter's orchestrator, specter/pio/), the draft's a
 Invariant between windows: the cache holds the target's KV for every committed token but the
 last one (the pending token), which the next window feeds first.
 
-Time: the loop takes the clock's marks (`mark()`: a CUDA event on the compute stream, never a
-device-wide wait) and turns them into seconds after the request's last token; the host waits
+Time: the loop takes the timeline's marks (the link's `mark()`: a CUDA event on the compute
+stream, never a device-wide wait) and turns them into seconds after the request's last token; the host waits
 only to read values (each window's acceptance, the greedy picks), on the compute stream.
 `AdaptiveDepth` hears each window once the device has passed it (at once on the modelled
 clocks, a window or so later on CUDA).
@@ -33,12 +33,12 @@ from dataclasses import dataclass, field
 import torch
 
 from specter.counting import host_side, to_device
-from specter.decoding.batch import BatchCache, Clock, DeviceMemory, Generation
+from specter.decoding.batch import BatchCache, DeviceMemory, Generation, Timeline
 
 
 @torch.no_grad()
 def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int, k: int,
-                      device: torch.device, clock, stop: set[int], memory,
+                      device: torch.device, timeline, stop: set[int], memory,
                       events: "Events | None" = None, accept=None, depth=None,
                       on_commit: list | None = None, pieces=None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
@@ -54,10 +54,10 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     _check(prompts, k)
     events = events or Events()
     accept = accept or Greedy()
-    depths = WindowDepth(k, depth, clock)
+    depths = WindowDepth(k, depth, timeline)
     memory.start()
     kv = BatchCache(model, device, len(prompts))
-    rows = Rows(prompts, max_new_tokens, k, stop, clock.mark(), on_commit)
+    rows = Rows(prompts, max_new_tokens, k, stop, timeline.mark(), on_commit)
 
     # 0. Prefill: each row's last logits give the target's first token, committed at once
     #    (as in autoregressive decoding: TTFT and TPOT mean the same for every system).
@@ -65,7 +65,7 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     events.forward("prefill", *kv.shape(blocks))
     logits = kv.forward(blocks)  # [B, 1, V]
     first = [accept.pick(b, logits[b, -1]) for b in range(len(prompts))]
-    now = clock.mark()
+    now = timeline.mark()
     memory.observe_cache(kv.cache)
     draft.start(kv)
     rows.leave(rows.commit_first(first, now), kv, draft)
@@ -75,7 +75,7 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         quotas = rows.quotas(k_now)  # [B]: at most K, and what each row still wants
         proposals: list[list[int]] = [[] for _ in rows.live]  # [B][<= K] token ids
         accept.start_window(rows.live)
-        t_draft = clock.mark()
+        t_draft = timeline.mark()
         if max(quotas) > 0:
             # 1. Draft: one forward per step over every live row ...
             for step, last in draft.steps(kv, rows.live_seqs(), quotas, rows.pick(accept.pick),
@@ -83,14 +83,14 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
                 # 2. ... and between the steps, plan and issue the prefetches of the experts
                 #    verification will need (their copies overlap the rest of the draft).
                 events.draft_step(step, last)
-        t_verify = clock.mark()
+        t_verify = timeline.mark()
         # 3. Verify: every row's pending token and its proposals in one target forward.
         blocks = [seq[-1:] + props for seq, props in zip(rows.live_seqs(), proposals)]
         width = max(len(block) for block in blocks)
         events.forward("verify", *kv.shape(blocks))
         logits = kv.forward(blocks, logits_to_keep=width, pieces=pieces)  # [B, width, V], right-aligned
         accept.read(logits)
-        now = clock.mark()
+        now = timeline.mark()
         # 4. Accept: each row's longest agreeing prefix, then the target's own next token.
         verdicts = [accept.accept(r, b, logits, width - len(blocks[r]), proposals[r])
                     for r, b in enumerate(rows.live)]  # [B]: (kept, tokens to commit)
@@ -106,27 +106,27 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         memory.observe_cache(kv.cache, draft.held_bytes())
         events.window_end()
         rows.leave(going, kv, draft)
-    return rows.generations(clock, memory)
+    return rows.generations(timeline, memory)
 
 
 @torch.no_grad()
 def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: torch.device,
-                  clock: Clock, stop: set[int], memory: DeviceMemory,
+                  timeline: Timeline, stop: set[int], memory: DeviceMemory,
                   events: "Events | None" = None, on_commit=None) -> Generation:
     """One request: `greedy_decode_batch` of one row; `on_commit(tokens)` hears each token as
     it is committed (`Engine.generate`)."""
-    return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, clock, stop, memory,
+    return greedy_decode_batch(model, [prompt_ids], max_new_tokens, device, timeline, stop, memory,
                                events,
                                on_commit=None if on_commit is None else [on_commit])[0]
 
 
 @torch.no_grad()
 def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
-                        device: torch.device, clock: Clock, stop: set[int],
+                        device: torch.device, timeline: Timeline, stop: set[int],
                         memory: DeviceMemory, events: "Events | None" = None,
                         on_commit: list | None = None) -> list[Generation]:
     """Prefill the batch, then one token per unfinished row per step; each token's commit
-    time read from `clock`; a row that commits a stop token or its last token leaves the
+    time read from `timeline`; a row that commits a stop token or its last token leaves the
     batch while the others go on. `events` (`Events`) hears of each forward before it runs
     (phase: "prefill" | "decode"). `on_commit`: per request a
     listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
@@ -136,7 +136,7 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     memory.start()
     events = events or Events()
     kv = BatchCache(model, device, len(prompts))
-    start = clock.mark()  # marks: read as seconds after the last token (no device wait)
+    start = timeline.mark()  # marks: read as seconds after the last token (no device wait)
     tokens: list[list[int]] = [[] for _ in prompts]
     times: list[list] = [[] for _ in prompts]
     live = list(range(len(prompts)))  # the request of each cache row
@@ -147,7 +147,7 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     while True:
         # 2. Commit each row's greedy token.
         picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
-        now = clock.mark()
+        now = timeline.mark()
         going = []
         for r, b in enumerate(live):
             tokens[b].append(picked[r])
@@ -166,8 +166,8 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
         events.forward("decode", *kv.shape(blocks))
         logits = kv.forward(blocks)
     peak, source = memory.peak()
-    return [Generation(tokens=tokens[b], commit_times_s=[clock.timestamp(m) for m in times[b]],
-                       start_time_s=clock.timestamp(start), peak_mem_bytes=peak,
+    return [Generation(tokens=tokens[b], commit_times_s=[timeline.timestamp(m) for m in times[b]],
+                       start_time_s=timeline.timestamp(start), peak_mem_bytes=peak,
                        peak_mem_source=source) for b in range(len(prompts))]
 
 
@@ -348,7 +348,7 @@ class Rows:
         self.on_commit = on_commit
         self.seqs = [list(p) for p in prompts]  # per request: prompt + committed tokens
         self.tokens: list[list[int]] = [[] for _ in range(n)]  # committed tokens
-        self.times: list[list] = [[] for _ in range(n)]  # the clock's mark at each commit
+        self.times: list[list] = [[] for _ in range(n)]  # the timeline's mark at each commit
         self.limit = [max_new_tokens] * n
         self.stats = [SpecStats(k=k) for _ in range(n)]
         self.spans: list[list[tuple]] = [[] for _ in range(n)]  # (draft, verify, done) marks
@@ -414,16 +414,16 @@ class Rows:
         draft.select(going)
         self.live = [self.live[r] for r in going]
 
-    def generations(self, clock, memory) -> list[Generation]:
+    def generations(self, timeline, memory) -> list[Generation]:
         """The requests are over: their marks read as seconds."""
         peak, source = memory.peak()
         gens = []
         for b, st in enumerate(self.stats):
-            st.draft_s = [clock.elapsed(t0, t1, wait=True) for t0, t1, _ in self.spans[b]]
-            st.verify_s = [clock.elapsed(t1, t2, wait=True) for _, t1, t2 in self.spans[b]]
+            st.draft_s = [timeline.elapsed(t0, t1, wait=True) for t0, t1, _ in self.spans[b]]
+            st.verify_s = [timeline.elapsed(t1, t2, wait=True) for _, t1, t2 in self.spans[b]]
             gen = Generation(tokens=self.tokens[b],
-                             commit_times_s=[clock.timestamp(m) for m in self.times[b]],
-                             start_time_s=clock.timestamp(self.start), peak_mem_bytes=peak,
+                             commit_times_s=[timeline.timestamp(m) for m in self.times[b]],
+                             start_time_s=timeline.timestamp(self.start), peak_mem_bytes=peak,
                              peak_mem_source=source)
             gen.stats.update(st.as_record())
             gens.append(gen)
@@ -434,8 +434,8 @@ class WindowDepth:
     """Each window's K: `k`, or `adaptive`'s choice (an `AdaptiveDepth`), which hears each
     window once the device has passed it (its marks readable without a wait)."""
 
-    def __init__(self, k: int, adaptive, clock):
-        self.k, self.adaptive, self.clock = k, adaptive, clock
+    def __init__(self, k: int, adaptive, timeline):
+        self.k, self.adaptive, self.timeline = k, adaptive, timeline
         self.unheard: list[tuple] = []  # (k, accepted, rejected, steps, draft, verify, done)
 
     def next_k(self) -> int:
@@ -463,10 +463,10 @@ class WindowDepth:
         """Each window the device has passed, in order (no wait)."""
         while self.unheard:
             k, accepted, rejected, steps, streamed, t0, t1, t2 = self.unheard[0]
-            verify_s = self.clock.elapsed(t1, t2)
+            verify_s = self.timeline.elapsed(t1, t2)
             if verify_s is None:
                 return
-            self.adaptive.observe(k, accepted, rejected, self.clock.elapsed(t0, t1), steps,
+            self.adaptive.observe(k, accepted, rejected, self.timeline.elapsed(t0, t1), steps,
                                   verify_s, streamed)
             self.unheard.pop(0)
 

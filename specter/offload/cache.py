@@ -37,7 +37,7 @@ class LayerCache:
         self.expert_in: list[int | None] = [None] * slots
         self.inflight: dict[int, Transfer] = {}
         self.protected: set[int] = set()  # in use by the forward now running
-        self.pinned: set[int] = set()  # planned for the coming verification (prefetch pins)
+        self.held: set[int] = set()  # planned for the coming verification (slot holds)
         self.staged: dict[int, int] = {}  # expert -> staging buffer (prefetched beyond the slots)
         self.policy = policy
         self.read_fence: list = [None] * slots  # per slot: after its last reader (link.fence)
@@ -72,7 +72,7 @@ class ExpertCache:
             lc.slot_of.clear()
             lc.inflight.clear()
             lc.protected.clear()
-            lc.pinned.clear()
+            lc.held.clear()
             lc.staged.clear()
             lc.reading.clear()
             for s in range(self.slots):
@@ -127,22 +127,22 @@ class ExpertCache:
         for lc in self.layers:
             lc.protected.clear()
 
-    def pin(self, l: int, experts) -> None:
+    def hold(self, l: int, experts) -> None:
         """Keep `experts` (planned or prefetched for the coming verification) from being
-        evicted by later loads until `release_pins(l)`."""
-        self.layers[l].pinned.update(experts)
+        evicted by later loads until `release_holds(l)`."""
+        self.layers[l].held.update(experts)
 
-    def pinned(self, l: int) -> set[int]:
-        return set(self.layers[l].pinned)
+    def held(self, l: int) -> set[int]:
+        return set(self.layers[l].held)
 
-    def release_pins(self, l: int) -> None:
+    def release_holds(self, l: int) -> None:
         """The layer's demand is known (the target router is authoritative): plans stop
         holding slots."""
-        self.layers[l].pinned.clear()
+        self.layers[l].held.clear()
 
-    def release_all_pins(self) -> None:
+    def release_all_holds(self) -> None:
         for lc in self.layers:
-            lc.pinned.clear()
+            lc.held.clear()
 
     # --- a forward's demand ---------------------------------------------------------------
     def split(self, l: int, needed: list[int]) -> tuple[list[int], list[int]]:
@@ -182,11 +182,11 @@ class ExpertCache:
 
     # --- moves -------------------------------------------------------------------------
     def free_slots(self, l: int) -> int:
-        """Slots that could take a new expert now (empty or holding an unprotected, unpinned
+        """Slots that could take a new expert now (empty or holding an unprotected, unheld
         expert)."""
         lc = self.layers[l]
         return sum(1 for e in lc.expert_in
-                   if e is None or (e not in lc.protected and e not in lc.pinned))
+                   if e is None or (e not in lc.protected and e not in lc.held))
 
     def load(self, l: int, e: int, avoid: set[int] = frozenset()) -> Transfer | None:
         """Make `e` resident in layer `l`, evicting by policy; returns the copy, or None when
@@ -202,7 +202,7 @@ class ExpertCache:
             slot = empty[0]
         else:
             unprotected = {x for x in lc.slot_of
-                           if x not in lc.protected and x not in lc.pinned and x not in avoid}
+                           if x not in lc.protected and x not in lc.held and x not in avoid}
             landed = {x for x in unprotected if x not in lc.inflight}
             if not unprotected:
                 return None

@@ -57,7 +57,7 @@ class DemandStats:
     inflight_hits: int = 0  # needed while its (prefetch) copy was still in flight
     pair_hits: int = 0  # (token, expert) requests whose expert was resident
     pair_requests: int = 0  # (token, expert) requests: tokens x top-k
-    prefetches: int = 0
+    layer_prefetches: int = 0  # copies a layer prefetcher issued (`prefetch`, counted)
     # The most hits a slot-limited cache could score: per (layer, forward) at most `slots` of
     # the experts it needs can be resident when it starts (plus every staging buffer, which
     # budget.staging may add), so hits <= min(slots + staging, needed).
@@ -115,7 +115,7 @@ class DemandStats:
                 "hit_rate_cap": self.cap_hits / total if total else float("nan"),
                 "hit_rate_tokens": self.pair_hits / self.pair_requests if self.pair_requests
                 else float("nan"),
-                "inflight_hits": self.inflight_hits, "prefetches": self.prefetches,
+                "inflight_hits": self.inflight_hits, "layer_prefetches": self.layer_prefetches,
                 "host_experts": self.host_experts, "host_tokens": self.host_tokens,
                 # of the experts not ready when needed (misses and copies still in flight)
                 "host_frac": (self.host_experts / (self.misses + self.inflight_hits)
@@ -385,7 +385,7 @@ class OffloadRuntime:
             hits = [e for e in hits if e not in host]
         jobs = [self.host.expert_job(layer, e) for e in host]
         cache.protect(l, needed)  # needed (an in-flight one the host computes too): never evicted
-        cache.release_pins(l)  # the router has decided: plans for this layer stop holding slots
+        cache.release_holds(l)  # the router has decided: plans for this layer stop holding slots
         # 4. Copy: the misses' copies issued together (those that found no slot yet wait; overlap
         # off: none yet, each is copied when its turn comes), the layer prefetcher's
         # speculative loads for later layers behind them.
@@ -436,12 +436,12 @@ class OffloadRuntime:
     def prefetch(self, layer: int, experts, count: bool = True) -> int:
         """Load `experts` of MoE layer `layer` that are not resident, in order, while a slot
         can be freed (never evicting an expert the current forward needs); returns how many
-        copies were issued. `count`: add them to this request's `prefetches` statistic when
+        copies were issued. `count`: add them to this request's `layer_prefetches` statistic when
         the target's demand is being recorded (not during prefill or drafting)."""
         issued = 0
         for e in experts:
             if not self.cache.resident(layer, e) and self.cache.load(layer, e) is not None:
                 issued += 1
         if count and self.stats.counting:
-            self.stats.prefetches += issued
+            self.stats.layer_prefetches += issued
         return issued

@@ -1,13 +1,13 @@
-"""The orchestrator: the draft's routing -> the ELB -> plans -> pinned loads into the cache.
+"""The orchestrator: the draft's routing -> the ELB -> plans -> held loads into the cache.
 
 Owns: when plans happen within a draft window (the planner's phases, or a single early or
-late plan for the SP-E / SP-L baselines), issuing each plan as pins and loads on the expert
-cache (pins first, then loads in layer order: the order verification needs them), the running
+late plan for the SP-E / SP-L baselines), issuing each plan as holds and loads on the expert
+cache (holds first, then loads in layer order: the order verification needs them), the running
 averages of bandwidth and draft-step time that size the chunks, and the per-window prefetch
 statistics (precision of the loads, how much of verification's demand the plan covered).
 Does not own: the counters (elb.py), the rules (planner.py), eviction (cache.py and policy.py),
 the verification's own demand loading (offload/runtime.py: the target router stays
-authoritative; a layer's pins are released as soon as its verification starts).
+authoritative; a layer's holds are released as soon as its verification starts).
 
 With host-computed misses on (`specter_hybrid`), each plan also hands the host the predicted
 experts it could not load (`runtime.host.prepare`, offload/host.py): beside a GPU their fp32
@@ -47,17 +47,17 @@ class PrefetchStats:
     windows: int = 0
     boundaries: int = 0  # plans made
     loads: int = 0  # experts copied by plans
-    pins: int = 0  # predicted experts found resident and held
+    holds: int = 0  # predicted experts found resident and held
     loads_used: int = 0  # ... loaded experts that verification then needed
     demand: int = 0  # experts verification needed (per layer, per window)
-    demand_planned: int = 0  # ... of them in the plan (pinned or loaded)
+    demand_planned: int = 0  # ... of them in the plan (held or loaded)
     corrupted: int = 0  # loads replaced by wrong IDs (experiment=oracle)
     full_windows: int = 0  # windows whose lookahead stopped because every plan was full
     last_batch_wait_s: float = 0.0  # wait_last_batch: compute-stream wait at verification start
 
     def as_record(self) -> dict:
         ratio = lambda a, b: a / b if b else float("nan")  # noqa: E731
-        return {"prefetches": self.loads, "plan_pins": self.pins,
+        return {"window_prefetches": self.loads, "plan_holds": self.holds,
                 "plan_boundaries_per_window": ratio(self.boundaries, self.windows),
                 "prefetch_precision": ratio(self.loads_used, self.loads),
                 "plan_recall": ratio(self.demand_planned, self.demand),
@@ -68,7 +68,7 @@ class PrefetchStats:
 
 @dataclass(frozen=True)
 class PlanRules:
-    """How the orchestrator plans, settled once (system.py `orchestrator_for`): `mode` ("pio",
+    """How the orchestrator plans, settled once (specter_recipe.py `orchestrator_for`): `mode` ("pio",
     or one single plan per window: "early", "late"); `top_m` predicted experts per layer;
     `cold_start` (the fraction of the window before the first plan) and its rounding;
     `final_plan` (one more plan at the window's end); `wait_last_batch` (verification waits for
@@ -234,12 +234,12 @@ class Orchestrator(WindowPrefetcher):
             s.demand += len(need)
             s.demand_planned += len(need & self.planned[l])
             s.loads_used += len(need & self.loaded[l])
-        self.cache.release_all_pins()
+        self.cache.release_all_holds()
         self._new_window()
 
     # --- planning ----------------------------------------------------------------------
     def _plan(self) -> float:
-        """Snapshot the ELB, plan every layer, pin and issue; returns the batch's modelled
+        """Snapshot the ELB, plan every layer, hold and issue; returns the batch's modelled
         transfer seconds."""
         self._measure_bandwidth()
         counts = self.elb.snapshot()
@@ -247,10 +247,10 @@ class Orchestrator(WindowPrefetcher):
         resident = [self.cache.resident_set(l) for l in range(len(counts))]
         batch = planner.plan_batch(counts, resident, self.planned, self.plan_cap, self.top_m)
         self.stats.corrupted += planner.corrupt(batch, counts, resident, self.noise, self.rng)
-        for l, b in enumerate(batch):  # pins first: this batch's loads must not evict them
-            self.cache.pin(l, b.pin)
-            self.planned[l].update(b.pin)
-            self.stats.pins += len(b.pin)
+        for l, b in enumerate(batch):  # holds first: this batch's loads must not evict them
+            self.cache.hold(l, b.hold)
+            self.planned[l].update(b.hold)
+            self.stats.holds += len(b.hold)
         n = 0
         for l, b in enumerate(batch):
             # A prefetch only takes the slot of an expert the draft has not routed to: evicting
@@ -258,11 +258,11 @@ class Orchestrator(WindowPrefetcher):
             predicted = {e for e, c in enumerate(counts[l]) if c >= 1}
             for e in b.load:
                 t = self.cache.load(l, e, avoid=predicted)
-                if t is None:  # every slot held by a pin, a predicted expert or one in use:
+                if t is None:  # every slot held by a plan, a predicted expert or one in use:
                     t = self.cache.stage(l, e)  # a staging buffer, if there is one free
                 if t is None:
                     break
-                self.cache.pin(l, [e])
+                self.cache.hold(l, [e])
                 self.planned[l].add(e)
                 self.loaded[l].add(e)
                 self.inflight.append(t)

@@ -13,7 +13,7 @@ Three phases per draft window of k steps:
   last plan with the whole window's counts; verification then waits for the last batch to
   land (the artifact) or per expert on what is still in flight (an option).
 A layer's plan is the set of experts it holds for the coming verification: predicted experts
-already resident (pinned, free) and those loaded for it, at most `slots`.
+already resident (held, free) and those loaded for it, at most `slots`.
 Nothing here touches a tensor, a cache or a clock.
 """
 
@@ -48,7 +48,7 @@ def next_chunk_steps(batch_s: float, step_s: float) -> int:
 class LayerBatch:
     """One boundary's decision for one layer."""
 
-    pin: list[int] = field(default_factory=list)  # predicted and already resident
+    hold: list[int] = field(default_factory=list)  # predicted and already resident
     load: list[int] = field(default_factory=list)  # predicted, to be copied now
 
 
@@ -59,7 +59,7 @@ def rank(counts: Sequence[int]) -> list[int]:
 
 def plan_layer(counts: Sequence[int], resident: set[int], planned: set[int], slots: int,
                top_m: int) -> LayerBatch:
-    """Walk the ranked predictions: resident ones join the plan as pins, absent ones as loads
+    """Walk the ranked predictions: resident ones join the plan as holds, absent ones as loads
     (at most `top_m` loads), until the plan holds `slots` experts."""
     batch = LayerBatch()
     size = len(planned)
@@ -68,7 +68,7 @@ def plan_layer(counts: Sequence[int], resident: set[int], planned: set[int], slo
             break
         if e in planned:
             continue
-        (batch.pin if e in resident else batch.load).append(e)
+        (batch.hold if e in resident else batch.load).append(e)
         size += 1
     return batch
 
