@@ -8,8 +8,21 @@ Pure functions of a `Generation`, so every system is measured the same way.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
-from specter.decoding.batch import Generation
+
+@dataclass
+class Generation:
+    """One request's result, as every decode loop returns it (decoding/loop.py): what the
+    metrics below are functions of."""
+
+    tokens: list[int]  # committed output tokens, prompt excluded
+    commit_times_s: list[float]  # clock time at which each token was committed
+    start_time_s: float  # clock time the request started (before prefill)
+    peak_mem_bytes: int
+    peak_mem_source: str  # "cuda_allocator" (measured) | "device_tensors" (measured sum, CPU)
+    stats: dict[str, Any] = field(default_factory=dict)  # system-specific record columns
 
 
 def timing(gen: Generation) -> dict[str, float]:

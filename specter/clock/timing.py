@@ -174,7 +174,7 @@ def calibrate_time_scale(model, device: torch.device, cost: CostModel, steps: in
     """How much slower this machine decodes than the profile: measured wall seconds of
     `steps` decode steps / their virtual seconds under the cost model (same model, all
     experts resident), so emulated transfers keep the profile's transfer:compute ratio."""
-    from specter.decoding.batch import forward_logits, new_cache
+    from specter.models.introspect import forward_logits, new_cache
 
     virtual = make_link("virtual", NO_TRANSFERS, device)
     clock = ComputeClock(virtual, cost, model, charge_experts=True)

@@ -22,16 +22,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from specter.counting import host_side, to_device
-
-
-@dataclass
-class Generation:
-    tokens: list[int]  # committed output tokens, prompt excluded
-    commit_times_s: list[float]  # clock time at which each token was committed
-    start_time_s: float  # clock time the request started (before prefill)
-    peak_mem_bytes: int
-    peak_mem_source: str  # "cuda_allocator" (measured) | "device_tensors" (measured sum, CPU)
-    stats: dict[str, Any] = field(default_factory=dict)  # system-specific record columns
+from specter.metrics import Generation  # (re-exported: the loops build it)
+from specter.models.introspect import forward_logits, new_cache  # (re-exported)
 
 
 class Engine(Protocol):
@@ -65,12 +57,6 @@ class Engine(Protocol):
         """Several requests decoded together (one per row), each as `generate` would."""
 
 
-def new_cache(model):
-    from transformers import DynamicCache
-
-    return DynamicCache(config=model.config)
-
-
 def cache_bytes(cache) -> int:
     """Bytes held by the tensors of a `DynamicCache`, measured from the tensors themselves."""
     total = 0
@@ -83,13 +69,6 @@ def cache_bytes(cache) -> int:
 
 
 @torch.no_grad()
-def forward_logits(model, ids: torch.Tensor, cache, logits_to_keep: int = 1) -> torch.Tensor:
-    """One forward over `ids` [1, T] appending to `cache`; returns logits [T', V] for the last
-    `logits_to_keep` positions."""
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
-    return out.logits[0]
-
-
 def eos_ids(model) -> set[int]:
     eos = model.generation_config.eos_token_id
     if eos is None:

@@ -136,3 +136,16 @@ def router_topk(model: nn.Module, input_ids: torch.Tensor) -> list[torch.Tensor]
         for h in hooks:
             h.remove()
     return seen
+
+
+def new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def forward_logits(model, ids: torch.Tensor, cache, logits_to_keep: int = 1) -> torch.Tensor:
+    """One forward over `ids` [1, T] appending to `cache`; returns logits [T', V] for the last
+    `logits_to_keep` positions."""
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
+    return out.logits[0]
