@@ -17,7 +17,8 @@ from specter.settings import run_config
 from specter.decoding.draft import speculative_greedy
 from specter.decoding.loop import Events
 from specter.decoding.draft_mode import DraftMode
-from specter.decoding.compiled_draft import StaticKV, resolve_compile
+from specter.decoding.compiled_draft import StaticKV
+from specter.quant.step_form import draft_step_form
 from specter.decoding.batch import DeviceMemory, eos_ids
 from specter.errors import UserError
 from specter.clock.kinds import CUDA
@@ -155,7 +156,17 @@ def test_an_every_layer_listener_hears_a_compiled_step_once_and_counts_as_eagerl
     assert charged == one_by_one and len(charged) == 2 * layers * steps
 
 
-def test_resolve_compile_says_why_and_refuses_on_in_one_sentence():
+def resolve_compile(setting, backend, rows, sampling):
+    """draft_step_form's answer for a CPU job (the step compiled, and why)."""
+    from types import SimpleNamespace as NS
+
+    job = NS(draft=NS(compile=setting, quant=NS(graphs="auto")), rows=rows,
+             temperature=0.7 if sampling else 0.0, device=CPU)
+    form = draft_step_form(job, backend)
+    return form.compiled, form.why
+
+
+def test_the_step_form_says_why_and_refuses_on_in_one_sentence():
     assert resolve_compile("off", "gather_int4", 1, False) == (False, "spec.compile=off")
     assert resolve_compile("auto", "gather_int4", 1, False)[0]
     on, why = resolve_compile("auto", "cpu_int4", 4, False)
@@ -179,7 +190,10 @@ def test_the_default_backend_serves_a_compiled_step_where_auto_compiles():
     on a virtual clock, a batch or sampling it keeps cpu_int4 (eager, and says why)."""
     from types import SimpleNamespace as NS
 
-    from specter.quant.build import draft_compiles, resolve_backend
+    from specter.quant.build import resolve_backend
+
+    def draft_compiles(job):  # the question before the backend
+        return draft_step_form(job).compiled
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
 
@@ -329,10 +343,12 @@ def test_per_layer_graphs_and_the_captured_step_are_one_or_the_other():
     from types import SimpleNamespace as NS
 
     from specter.decoding.compiled_draft import compiled_mode
-    from specter.decoding.compiled_draft import GRAPHS_AND_STEP
-    from specter.quant.build import resolve_graphs, step_captured
+    from specter.quant.step_form import GRAPHS_AND_STEP, _layer_graphs as resolve_graphs
 
     cuda = torch.device("cuda")
+
+    def step_captured(job, backend):  # asked with the backend, before the engine
+        return draft_step_form(job, backend).captured
 
     def job(compile="auto", graphs="auto", batch=1, device=cuda):
         return NS(draft=NS(compile=compile, compile_backend="eager", quant=NS(graphs=graphs)),

@@ -522,9 +522,18 @@ def test_a_shipped_gptq_draft_is_imported_not_quantized_again(tiny_models, tmp_p
 def test_cuda_graphs_are_a_switch_on_where_they_work():
     """quant.graphs: auto replays draft layers only on CUDA with a fixed-shape backend; `on`
     where that cannot work is one sentence; off is off."""
-    from specter.quant.build import resolve_graphs
+    from types import SimpleNamespace as NS
+
+    from specter.quant.step_form import draft_step_form
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+
+    def resolve_graphs(name, backend, device):  # a sampled job: the step stays eager
+        job = NS(draft=NS(compile="auto", quant=NS(graphs=name)), rows=1, temperature=0.7,
+                 device=device)
+        form = draft_step_form(job, backend)
+        return form.layer_graphs, form.graphs_why
+
     assert resolve_graphs("auto", "gather_int4", cuda)[0] is True
     assert resolve_graphs("auto", "triton", cuda)[0] is True
     assert resolve_graphs("auto", "cuda_int4", cuda) == (False, "auto: cuda_int4 issues kernels per routed expert")

@@ -31,7 +31,8 @@ from specter.clock.kinds import ClockKind
 from specter.clock.observer import NULL_CLOCK, NullClock
 from specter.counting import compiled_region
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
-from specter.decoding.compiled_draft import index_kept, settle_compile
+from specter.decoding.compiled_draft import index_kept
+from specter.quant.step_form import settle_compile
 from specter.decoding.loop import Events
 from specter.experts import experts_of
 from specter.offload.mlp import expert_mlp

@@ -1,7 +1,8 @@
 """The shared instance's draft step as one compiled graph, over a static draft cache.
 
 Owns: `StaticKV`, the draft layout `spec.compile` switches in for the target's own instance
-(Specter, LRU-S, SP-E/SP-L), and `resolve_compile` (`spec.compile=auto|on|off`). The draft
+(Specter, LRU-S, SP-E/SP-L), and `compiled_mode`, the engine's record of quant/step_form.py's
+answer (`spec.compile=auto|on|off`). The draft
 writes its keys and values into preallocated buffers of fixed length (transformers'
 `StaticCache`, whose write index is a device tensor), so one draft step (a token id on the
 device -> every layer with its INT4 experts -> logits -> the greedy token, left on the device)
@@ -48,7 +49,7 @@ from specter.decoding.batch import BatchCache, cache_bytes
 from specter.decoding.loop import run_steps
 from specter.models import draft_step
 from specter.errors import UserError
-from specter.quant.kernels import COMPILES
+from specter.quant.step_form import draft_step_form
 
 
 
@@ -89,10 +90,6 @@ def _one_index_class(layer_class):
     return _ONE_INDEX[layer_class]
 
 
-# what a compiled draft step is on CUDA (the record's `draft_compile`)
-CAPTURED = "the whole draft step captured as one CUDA graph, replayed per step"
-
-
 def index_kept(cache, run):
     """A warm-up for `capture_graph`: `run()` (a step over the static `cache`), then the
     cache's write index put back where it was (the captured step rewrites that K and V)."""
@@ -104,41 +101,6 @@ def index_kept(cache, run):
         for t, s in zip(lengths, saved):
             t.copy_(s)
     return warm
-
-
-def settle_compile(knob: str, setting: str, what: str, reasons: list[str]) -> tuple[bool, str]:
-    """(compiled, why) for a compile knob (`spec.compile`, resident's `system.compile`):
-    `off` stays eager; with no `reasons` against it, compiled; else `on` refuses in one
-    sentence naming `what` and the reasons, and `auto` stays eager and says why. On CUDA a
-    compiled step is captured as one CUDA graph (`quant.kernels.capture_graph`), the draft's
-    and resident's alike."""
-    if setting == "off":  # (one of config.COMPILE_MODES: checked where the setting is read)
-        return False, f"{knob}=off"
-    if not reasons:
-        return True, f"{knob}={setting}"
-    if setting == "on":
-        raise UserError(f"{knob}=on cannot compile {what}: " + "; ".join(reasons) + ".")
-    return False, "eager: " + "; ".join(reasons)
-
-
-def resolve_compile(setting: str, backend: str, rows: int, sampling: bool) -> tuple[bool, str]:
-    """(compiled, why) for `spec.compile`: `on` compiles or refuses in one sentence; `auto`
-    compiles where the step has static shapes (one row, a backend whose draft experts have
-    no data-dependent shape: `gather_int4`, `fused_int4`), else stays eager and says why. On CUDA a
-    compiled step is captured as one CUDA graph (`StaticKV(capture=...)`)."""
-    reasons = []
-    if rows != 1:
-        reasons.append(f"a batch of {rows} rows drafts with holes (a static step is one row)")
-    if backend == "triton":
-        reasons.append("the triton backend's kernel is replayed per layer as a CUDA graph "
-                       "(quant.graphs), not traced into one step (quant.backend=fused_int4 "
-                       "compiles)")
-    elif backend not in COMPILES:
-        reasons.append(f"the {backend} backend reads the routing on the host "
-                       "(quant.backend=fused_int4 compiles)")
-    if sampling:
-        reasons.append("speculative sampling picks on the host")
-    return settle_compile("spec.compile", setting, "the draft step", reasons)
 
 
 @dataclass(frozen=True)
@@ -178,13 +140,6 @@ def eager_batch_record(rows: int) -> dict:
     return {"draft_compiled": False, "draft_captured": False,
             "draft_compile": f"eager: a batch of {rows} rows drafts in the eager layout (the "
                              "compiled step decodes one row)"}
-COPIED_KV_EAGER = "eager: a per-window copy of the target's KV (system.kv_copy) stays eager"
-
-
-GRAPHS_AND_STEP = ("quant.graphs=on replays each draft layer as its own CUDA graph and "
-                   "spec.compile=on captures the whole draft step as one: choose one "
-                   "(quant.graphs=off, or spec.compile=off).")
-
 
 def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock = NULL_CLOCK,
                   copied_kv: bool = False) -> CompiledMode:
@@ -197,7 +152,7 @@ def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock
     tokens and the deepest window (`k_max`, the settled depth's: spec.k=auto's profiled depths
     included). `copied_kv` (a second instance reading a per-window copy of the target's KV)
     stays eager, its layers graphed on CUDA under quant.graphs=auto."""
-    from specter.quant.kernels import FIXED_SHAPE, capture_graph
+    from specter.quant.kernels import capture_graph
 
     spec = job.draft
     if int4 is None:
@@ -207,27 +162,15 @@ def compiled_mode(job, int4, clock_kind: ClockKind, k_max: int, clock: NullClock
                             "otherwise.")
         return CompiledMode(record={**EAGER.record,
                                     "draft_compile": "eager: no INT4 draft on the device"})
-    backend, cuda = int4.backend, job.device.type == "cuda"
-    on, why = resolve_compile(spec.compile, backend, job.rows, job.temperature > 0)
-    if on and int4.graphs:  # quant.graphs=on asked per-layer graphs
-        if spec.compile == "on":
-            raise UserError(GRAPHS_AND_STEP)
-        on, why = False, ("eager: quant.graphs=on replays each draft layer as its own CUDA "
-                          "graph (spec.compile=auto leaves the step to it)")
-    graph_layers = None
-    if on and copied_kv:
-        if spec.compile == "on":
-            raise UserError(f"spec.compile=on cannot compile this draft step: {COPIED_KV_EAGER}.")
-        on, why = False, COPIED_KV_EAGER
-        if cuda and spec.quant.graphs == "auto" and backend in FIXED_SHAPE:
-            # quant.graphs=auto was off for the whole step: its layers are graphed instead
-            graph_layers = f"auto: CUDA and {backend} (the step stays eager)"
-    elif on and cuda:
-        why = f"{why}: {CAPTURED}"
+    form = draft_step_form(job, int4.backend, copied_kv)  # (quant/step_form.py: the one answer)
+    on, why = form.compiled, form.why
+    # the layers graphed where the step stays eager and int4_experts_for left them uncaptured
+    # (it asked without the copied KV: the step was to be captured whole)
+    graph_layers = form.graphs_why if form.layer_graphs and not int4.graphs else None
     # captured: replayed as a CUDA graph, or charged as one on a virtual clock
-    captured = on and (cuda or clock_kind.charged)
+    captured = on and (form.captured or clock_kind.charged)
     return CompiledMode(on, spec.compile_backend, job.positions + k_max + 1,
-                        capture_graph if on and cuda else None, clock, graph_layers,
+                        capture_graph if form.captured else None, clock, graph_layers,
                         {"draft_compiled": on, "draft_compile": why, "draft_captured": captured,
                          "draft_graphs": bool(int4.graphs or graph_layers)})
 
@@ -433,7 +376,7 @@ class StaticKV:
               stop: set[int], out: list[list[int]], events, on_device: bool = False):
         """loop.py `run_steps` for one row in the static cache: the pending token first (after
         own_kv's unseen tokens), then each proposal, each step compiled (`CompiledSteps`) or
-        one replay of the captured step (`capture`). Greedy only (`resolve_compile` keeps
+        one replay of the captured step (`capture`). Greedy only (`draft_step_form` keeps
         sampling eager): the choices stay on the device and are read once after the window's
         last step (the row drafts its whole quota, as the eager path does)."""
         if not on_device:

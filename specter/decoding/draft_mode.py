@@ -39,7 +39,7 @@ class DraftMode:
         """`quantized`: the INT4 copy the draft runs; or `draft_layers` (one callable per MoE
         layer, (hidden, top_k_index, top_k_weights) -> out) with their `draft_bytes` on the
         device, for a draft that runs its experts some other way. `graphs`: each draft layer
-        replayed as a CUDA graph (quant/build.py resolve_graphs). `mode`: the one it starts in
+        replayed as a CUDA graph (quant/step_form.py draft_step_form). `mode`: the one it starts in
         ("draft" for a second instance that is only ever the draft)."""
         self.model, self.quantized, self.backend = model, quantized, backend
         mods = [m for _, m in experts_modules(model)]

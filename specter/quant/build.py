@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from specter.decoding.compiled_draft import GRAPHS_AND_STEP, resolve_compile
 from specter.errors import UserError
 from specter.models.introspect import experts_modules
 from specter.models.zoo import default_cache_dir
 from specter.quant import calibrate
 from specter.quant.calibrate import QuantizedExperts, QuantSpec
 from specter.quant.formats import effective_group
-from specter.quant.kernels import BACKENDS, FIXED_SHAPE, triton_available
+from specter.quant.kernels import BACKENDS, triton_available
+from specter.quant.step_form import counted_clock, draft_step_form
 
 
 @dataclass
@@ -65,7 +65,7 @@ def resolve_backend(name: str, bits: int, device: torch.device, groups: set[int]
     (specter/clock/counted.py) charges the operations the draft issues, so auto takes
     gather_int4, whose operations are a GPU's (cpu_int4's per-expert GEMMs are the CPU's).
     `compiles`: the draft step is to run as one compiled graph (`spec.compile`, see
-    `draft_compiles`), which only gather_int4 and fused_int4 allow (the others read the
+    quant/step_form.py `draft_step_form`), which only gather_int4 and fused_int4 allow (the others read the
     routing on the host or call a kernel the compiler does not trace), so auto takes one:
     on CUDA fused_int4 (one opaque custom op per layer, two fused Triton kernels reading the
     packed codes, where gather_int4 writes each pair's dequantized weights out and reads them
@@ -117,84 +117,10 @@ COMPILED_WHY = ("measured on a 2-core EPYC's own clock, 4.1 ms a draft step comp
                 "9.0 ms for cpu_int4 eager: docs/measurements/compile-2026-12-04.md")
 
 
-def counted_clock(hw) -> bool:
-    """Whether the hardware settings are a counted profile's virtual clock
-    (specter/clock/counted.py: host costs charged from what the code issues)."""
-    return hw.kind.charged and (getattr(hw, "host_op_s", 0) > 0
-                                or getattr(hw, "sync_s", 0) > 0)
-
-
-def draft_compiles(job) -> bool:
-    """Whether the backend is chosen for a compiled draft step (`spec.compile`): `on`; or
-    `auto` on a real clock with one greedy row: on the CPU, where the compiled step was
-    measured faster, and on CUDA, where the whole step is captured as one CUDA graph (unless
-    quant.graphs=on asked for each draft layer's own graph). On a counted profile's virtual
-    clock too: it charges what the engine issues on the GPU it models, where the step is
-    captured (issue 46 item 4). On other virtual clocks `auto` keeps the eager default
-    (cpu_int4, triton), as the paper's systems run: the modelled step's time does not depend
-    on the backend, and each run would pay a compilation. Where gather_int4 or fused_int4 is
-    chosen anyway (quant.backend=gather_int4, as the hot-path counter runs it), `auto` compiles it
-    (compiled_draft.resolve_compile)."""
-    mode, hw, device = job.draft.compile, job.clock.hardware, job.device
-    if mode == "on":
-        return True
-    if mode != "auto" or job.rows != 1 or job.temperature != 0:
-        return False
-    if counted_clock(hw):
-        return True  # a counted profile: the GPU's engine, whose step is captured
-    if not hw.kind.real:
-        return False
-    if device.type == "cuda":
-        return job.draft.quant.graphs != "on"
-    return device.type == "cpu"
-
-
-GRAPHS = ("auto", "on", "off")
-
-
-def step_captured(job, backend: str) -> bool:
-    """Whether `spec.compile` will capture the whole draft step as one CUDA graph
-    (compiled_draft.resolve_compile on CUDA; its refusals are the engine's to say): then
-    quant.graphs=auto leaves the draft layers uncaptured. quant.graphs=on keeps them and
-    spec.compile=auto leaves the step eager."""
-    if job.device.type != "cuda" or job.draft.quant.graphs == "on":
-        return False
-    try:
-        return resolve_compile(job.draft.compile, backend, job.rows, job.temperature > 0)[0]
-    except UserError:
-        return False
-
-
-def resolve_graphs(name: str, backend: str, device: torch.device,
-                   whole_step: bool = False) -> tuple[bool, str]:
-    """(replay draft layers as CUDA graphs, why): `on` where the device is CUDA and the backend
-    issues the same kernels whatever the routing (kernels.FIXED_SHAPE); `auto` the same, else
-    off, and off where the whole draft step is captured as one graph (`whole_step`:
-    spec.compile); `off` never. `on` where it cannot work is one sentence."""
-    if name not in GRAPHS:
-        raise UserError(f"unknown quant.graphs '{name}'; choose one of: {', '.join(GRAPHS)}.")
-    if name == "off":
-        return False, "quant.graphs=off"
-    if device.type != "cuda":
-        if name == "on":
-            raise UserError(f"quant.graphs=on replays CUDA graphs, and this run is on {device}; "
-                            "use quant.graphs=auto or off.")
-        return False, f"auto: {device.type}, not CUDA"
-    if backend not in FIXED_SHAPE:
-        if name == "on":
-            raise UserError(f"quant.graphs=on needs a fixed-shape draft backend "
-                            f"({', '.join(FIXED_SHAPE)}); quant.backend resolved to {backend}.")
-        return False, f"auto: {backend} issues kernels per routed expert"
-    if whole_step and name == "auto":
-        return False, "auto: the whole draft step is captured as one CUDA graph (spec.compile)"
-    return True, "quant.graphs=on" if name == "on" else f"auto: CUDA and {backend}"
-
-
 def int4_experts_for(job) -> Int4Experts:
     """The quantized routed experts of `job.loaded.model` under the job's `DraftSpec`."""
     q, model, device = job.draft.quant, job.loaded.model, job.device
-    if q.graphs == "on" and job.draft.compile == "on":
-        raise UserError(GRAPHS_AND_STEP)
+    compiles = draft_step_form(job).compiled  # (refuses quant.graphs=on with spec.compile=on)
     spec = spec_of(q)
     cache_dir, data_dir = job.files.cache_dir, job.files.data_dir
     if q.path:  # a shipped GPTQ draft: imported, nothing quantized
@@ -228,6 +154,7 @@ def int4_experts_for(job) -> Int4Experts:
     groups = experts.groups()
     counted = counted_clock(job.clock.hardware)
     backend, why = resolve_backend(q.backend, q.bits, device, groups, cache_dir, counted,
-                                   draft_compiles(job))
-    graphs, graphs_why = resolve_graphs(q.graphs, backend, device, step_captured(job, backend))
+                                   compiles)
+    form = draft_step_form(job, backend)
+    graphs, graphs_why = form.layer_graphs, form.graphs_why
     return Int4Experts(experts, path, reused, backend, why, graphs, graphs_why)

@@ -688,7 +688,7 @@ def make_experts(backend: str, gate_up, down, act, dtype: torch.dtype = torch.fl
                  device: torch.device | None = None, graphs: bool = False):
     """One MoE layer's draft experts on `backend`, its matrices moved to `device` (None: where
     they are) so that the device holds one copy: the backend's own layout. `graphs`: replay
-    each call shape as a CUDA graph (FIXED_SHAPE backends on CUDA; see resolve_graphs)."""
+    each call shape as a CUDA graph (FIXED_SHAPE backends on CUDA; see quant/step_form.py)."""
     if graphs:
         if backend not in FIXED_SHAPE:
             raise UserError(f"CUDA graphs replay a fixed-shape backend ({', '.join(FIXED_SHAPE)}),"
