@@ -28,8 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("compose", "specs", "settings", "recipes", "specter_recipe"),  # the composition root
     ("pio", "decoding"),  # the window: loops, drafts, the orchestrator
     ("offload", "experts", "placement", "budget"),  # where experts live and how they run
-    ("quant", "models"),  # the INT4 draft's kernels, the models and their loading
     ("clock",),  # time: cost model, clock kinds, the virtual link
+    ("quant", "models"),  # the INT4 draft's kernels, the models and their loading
     ("config", "registry", "metrics", "workloads"),  # settings, names, measures, prompts
     ("errors", "counting", "switch", "grouping", "hermetic"),  # leaves
 ]

@@ -18,6 +18,10 @@ from specter.clock.kinds import HARDWARE_CLOCKS, ClockKind, clock_kind
 from specter.errors import UserError
 from specter.registry import SYSTEMS, recipe_module
 
+# model.weights=inflated: the project-made model each real model inflates from, by the real
+# model's config key (specter/models/inflate.py grows it).
+INFLATE_SOURCES = {"deepseek": "small_deepseek"}
+
 
 @dataclass
 class ModelConfig:
@@ -71,12 +75,10 @@ class ModelConfig:
                             "weights are built already): use model=deepseek, qwen, phi, "
                             "mixtral, qwen3, olmoe or glm.")
         if self.weights == "inflated":
-            from specter.models.inflate import SOURCES
-
-            if self.name not in SOURCES:
-                raise UserError(f"model.weights=inflated builds {', '.join(SOURCES)} from a "
-                                f"project-made model; model={self.name} has no inflation "
-                                "rule (model.weights=random gives its sizes).")
+            if self.name not in INFLATE_SOURCES:
+                raise UserError(f"model.weights=inflated builds {', '.join(INFLATE_SOURCES)} "
+                                f"from a project-made model; model={self.name} has no "
+                                "inflation rule (model.weights=random gives its sizes).")
         if (self.layers is not None or self.inflate_from or self.narrow) \
                 and self.weights == "checkpoint":
             raise UserError("model.layers, model.narrow and model.inflate_from apply to "

@@ -21,7 +21,8 @@ dispatcher cannot see:
   `.to(device)` is a no-op): counted there as the launch it is on a GPU, and the sync when it
   blocks (pageable memory; `upload(blocking=False)`: from pinned memory, no sync).
 
-Without a counter entered, each is a no-op.
+Without a counter entered, each is a no-op. `cuda_graph_kernels(graph)` counts what a captured
+CUDA graph launches (its kernel nodes, read back from its debug dump).
 
 What counts as what (per phase, `Counter` keys):
 - `ops`: aten operations dispatched; `launching`: the ones that are not views (a kernel on a
@@ -48,6 +49,9 @@ What counts as what (per phase, `Counter` keys):
 from __future__ import annotations
 
 import contextlib
+import os
+import re
+import tempfile
 from collections import Counter, defaultdict
 
 import torch
@@ -287,3 +291,30 @@ class OpCounter(TorchDispatchMode):
             for name, fn in self._saved.items():
                 setattr(torch.Tensor, name, fn)
             torch.cuda.synchronize = self._cuda_sync
+
+
+# a node's record label opens with its type (a newline, literal or escaped, may come first)
+_KERNEL_NODE = re.compile(r'label="\{?(?:\s|\\n)*(?:KERNEL|MEMSET)\b')
+
+
+def dot_kernels(dot: str) -> int:
+    """Kernel nodes (and memsets: each also a pass over the device) in a CUDA graph's DOT dump
+    (cudaGraphDebugDotPrint's format: one record node per graph node, its label opening with
+    its type: KERNEL, MEMSET, MEMCPY, EMPTY, ...)."""
+    return len(_KERNEL_NODE.findall(dot))
+
+
+def cuda_graph_kernels(graph) -> int | None:
+    """Kernel nodes of a captured `torch.cuda.CUDAGraph` made with `enable_debug_mode()`
+    before its capture (None where the dump is unavailable)."""
+    fd, path = tempfile.mkstemp(suffix=".dot")
+    os.close(fd)
+    try:
+        graph.debug_dump(path)
+        with open(path) as f:
+            return dot_kernels(f.read())
+    except (RuntimeError, OSError, AttributeError):
+        return None
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(path)

@@ -17,8 +17,9 @@ step is compiled or captured, never while it runs:
   stored beside those caches (`CountStore`, keyed by the graph's code, its inputs' shapes,
   dtypes, strides and devices, and torch's version); a cached graph whose count is not there
   (compiled before the store existed) is compiled again with the caches off and counted.
-- `cuda_graph_kernels(graph)`: on CUDA, the kernel nodes of a captured graph itself
-  (`torch.cuda.CUDAGraph.debug_dump`, read back), the count that settles the estimate.
+- `cuda_graph_kernels(graph)` (specter/counting.py, re-exported): on CUDA, the kernel nodes
+  of a captured graph itself (`torch.cuda.CUDAGraph.debug_dump`, read back), the count that
+  settles the estimate.
 
 Does not own: what a kernel costs (costmodel.py `HardwareProfile.kernel_floor_s`), when a
 step is charged (observer.py `ComputeClock.captured_step`).
@@ -30,7 +31,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import tempfile
 import warnings
 from pathlib import Path
@@ -39,7 +39,7 @@ import torch
 
 # Kernels a custom op launches on a GPU, by its qualified name (counting.py owns the table:
 # the op counter counts an eager call by it too).
-from specter.counting import DEVICE_LAUNCHES
+from specter.counting import DEVICE_LAUNCHES, cuda_graph_kernels, dot_kernels  # noqa: F401 (re-exported)
 
 # calls in a dynamo graph that launch nothing: views, shape reads and Python glue
 _NO_KERNEL = {"getitem", "size", "dim", "view", "reshape", "unsqueeze", "squeeze", "transpose",
@@ -235,30 +235,3 @@ def _device_of(example_inputs) -> str:
         if isinstance(t, torch.Tensor):
             return t.device.type
     return "cpu"
-
-
-# a node's record label opens with its type (a newline, literal or escaped, may come first)
-_KERNEL_NODE = re.compile(r'label="\{?(?:\s|\\n)*(?:KERNEL|MEMSET)\b')
-
-
-def dot_kernels(dot: str) -> int:
-    """Kernel nodes (and memsets: each also a pass over the device) in a CUDA graph's DOT dump
-    (cudaGraphDebugDotPrint's format: one record node per graph node, its label opening with
-    its type: KERNEL, MEMSET, MEMCPY, EMPTY, ...)."""
-    return len(_KERNEL_NODE.findall(dot))
-
-
-def cuda_graph_kernels(graph) -> int | None:
-    """Kernel nodes of a captured `torch.cuda.CUDAGraph` made with `enable_debug_mode()`
-    before its capture (None where the dump is unavailable)."""
-    fd, path = tempfile.mkstemp(suffix=".dot")
-    os.close(fd)
-    try:
-        graph.debug_dump(path)
-        with open(path) as f:
-            return dot_kernels(f.read())
-    except (RuntimeError, OSError, AttributeError):
-        return None
-    finally:
-        with contextlib.suppress(OSError):
-            os.remove(path)

@@ -87,10 +87,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specter.config import INFLATE_SOURCES as SOURCES  # (a setting's table: config.py)
 from specter.errors import UserError
-
-# The real model a project-made model inflates to, by the real model's config key.
-SOURCES = {"deepseek": "small_deepseek"}
 ARCHS = ("deepseek_v2",)
 _SEED = 20261204  # the copies' expert permutations and sign walks
 # Names how the depth grows: in the inflated folder's specter_inflated.json, the records

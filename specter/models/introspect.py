@@ -2,8 +2,10 @@
 
 Owns: finding the routed-experts modules of any transformers MoE (modules holding fused 3D
 `gate_up_proj [E, 2I, H]` and `down_proj [E, H, I]` parameters), the per-model MoE facts the
-rest of the system needs (`MoESpec`), and observing the router's top-k choices with a
-pre-hook on the experts call (so no router is re-implemented).
+rest of the system needs (`MoESpec`), observing the router's top-k choices with a pre-hook
+on the experts call (so no router is re-implemented), one expert's layout (`ExpertLayout`)
+and its full-precision weights wherever they live (`expert_weights`: the fused parameters, or
+the host store offload/store.py fills).
 Does not own: changing how experts run (that is the offloading runtime's experts
 implementation).
 """
@@ -149,3 +151,68 @@ def forward_logits(model, ids: torch.Tensor, cache, logits_to_keep: int = 1) -> 
     `logits_to_keep` positions."""
     out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits_to_keep)
     return out.logits[0]
+
+
+STORE_ATTR = "_specter_host_store"  # the model's HostExpertStore, once its experts are in one
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    num_experts: int
+    inter: int  # I
+    hidden: int  # H
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return 3 * self.inter * self.hidden  # gate_up [2I, H] + down [H, I]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.finfo(self.dtype).bits // 8
+
+    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) views of one flat expert buffer."""
+        split = 2 * self.inter * self.hidden
+        return (flat[:split].view(2 * self.inter, self.hidden),
+                flat[split:].view(self.hidden, self.inter))
+
+    def stacked_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [S, 2I, H], down [S, H, I]) views of S flat expert buffers [S, numel]."""
+        split, S = 2 * self.inter * self.hidden, flat.shape[0]
+        return (flat[:, :split].view(S, 2 * self.inter, self.hidden),
+                flat[:, split:].view(S, self.hidden, self.inter))
+
+    @classmethod
+    def of(cls, module: nn.Module, dtype: torch.dtype | None = None) -> "ExpertLayout":
+        """The layout of an experts module's fused parameters (their shapes: real or meta)."""
+        e, two_i, h = module.gate_up_proj.shape
+        return cls(num_experts=e, inter=two_i // 2, hidden=h,
+                   dtype=dtype or module.gate_up_proj.dtype)
+
+
+def host_store(model: nn.Module) -> "HostExpertStore | None":
+    """The store holding the model's routed experts (offload/store.py `HostExpertStore`), or
+    None while they are its parameters."""
+    return getattr(model, STORE_ATTR, None)
+
+
+def expert_weights(model: nn.Module, moe_layer: int, expert: int,
+                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_up [2I, H], down [H, I]) of one routed expert at full precision: views of the
+    model's fused parameters, or of its host store's buffer (copied to `device` when given:
+    a GPU reading an expert that lives in host memory)."""
+    store = host_store(model)
+    if store is not None:
+        return store.weights(moe_layer, expert, device)
+    _, mod = experts_modules(model)[moe_layer]
+    gate_up, down = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
+    if device is not None:
+        gate_up, down = gate_up.to(device), down.to(device)
+    return gate_up, down
+
+
+def expert_layout(model: nn.Module) -> ExpertLayout:
+    """The routed experts' layout, wherever they live."""
+    store = host_store(model)
+    return store.layout if store is not None else ExpertLayout.of(experts_modules(model)[0][1])

@@ -6,58 +6,23 @@ offload/pinned.py's plan (power-of-two chunks, which torch's pinned allocator do
 up further); filled either from a loaded model's fused 3D parameters (`from_model`, freeing
 each layer's fused copy as it goes) or tensor by tensor from the checkpoint's safetensors
 files (placement/loader.py, so the experts never pass through the device); viewing a flat
-buffer, host or device, as that expert's (gate_up [2I, H], down [H, I]); and
-`expert_weights`, how any code reads one expert's full-precision weights wherever they live.
+buffer, host or device, as that expert's (gate_up [2I, H], down [H, I]: models/introspect.py
+`ExpertLayout`, where `expert_weights` reads one expert wherever it lives).
 Does not own: the device slots or what is resident (cache.py), timing (link.py), the
 chunk plan and what the allocator reserves for it (pinned.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
-from specter.models.introspect import experts_modules
+from specter.models.introspect import (  # (re-exported: read wherever the experts live)
+    STORE_ATTR, ExpertLayout, expert_layout, expert_weights, experts_modules, host_store)
 from specter.offload.pinned import StorePlan, store_plan
 
-STORE_ATTR = "_specter_host_store"  # the model's HostExpertStore, once its experts are in one
-
-
-@dataclass(frozen=True)
-class ExpertLayout:
-    num_experts: int
-    inter: int  # I
-    hidden: int  # H
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        return 3 * self.inter * self.hidden  # gate_up [2I, H] + down [H, I]
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * torch.finfo(self.dtype).bits // 8
-
-    def views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) views of one flat expert buffer."""
-        split = 2 * self.inter * self.hidden
-        return (flat[:split].view(2 * self.inter, self.hidden),
-                flat[split:].view(self.hidden, self.inter))
-
-    def stacked_views(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [S, 2I, H], down [S, H, I]) views of S flat expert buffers [S, numel]."""
-        split, S = 2 * self.inter * self.hidden, flat.shape[0]
-        return (flat[:, :split].view(S, 2 * self.inter, self.hidden),
-                flat[:, split:].view(S, self.hidden, self.inter))
-
-    @classmethod
-    def of(cls, module: nn.Module, dtype: torch.dtype | None = None) -> "ExpertLayout":
-        """The layout of an experts module's fused parameters (their shapes: real or meta)."""
-        e, two_i, h = module.gate_up_proj.shape
-        return cls(num_experts=e, inter=two_i // 2, hidden=h,
-                   dtype=dtype or module.gate_up_proj.dtype)
+__all__ = ["STORE_ATTR", "ExpertLayout", "HostExpertStore", "expert_layout", "expert_weights",
+           "host_store", "release_fused"]
 
 
 class HostExpertStore:
@@ -141,29 +106,3 @@ def release_fused(mod: nn.Module, moe_layer: int) -> None:
         setattr(mod, name, nn.Parameter(torch.empty(0, dtype=old.dtype, device=device),
                                         requires_grad=False))
         del old
-
-
-def host_store(model: nn.Module) -> HostExpertStore | None:
-    """The store holding the model's routed experts, or None while they are its parameters."""
-    return getattr(model, STORE_ATTR, None)
-
-
-def expert_weights(model: nn.Module, moe_layer: int, expert: int,
-                   device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(gate_up [2I, H], down [H, I]) of one routed expert at full precision: views of the
-    model's fused parameters, or of its host store's buffer (copied to `device` when given:
-    a GPU reading an expert that lives in host memory)."""
-    store = host_store(model)
-    if store is not None:
-        return store.weights(moe_layer, expert, device)
-    _, mod = experts_modules(model)[moe_layer]
-    gate_up, down = mod.gate_up_proj[expert].detach(), mod.down_proj[expert].detach()
-    if device is not None:
-        gate_up, down = gate_up.to(device), down.to(device)
-    return gate_up, down
-
-
-def expert_layout(model: nn.Module) -> ExpertLayout:
-    """The routed experts' layout, wherever they live."""
-    store = host_store(model)
-    return store.layout if store is not None else ExpertLayout.of(experts_modules(model)[0][1])

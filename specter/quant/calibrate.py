@@ -38,8 +38,7 @@ from torch import nn
 
 from specter import hermetic
 from specter.errors import UserError
-from specter.models.introspect import experts_modules
-from specter.offload.store import expert_layout, expert_weights, host_store
+from specter.models.introspect import expert_layout, expert_weights, experts_modules, host_store
 from specter.quant.formats import (QuantizedMatrix, effective_group, rtn_quantize,
                                    weights_checksum, weights_checksum_parts)
 from specter.quant.gptq import Hessian, gptq_quantize, gptq_working_bytes

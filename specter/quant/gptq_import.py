@@ -28,8 +28,7 @@ import torch
 from torch import nn
 
 from specter.errors import UserError
-from specter.models.introspect import experts_modules
-from specter.offload.store import expert_layout
+from specter.models.introspect import expert_layout, experts_modules
 from specter.quant.calibrate import (LayerReader, QuantizedExperts, QuantSpec, SavedLayers,
                                      source_checksum)
 from specter.quant.formats import QuantizedMatrix, pack_codes

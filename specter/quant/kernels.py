@@ -38,8 +38,7 @@ import os
 import torch
 from torch import nn
 
-from specter.clock.graph_kernels import cuda_graph_kernels
-from specter.counting import launched
+from specter.counting import cuda_graph_kernels, launched
 from specter.errors import UserError
 from specter.grouping import group_by_expert
 from specter.quant.formats import QuantizedMatrix, unpack_codes
