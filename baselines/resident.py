@@ -45,7 +45,7 @@ def decode_step(job, timing, clock):
     from specter.decoding.compiled_decode import CompiledDecode, resolve_system_compile
 
     sc = job.system
-    on, why = resolve_system_compile(sc.compile, job.rows, timing.kind)
+    on, why = resolve_system_compile(sc.compile, job.rows, timing.kind, job.temperature > 0)
     cuda = job.device.type == "cuda"
     static = None
     if on:

@@ -85,7 +85,7 @@ class _ClockStreamer:
 
 
 class TransformersOffloadEngine:
-    samples = False  # greedy only
+    speculates = samples = False  # greedy only
     batches = True  # generate's own batching: left padding, finished rows fed padding
     compiled: dict = {}  # nothing compiled
     name = "transformers"

@@ -52,7 +52,7 @@ def routing_fidelity(shared: DraftMode, ids: torch.Tensor, start: int,
 
 
 class FidelityEngine:
-    samples = False  # greedy only
+    speculates = samples = False  # greedy only
     compiled: dict = {}  # nothing compiled
     name = "fidelity"
 

@@ -113,7 +113,7 @@ def measured_config(cfg: RunConfig) -> dict[str, Any]:
     does not speculate has no `spec` (so a sweep over spec.k runs it once, and its rows do
     not claim a K)."""
     d = cfg.to_dict()
-    if not recipe(cfg.system.name).samples:  # not speculative
+    if not recipe(cfg.system.name).speculates:
         d.pop("spec")
     elif cfg.spec.k != "adaptive":  # the bound of adaptive K only
         d["spec"].pop("k_max")

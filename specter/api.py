@@ -58,11 +58,12 @@ def model_overrides(model: str, path: str | None = None) -> list[str]:
 
     names = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
     folder = Path(path or model).expanduser()
-    if model in names:
-        return [f"model={model}"] + ([f"model.path={folder}"] if path else [])
     hub = _hub_names()
-    if model in hub:
-        return [f"model={hub[model]}"] + ([f"model.path={folder}"] if path else [])
+    if model in names or model in hub:
+        name = model if model in names else hub[model]
+        if path:
+            _check_path(name, folder)
+        return [f"model={name}"] + ([f"model.path={folder}"] if path else [])
     if (folder / "config.json").is_file():
         known = published_match(folder / "config.json")
         if known is not None:
@@ -73,6 +74,24 @@ def model_overrides(model: str, path: str | None = None) -> list[str]:
                         "holds config.json and .safetensors weights).")
     raise UserError(f"unknown model '{model}': not a folder, and not one of {', '.join(names)} "
                     "or their hub ids.")
+
+
+def _check_path(name: str, folder: Path) -> None:
+    """`path` beside a named model: its checkpoint folder, used, or refused in one sentence
+    (a project-made model's weights are the project's: a path would be dropped)."""
+    from omegaconf import OmegaConf
+
+    from specter.settings import CONF
+
+    if OmegaConf.load(CONF / "model" / f"{name}.yaml").get("source") == "project":
+        raise UserError(f"model={name} is made by the project (its weights are built, not "
+                        f"read from a folder), so path={folder} would be ignored; load the "
+                        f"checkpoint folder itself (specter.load('{folder}')) or a published "
+                        "model's name with path=.")
+    if not (folder / "config.json").is_file():
+        raise UserError(f"path={folder} is not a checkpoint folder (it holds no config.json); "
+                        f"point it at the folder holding {name}'s config.json and .safetensors "
+                        "weights.")
 
 
 def _hub_names() -> dict[str, str]:
@@ -205,6 +224,9 @@ class LLM:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _check(self, max_new_tokens: int | None, temperature: float | None) -> int:
+        if self.engine is None:
+            raise UserError("this model is closed (llm.close() freed it); load it again with "
+                            "specter.load(...).")
         w = self.settings.workload
         n = w.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
         if n < 1:

@@ -237,6 +237,8 @@ def warm_up(engine, cfg: RunConfig, prompt: list[int], log) -> float:
         return 0.0
     began = time.perf_counter()
     engine.reset()
+    if cfg.workload.temperature > 0:  # a sampling engine draws from a seeded generator
+        engine.seed_requests([cfg.seed])
     engine.generate(prompt, min(cfg.workload.max_new_tokens, WARMUP_TOKENS))
     seconds = time.perf_counter() - began
     what = "compiled step" if (compiled.get("draft_compiled") or

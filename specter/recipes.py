@@ -41,8 +41,14 @@ class Recipe:
     footprint: Callable[[SystemConfig], Footprint]  # footprint(config) or FOOTPRINT
 
     @property
+    def speculates(self) -> bool:
+        """Drafts and verifies (reads spec.*; speculative sampling above temperature 0)."""
+        return self.engine.speculates
+
+    @property
     def samples(self) -> bool:
-        """Decodes by speculative sampling when workload.temperature > 0 (and reads spec.*)."""
+        """Decodes at workload.temperature > 0 (speculative sampling, or plain sampling as
+        `generate(do_sample=True)` draws)."""
         return self.engine.samples
 
     @property
@@ -66,9 +72,8 @@ def recipe(name: str) -> Recipe:
 
 
 def sampling_systems() -> tuple[str, ...]:
-    """Systems whose engine decodes by speculative sampling when workload.temperature > 0
-    (`Engine.samples`, read off each recipe's ENGINE); the others decode greedily only. They
-    are also the systems that read `spec.*` (the draft depth)."""
+    """Systems whose engine decodes at workload.temperature > 0 (`Engine.samples`, read off
+    each recipe's ENGINE); the others decode greedily only."""
     return tuple(n for n in SYSTEMS if recipe(n).samples)
 
 
@@ -85,7 +90,7 @@ def check_system(system: SystemConfig, temperature: float = 0.0) -> None:
     if name not in SYSTEMS:
         raise UserError(f"unknown system '{name}'; choose one of: {', '.join(sorted(SYSTEMS))}.")
     if temperature > 0 and not recipe(name).samples:
-        raise UserError(f"workload.temperature > 0 needs a speculating system "
+        raise UserError(f"workload.temperature > 0 needs a system that samples "
                         f"({', '.join(sampling_systems())}); system={name} decodes greedily only.")
 
 
@@ -102,5 +107,5 @@ def depth_of(cfg: RunConfig):
     from specter.decoding.depth import settle_depth
 
     r = recipe(cfg.system.name)
-    return settle_depth(cfg.spec, cfg.model.paper_k, r.own_k) if r.samples else None
+    return settle_depth(cfg.spec, cfg.model.paper_k, r.own_k) if r.speculates else None
 

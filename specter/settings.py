@@ -119,10 +119,14 @@ def typed_overrides(argv: list[str]) -> list[str]:
     sections = section_classes()
     scalars = [f.name for f in fields(RunConfig) if f.name not in sections]
     out = []
-    for arg in argv:
-        if arg.startswith("-") or "=" not in arg.lstrip("~"):
+    for i, arg in enumerate(argv):
+        flag_value = i > 0 and argv[i - 1].startswith("-") and "=" not in argv[i - 1]
+        if arg.startswith("-") or arg.startswith("~") or flag_value:  # Hydra's (--cfg job)
             out.append(arg)
             continue
+        if "=" not in arg:
+            raise UserError(f"cannot read the setting '{arg}': a setting is key=value (e.g. "
+                            "spec.k=8 or system=lru).")
         try:
             o = parser.parse_overrides([arg])[0]
         except HydraException:

@@ -72,6 +72,9 @@ def test_the_library_gives_the_runners_tokens(llm, tmp_path):
     (lambda: specter.load("tiny_deepseek", k=0), "spec.k"),
     (lambda: specter.load("tiny_deepseek", k="auto"), "spec.k=auto profiles K"),
     (lambda: specter.load("tiny_deepseek", budget="high", budget_gb=4), "not both"),
+    (lambda: specter.load(path="/etc"), "made by the project"),
+    (lambda: specter.load("deepseek", path="/etc"), "is not a checkpoint folder"),
+    (lambda: specter.load("tiny_deepseek", overrides=["nonsense"]), "a setting is key=value"),
 ])
 def test_bad_input_is_one_sentence(call, words):
     with pytest.raises(UserError) as e:
@@ -92,6 +95,20 @@ def test_bad_requests_are_one_sentence_and_the_model_stays_usable(llm, tmp_path)
     (tmp_path / "notes").mkdir()
     with pytest.raises(UserError, match="is not a model: it holds no config.json"):
         specter.load(str(tmp_path / "notes"))
+
+
+def test_a_closed_model_says_so_and_a_greedy_system_samples():
+    """After close, a call is one sentence (not an AttributeError); a system that does not
+    speculate loads with a temperature and samples (issue 58), the same seed the same draws."""
+    lru = specter.load("tiny_deepseek", **{**SMALL, "system": "lru", "temperature": 0.8})
+    drawn = lru.generate(PROMPT).tokens
+    lru.close()
+    with pytest.raises(UserError, match="this model is closed"):
+        lru.generate(PROMPT)
+    with specter.load("tiny_deepseek", **{**SMALL, "system": "lru", "temperature": 0.8}) as again:
+        assert again.generate(PROMPT).tokens == drawn  # the first request's seed, again
+    with specter.load("tiny_deepseek", **{**SMALL, "system": "resident"}) as greedy:
+        assert greedy.generate(PROMPT).tokens != drawn
 
 
 def test_a_hub_layout_loads_as_shipped_from_its_folder(tmp_path):

@@ -370,7 +370,13 @@ def test_specmoeoff_is_lossless_and_prefetches(tmp_path, model):
     assert smo["k_source"].str.contains("K=3").all()
 
 
-def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_systems(tmp_path):
+def test_sampling_through_the_runner_repeats_per_seed_and_offloading_draws_residents_tokens(
+        tmp_path):
+    """Specter samples by speculative sampling, the same seed the same samples; a system that
+    does not speculate samples as plain `generate(do_sample=True)` draws, each token from
+    softmax(logits / T), and offloading keeps the logits, so LRU draws resident's tokens
+    (issue 58: a client's usual temperature works on every decoding system); a system that
+    cannot sample (transformers' own offload) refuses it in one sentence."""
     import yaml
 
     from conftest import REPO
@@ -394,8 +400,18 @@ def test_sampling_through_the_runner_repeats_per_seed_and_is_refused_for_greedy_
     assert toks["a"] == toks["b"]  # the same seed: the same samples
     assert toks["a"] != toks["c"] and toks["a"] != toks["greedy"]
     assert toks["a"][0] != toks["a"][1]  # repeats draw differently
+    for system in ("lru", "resident"):
+        runner.run(cfg(system, 1.5, 0, system), log=quiet)
+        toks[system] = [list(t) for t in records.load(tmp_path / system).sort_values(
+            ["request_id", "repeat"])["output_tokens"]]
+    assert toks["lru"] == toks["resident"]  # the same draws from the same logits
+    assert toks["lru"][0] != toks["lru"][1]  # repeats draw differently
+    runner.run(cfg("resident", 0.0, 0, "resident_greedy"), log=quiet)
+    greedy = [list(t) for t in records.load(tmp_path / "resident_greedy").sort_values(
+        ["request_id", "repeat"])["output_tokens"]]
+    assert toks["lru"] != greedy
     with pytest.raises(UserError, match="decodes greedily only"):
-        runner.run(cfg("lru", 1.0, 0, "bad"), log=quiet)
+        runner.run(cfg("transformers", 1.0, 0, "bad"), log=quiet)
     assert not (tmp_path / "bad").exists()
 
 

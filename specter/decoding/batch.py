@@ -38,7 +38,8 @@ class Engine(Protocol):
 
     name: str
     device: torch.device
-    samples: bool  # decodes by speculative sampling when workload.temperature > 0
+    speculates: bool  # drafts and verifies (reads spec.*)
+    samples: bool  # decodes at workload.temperature > 0 (`seed_requests` per batch)
     batches: bool  # decodes workload.batch requests together (`generate_batch`)
     compiled: dict  # a compiled step's record columns (draft_compiled, decode_compiled); {}
 

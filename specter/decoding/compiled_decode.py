@@ -56,8 +56,9 @@ def _fixed_shape_experts(owner, layer, self, hidden_states, top_k_index, top_k_w
     return final
 
 
-def resolve_system_compile(setting: str, rows: int, clock: ClockKind) -> tuple[bool, str]:
-    """(compiled, why) for resident's `system.compile`: one row; not the emulated clock (it
+def resolve_system_compile(setting: str, rows: int, clock: ClockKind,
+                           sampling: bool = False) -> tuple[bool, str]:
+    """(compiled, why) for resident's `system.compile`: one greedy row; not the emulated clock (it
     sleeps in hooks a graph does not run). `auto` compiles on a real clock (the CPU's, or a
     GPU's, where the step is captured as one CUDA graph); on a virtual clock it stays eager,
     as the paper's resident, and `on` charges the step as a captured graph (as a compiled
@@ -68,6 +69,8 @@ def resolve_system_compile(setting: str, rows: int, clock: ClockKind) -> tuple[b
     reasons = []
     if rows != 1:
         reasons.append(f"a batch of {rows} rows (the static step decodes one row)")
+    if sampling:
+        reasons.append("sampling draws each token on the host (the static step picks greedily)")
     if clock.sleeps:
         reasons.append(f"the {clock.name} clock charges each forward from hooks a compiled graph "
                        "does not run (use a real clock: hardware=cpu or a CUDA device)")

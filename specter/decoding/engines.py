@@ -23,7 +23,8 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.draft import SharedKV
-from specter.decoding.loop import Events, acceptance, greedy_decode_batch, speculative_batch
+from specter.decoding.loop import (Drawn, Events, acceptance, greedy_decode_batch,
+                                   speculative_batch)
 from specter.decoding.compiled_draft import compiled_mode
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids
 from specter.clock.observer import NULL_CLOCK, NullClock
@@ -37,13 +38,16 @@ from specter.quant.build import Int4Experts
 class GreedyEngine:
     """Autoregressive greedy decoding; `runtime=None`: every expert resident (HF's own)."""
 
-    samples = False  # greedy only: workload.temperature must be 0
+    speculates = False
+    samples = True  # workload.temperature > 0: each token drawn (`seed_requests` per batch)
     batches = True  # decodes workload.batch requests together (generate_batch)
 
     def __init__(self, name: str, model, device: torch.device, timing: Timing,
                  runtime: OffloadRuntime | None = None, stop_on_eos: bool = True,
-                 static=None):
+                 static=None, temperature: float = 0.0):
         self.name, self.model, self.device = name, model, device
+        self.temperature = temperature  # > 0: each token drawn (`Drawn`, `self.generators`)
+        self.generators: list[torch.Generator] | None = None
         self.timing, self.runtime = timing, runtime
         self.stop = eos_ids(model) if stop_on_eos else set()
         slots = runtime.cache.device_bytes() if runtime is not None else 0
@@ -67,7 +71,8 @@ class GreedyEngine:
             self.prefetcher.reset()
 
     def seed_requests(self, seeds: list[int]) -> None:
-        """Greedy decoding draws nothing."""
+        """One sampling generator per request of the next batch (workload.temperature > 0)."""
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int,
                  on_commit=None) -> Generation:
@@ -81,6 +86,15 @@ class GreedyEngine:
         """The requests decoded together; the batch's statistics (demand, link, prefetcher)
         are the same columns on every row."""
         return self._decode(prompts, max_new_tokens)
+
+    def _draw(self, rows: int) -> Drawn | None:
+        """At temperature > 0, each request's tokens drawn from its generator (seeded by
+        `seed_requests`, as the runner and the library seed each request)."""
+        if self.temperature <= 0:
+            return None
+        if self.generators is None or len(self.generators) != rows:
+            raise ValueError("sampling needs one torch.Generator per request (seeded per request)")
+        return Drawn(self.temperature, self.generators)
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int,
                 on_commit: list | None = None) -> list[Generation]:
@@ -97,7 +111,8 @@ class GreedyEngine:
         else:
             gens = greedy_decode_batch(self.model, prompts, max_new_tokens, self.device,
                                        self.timing.link, self.stop, self.memory,
-                                       self.events, on_commit=on_commit)
+                                       self.events, on_commit=on_commit,
+                                       draw=self._draw(len(prompts)))
         shared = dict(self.compiled)
         if self.runtime is not None:
             shared.update(self.runtime.as_record())
@@ -114,6 +129,7 @@ class SpeculativeEngine:
     """Speculative decoding over offloaded target experts: `draft` proposes, the target
     verifies through `runtime`, `window` (optional) prefetches for the coming verification."""
 
+    speculates = True
     samples = True  # workload.temperature > 0: speculative sampling (seed_requests per batch)
     batches = True
 
@@ -237,7 +253,7 @@ def build_greedy(job, name: str, prefetcher: LayerPrefetcher | None = None,
     runtime = offload_model(job, timing, prefetcher, host_all=host_all,
                             host_misses=host_compute) if offload else None
     return GreedyEngine(name, job.loaded.model, job.device, timing, runtime,
-                        stop_on_eos=job.stop_on_eos, static=static)
+                        stop_on_eos=job.stop_on_eos, static=static, temperature=job.temperature)
 
 
 def build_speculative(job, name: str, make_draft, window=None, reorder: bool = True,

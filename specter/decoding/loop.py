@@ -124,13 +124,15 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: tor
 def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
                         device: torch.device, timeline: Timeline, stop: set[int],
                         memory: DeviceMemory, events: "Events | None" = None,
-                        on_commit: list | None = None) -> list[Generation]:
+                        on_commit: list | None = None,
+                        draw: "Drawn | None" = None) -> list[Generation]:
     """Prefill the batch, then one token per unfinished row per step; each token's commit
     time read from `timeline`; a row that commits a stop token or its last token leaves the
     batch while the others go on. `events` (`Events`) hears of each forward before it runs
     (phase: "prefill" | "decode"). `on_commit`: per request a
     listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
-    None: no listener at all."""
+    None: no listener at all. `draw` (`Drawn`): each token sampled at its temperature; None:
+    the greedy token."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
     memory.start()
@@ -145,8 +147,9 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     events.forward("prefill", *kv.shape(blocks))
     logits = kv.forward(blocks)  # [B, 1, V]
     while True:
-        # 2. Commit each row's greedy token.
-        picked = logits[:, -1].argmax(dim=-1).tolist()  # host sync: next step and stop check
+        # 2. Commit each row's token: the greedy one, or drawn.
+        picked = (logits[:, -1].argmax(dim=-1).tolist() if draw is None  # host sync: next
+                  else draw.tokens(logits[:, -1], live))  # step and stop check
         now = timeline.mark()
         going = []
         for r, b in enumerate(live):
@@ -169,6 +172,20 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     return [Generation(tokens=tokens[b], commit_times_s=[timeline.timestamp(m) for m in times[b]],
                        start_time_s=timeline.timestamp(start), peak_mem_bytes=peak,
                        peak_mem_source=source) for b in range(len(prompts))]
+
+
+class Drawn:
+    """Plain sampling at temperature T > 0, as `generate(do_sample=True)` draws with no other
+    warper: each token from softmax(logits / T), request r drawing from `generators[r]`."""
+
+    def __init__(self, temperature: float, generators: list[torch.Generator]):
+        self.temperature, self.generators = temperature, generators
+
+    def tokens(self, logits: torch.Tensor, requests: list[int]) -> list[int]:
+        """logits [B, V] of the rows serving `requests` -> one token each."""
+        p = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        return [int(torch.multinomial(p[r], 1, generator=self.generators[b]))
+                for r, b in enumerate(requests)]
 
 
 def acceptance(temperature: float, generators: list[torch.Generator] | None, rows: int):
