@@ -140,7 +140,8 @@ def load(model: str = "small_deepseek", *, path: str | None = None,
     (e.g. a virtual clock's). On a machine without a GPU, `auto` runs on the CPU with time
     from the virtual clock of a modelled GPU (one log line says so), as the runner does.
     `k`: the draft depth (an int, "adaptive"; None: the model's). `temperature` > 0 samples
-    (speculating systems): fixed at load, as the draft step is built for it.
+    (speculative sampling, or plain sampling where the system does not speculate): fixed at
+    load, as the draft step is built for it.
     `max_prompt_tokens` + `max_new_tokens`: the longest request, whose KV cache the budget
     holds. `log`: a function taking each progress line (None: quiet)."""
     from specter.settings import run_config

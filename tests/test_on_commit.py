@@ -134,3 +134,27 @@ def test_the_stream_ends_at_the_stop_token_and_at_the_limit(system, case, monkey
         engine.model.generation_config.eos_token_id = None
     gen, chunks = listen(engine, ids, 6)
     assert sum(chunks, []) == gen.tokens == ref[:6]
+
+
+@pytest.mark.parametrize("system", ["resident", "lru", "specter"])
+def test_a_batch_takes_a_limit_per_request_and_a_listener_can_end_its_request(system, case):
+    """`generate_batch(prompts, [limits], on_commit=[...])` (the server's batches, issue 58):
+    each request stops at its own limit; a listener that returns False (its client went
+    away) ends its request at that commit, and the other request decodes exactly as alone."""
+    ids, ref, _, _ = case
+    engine, loaded = build(system, set())
+    other = loaded.tokenizer(PROMPTS[2])["input_ids"][:9]
+    engine.reset()
+    alone = engine.generate(other, N_NEW).tokens
+    heard: list[list[int]] = [[], []]
+
+    def gone_after_two(tokens):
+        heard[0] += tokens
+        return len(heard[0]) < 2  # the client leaves once it holds two tokens
+
+    engine.reset()
+    gens = engine.generate_batch([ids, other], [N_NEW, 5],
+                                 on_commit=[gone_after_two, lambda t: heard[1].extend(t)])
+    assert gens[1].tokens == alone[:5] == heard[1]  # its own limit, its own tokens
+    assert gens[0].tokens == heard[0] == ref[:len(heard[0])]  # ended where it said so
+    assert 2 <= len(gens[0].tokens) < N_NEW

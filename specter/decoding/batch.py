@@ -32,9 +32,10 @@ class Engine(Protocol):
     request commits new tokens, with exactly those new tokens in order: the prefill's first
     token, then each speculative window's accepted proposals plus the target's token (or one
     token per greedy step). The concatenation of its calls equals the request's
-    `Generation.tokens` exactly (a final stop token included, `max_new_tokens` respected).
+    `Generation.tokens` exactly (a final stop token included, `max_new_tokens` respected); a
+    listener that returns False ends its request at that commit (a client that went away).
     None (the default): decoding, its timing and its operation counts are unchanged (one `if`
-    per commit). `generate_batch` takes no listener."""
+    per commit)."""
 
     name: str
     device: torch.device
@@ -54,8 +55,11 @@ class Engine(Protocol):
                  on_commit: Callable[[list[int]], None] | None = None) -> Generation:
         """One request; `on_commit` hears its tokens as they are committed (above)."""
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """Several requests decoded together (one per row), each as `generate` would."""
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                       on_commit: list | None = None) -> list[Generation]:
+        """Several requests decoded together (one per row), each as `generate` would:
+        `max_new_tokens` one limit or one per request, `on_commit` one listener or None per
+        request."""
 
 
 def cache_bytes(cache) -> int:

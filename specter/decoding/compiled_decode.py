@@ -205,10 +205,9 @@ class CompiledDecode:
             picked = tok[0, 0].tolist()  # host read: the stop check (as the eager loop's)
             tokens.append(picked)
             times.append(timeline.mark())
-            if on_commit is not None:
-                on_commit([picked])
+            heard = on_commit is None or on_commit([picked]) is not False  # False: it ends
             memory.observe_cache(None, cache_bytes(self.cache))
-            if len(tokens) >= max_new_tokens or picked in stop:
+            if len(tokens) >= max_new_tokens or picked in stop or not heard:
                 break
             events.forward("decode", 1, n + 1, 1)  # a step outside the cache
             began = time.perf_counter()

@@ -23,7 +23,7 @@ import torch
 
 from specter.decoding.depth import Depth, SlotView
 from specter.decoding.draft import SharedKV
-from specter.decoding.loop import (Drawn, Events, acceptance, greedy_decode_batch,
+from specter.decoding.loop import (Drawn, Events, acceptance, greedy_decode_batch, limits_of,
                                    speculative_batch)
 from specter.decoding.compiled_draft import compiled_mode
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids
@@ -82,10 +82,12 @@ class GreedyEngine:
             return self.generate_batch([prompt_ids], max_new_tokens)[0]
         return self._decode([prompt_ids], max_new_tokens, [on_commit])[0]
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """The requests decoded together; the batch's statistics (demand, link, prefetcher)
-        are the same columns on every row."""
-        return self._decode(prompts, max_new_tokens)
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                       on_commit: list | None = None) -> list[Generation]:
+        """The requests decoded together (`max_new_tokens`: one limit or one per request;
+        `on_commit`: one listener or None per request, as `generate`'s); the batch's
+        statistics (demand, link, prefetcher) are the same columns on every row."""
+        return self._decode(prompts, max_new_tokens, on_commit)
 
     def _draw(self, rows: int) -> Drawn | None:
         """At temperature > 0, each request's tokens drawn from its generator (seeded by
@@ -102,7 +104,8 @@ class GreedyEngine:
         if self.static is not None and len(prompts) == 1:
             before = self.static.compiles, self.static.compile_s
             with torch.no_grad():
-                gens = [self.static.generate(prompts[0], max_new_tokens, self.device,
+                gens = [self.static.generate(prompts[0], limits_of(max_new_tokens, 1)[0],
+                                             self.device,
                                              self.timing.link, self.stop, self.memory,
                                              self.events,
                                              on_commit=None if on_commit is None else on_commit[0])]
@@ -190,11 +193,13 @@ class SpeculativeEngine:
             return self.generate_batch([prompt_ids], max_new_tokens)[0]
         return self._decode([prompt_ids], max_new_tokens, [on_commit])[0]
 
-    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """The requests decoded together, each accepting its own proposals; the batch's
-        statistics (demand, link, draft, window prefetcher) are the same columns on every
-        row, acceptance is each row's own."""
-        return self._decode(prompts, max_new_tokens)
+    def generate_batch(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                       on_commit: list | None = None) -> list[Generation]:
+        """The requests decoded together, each accepting its own proposals (`max_new_tokens`:
+        one limit or one per request; `on_commit`: one listener or None per request); the
+        batch's statistics (demand, link, draft, window prefetcher) are the same columns on
+        every row, acceptance is each row's own."""
+        return self._decode(prompts, max_new_tokens, on_commit)
 
     def _decode(self, prompts: list[list[int]], max_new_tokens: int,
                 on_commit: list | None = None) -> list[Generation]:

@@ -20,8 +20,9 @@ Invariant between windows: the cache holds the target's KV for every committed t
 last one (the pending token), which the next window feeds first.
 
 Time: the loop takes the timeline's marks (the link's `mark()`: a CUDA event on the compute
-stream, never a device-wide wait) and turns them into seconds after the request's last token; the host waits
-only to read values (each window's acceptance, the greedy picks), on the compute stream.
+stream, never a device-wide wait) and turns them into seconds after the request's last token;
+the host waits only to read values (each window's acceptance, the greedy picks), on the
+compute stream.
 `AdaptiveDepth` hears each window once the device has passed it (at once on the modelled
 clocks, a window or so later on CUDA).
 """
@@ -37,7 +38,8 @@ from specter.decoding.batch import BatchCache, DeviceMemory, Generation, Timelin
 
 
 @torch.no_grad()
-def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int, k: int,
+def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: int | list[int],
+                      k: int,
                       device: torch.device, timeline, stop: set[int], memory,
                       events: "Events | None" = None, accept=None, depth=None,
                       on_commit: list | None = None, pieces=None) -> list[Generation]:
@@ -49,7 +51,9 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     clock, the demand statistics, the window prefetcher); `accept` (`acceptance`: `Greedy`, the
     default, or `Sampled`) picks and accepts tokens; `depth` (an `AdaptiveDepth`) chooses each
     window's K instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s),
-    called with each commit's new tokens (`Rows._commit`); None: no listener at all. `pieces`:
+    called with each commit's new tokens (`Rows._commit`; a listener that returns False ends its
+    request there: it leaves the batch before the next window); None: no listener at all.
+    `max_new_tokens`: one limit, or one per request. `pieces`:
     verification's runner (decoding/verify_pieces.py), or None (transformers' forward)."""
     _check(prompts, k)
     events = events or Events()
@@ -121,7 +125,7 @@ def greedy_decode(model, prompt_ids: list[int], max_new_tokens: int, device: tor
 
 
 @torch.no_grad()
-def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
+def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int | list[int],
                         device: torch.device, timeline: Timeline, stop: set[int],
                         memory: DeviceMemory, events: "Events | None" = None,
                         on_commit: list | None = None,
@@ -130,9 +134,10 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     time read from `timeline`; a row that commits a stop token or its last token leaves the
     batch while the others go on. `events` (`Events`) hears of each forward before it runs
     (phase: "prefill" | "decode"). `on_commit`: per request a
-    listener or None (`Engine.generate`'s), called with `[token]` as each token is committed;
-    None: no listener at all. `draw` (`Drawn`): each token sampled at its temperature; None:
-    the greedy token."""
+    listener or None (`Engine.generate`'s), called with `[token]` as each token is committed
+    (one that returns False ends its request there); None: no listener at all.
+    `max_new_tokens`: one limit, or one per request. `draw` (`Drawn`): each token sampled at
+    its temperature; None: the greedy token."""
     if not prompts or any(not p for p in prompts):
         raise ValueError("every request needs at least one prompt token")
     memory.start()
@@ -141,6 +146,7 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
     start = timeline.mark()  # marks: read as seconds after the last token (no device wait)
     tokens: list[list[int]] = [[] for _ in prompts]
     times: list[list] = [[] for _ in prompts]
+    limits = limits_of(max_new_tokens, len(prompts))
     live = list(range(len(prompts)))  # the request of each cache row
     # 1. Prefill the prompts; their last logits give the first tokens.
     blocks = [list(p) for p in prompts]
@@ -155,9 +161,10 @@ def greedy_decode_batch(model, prompts: list[list[int]], max_new_tokens: int,
         for r, b in enumerate(live):
             tokens[b].append(picked[r])
             times[b].append(now)
+            heard = True
             if on_commit is not None and on_commit[b] is not None:
-                on_commit[b]([picked[r]])
-            if len(tokens[b]) < max_new_tokens and picked[r] not in stop:
+                heard = on_commit[b]([picked[r]]) is not False  # False: its request ends
+            if len(tokens[b]) < limits[b] and picked[r] not in stop and heard:
                 going.append(r)
         memory.observe_cache(kv.cache)
         if not going:
@@ -186,6 +193,15 @@ class Drawn:
         p = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         return [int(torch.multinomial(p[r], 1, generator=self.generators[b]))
                 for r, b in enumerate(requests)]
+
+
+def limits_of(max_new_tokens: int | list[int], rows: int) -> list[int]:
+    """Each request's limit: one for all, or one per request."""
+    if isinstance(max_new_tokens, int):
+        return [max_new_tokens] * rows
+    if len(max_new_tokens) != rows:
+        raise ValueError(f"{len(max_new_tokens)} limits for {rows} requests")
+    return [int(n) for n in max_new_tokens]
 
 
 def acceptance(temperature: float, generators: list[torch.Generator] | None, rows: int):
@@ -358,15 +374,15 @@ class Rows:
     become holes of the shared cache, so no row is cut to another's acceptance).
     `on_commit[b]` (None, or None for a request: no listener) hears request b's commits."""
 
-    def __init__(self, prompts: list[list[int]], max_new_tokens: int, k: int, stop: set[int],
-                 start, on_commit: list | None = None):
+    def __init__(self, prompts: list[list[int]], max_new_tokens: int | list[int], k: int,
+                 stop: set[int], start, on_commit: list | None = None):
         n = len(prompts)
         self.stop, self.start = stop, start
         self.on_commit = on_commit
         self.seqs = [list(p) for p in prompts]  # per request: prompt + committed tokens
         self.tokens: list[list[int]] = [[] for _ in range(n)]  # committed tokens
         self.times: list[list] = [[] for _ in range(n)]  # the timeline's mark at each commit
-        self.limit = [max_new_tokens] * n
+        self.limit = limits_of(max_new_tokens, n)
         self.stats = [SpecStats(k=k) for _ in range(n)]
         self.spans: list[list[tuple]] = [[] for _ in range(n)]  # (draft, verify, done) marks
         self.live = list(range(n))
@@ -384,7 +400,8 @@ class Rows:
 
     def _commit(self, b: int, new: list[int], now) -> bool:
         """Commit request b's tokens in order, up to its stop token or its limit (its
-        listener hears exactly those); True once it is finished."""
+        listener hears exactly those); True once it is finished (or its listener said False:
+        its client is gone)."""
         self.seqs[b].extend(new)
         tokens, done = self.tokens[b], False
         before = len(tokens)
@@ -395,7 +412,8 @@ class Rows:
                 done = True
                 break
         if self.on_commit is not None and self.on_commit[b] is not None and len(tokens) > before:
-            self.on_commit[b](tokens[before:])
+            if self.on_commit[b](tokens[before:]) is False:
+                done = True
         return done
 
     def commit_first(self, first: list[int], now) -> list[int]:
