@@ -1,8 +1,10 @@
-"""`python -m specter generate|chat`: the library's call (specter/api.py) from a shell.
+"""`python -m specter generate|chat|serve`: the library's call (specter/api.py) from a shell,
+and an OpenAI-compatible server over it (specter/serve.py).
 
     python -m specter generate "Why is the sky blue?"                       # embedded default
     python -m specter generate --model ~/models/DeepSeek-V2-Lite --budget-gb 16 "prompt"
     python -m specter chat --model deepseek --path ~/models/DeepSeek-V2-Lite --budget-gb 16
+    python -m specter serve --model deepseek --path ~/models/DeepSeek-V2-Lite --budget-gb 16
 
 `generate` streams the output to stdout and its statistics to stderr; `chat` reads a prompt
 per line (the tokenizer's chat template when it has one) until an empty line or end of
@@ -21,7 +23,9 @@ def parser() -> argparse.ArgumentParser:
                                             "memory (Specter and the baselines).")
     sub = p.add_subparsers(dest="command", required=True)
     for name, what in (("generate", "decode one prompt, streamed to stdout"),
-                       ("chat", "an interactive chat over the same call")):
+                       ("chat", "an interactive chat over the same call"),
+                       ("serve", "an OpenAI-compatible HTTP server (/v1/completions, "
+                                 "/v1/chat/completions, /metrics)")):
         s = sub.add_parser(name, help=what)
         s.add_argument("--model", default="small_deepseek",
                        help="a conf/model name, its hub id, or a checkpoint folder "
@@ -42,18 +46,59 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--quiet", action="store_true", help="no loading messages")
         if name == "generate":
             s.add_argument("prompt", help="the prompt text")
+        if name == "serve":
+            s.add_argument("--host", default="127.0.0.1")
+            s.add_argument("--port", type=int, default=8000)
+            s.add_argument("--max-batch", type=int, default=8,
+                           help="requests decoded together at most (default 8)")
+            s.add_argument("--max-queue", type=int, default=64,
+                           help="requests waiting at most; more get 429 (default 64)")
+            s.add_argument("--batch-wait-ms", type=float, default=0.0,
+                           help="how long a batch waits for more requests to join (default 0)")
+            s.add_argument("--served-name", default=None,
+                           help="the model's name in the API (default: --model)")
     return p
 
 
-def _load(a):
-    import specter
+def _settings(a):
+    from specter.api import load_settings
 
     k = a.k if a.k is None or not a.k.isdigit() else int(a.k)
-    return specter.load(a.model, path=a.path, budget_gb=a.budget_gb, budget=a.budget,
-                        system=a.system, device=a.device, hardware=a.hardware, k=k,
-                        temperature=a.temperature, max_prompt_tokens=a.max_prompt_tokens,
-                        max_new_tokens=a.max_new_tokens, overrides=a.set,
-                        log=None if a.quiet else (lambda line: print(line, file=sys.stderr)))
+    return load_settings(a.model, path=a.path, budget_gb=a.budget_gb, budget=a.budget,
+                         system=a.system, device=a.device, hardware=a.hardware, k=k,
+                         temperature=a.temperature, max_prompt_tokens=a.max_prompt_tokens,
+                         max_new_tokens=a.max_new_tokens, overrides=a.set)
+
+
+def _load(a, settings=None):
+    from specter.api import LLM
+
+    return LLM(settings or _settings(a),
+               log=None if a.quiet else (lambda line: print(line, file=sys.stderr)))
+
+
+def _serve(a) -> int:
+    from specter.serve import serve
+
+    settings = _settings(a)  # bad arguments: one sentence before the server starts
+    if a.max_batch < 1 or a.max_queue < 1:
+        from specter.errors import UserError
+
+        raise UserError(f"--max-batch and --max-queue must be at least 1 (got {a.max_batch}, "
+                        f"{a.max_queue}).")
+    if not a.quiet:
+        print(f"[specter] serving on http://{a.host}:{a.port}/v1 (GET /health answers 200 "
+              "once the model is loaded)", file=sys.stderr)
+
+    def load():
+        try:
+            return _load(a, settings)
+        except Exception as e:  # the server stays up and /health says why
+            print(f"error: {e}", file=sys.stderr)
+            raise
+    serve(load, a.served_name or a.model, a.host, a.port, a.max_batch, a.max_queue,
+          a.batch_wait_ms / 1e3, log_level="warning" if a.quiet else "info")
+    return 0
 
 
 def _stats_line(stats: dict) -> str:
@@ -79,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
 
     a = parser().parse_args(argv)
     try:
+        if a.command == "serve":
+            return _serve(a)
         if not a.quiet:
             print("[specter] loading ...", file=sys.stderr)
         llm = _load(a)

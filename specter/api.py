@@ -132,7 +132,23 @@ def load(model: str = "small_deepseek", *, path: str | None = None,
          device: str = "auto", hardware: str | None = None, k: int | str | None = None,
          temperature: float = 0.0, max_prompt_tokens: int = 512, max_new_tokens: int = 256,
          seed: int = 0, overrides: list[str] | tuple[str, ...] = (), log=None) -> "LLM":
-    """A loaded model, ready to generate.
+    """A loaded model, ready to generate (`load_settings`' arguments, then `log`: a function
+    taking each progress line, None: quiet)."""
+    return LLM(load_settings(model, path=path, budget_gb=budget_gb, budget=budget,
+                             system=system, device=device, hardware=hardware, k=k,
+                             temperature=temperature, max_prompt_tokens=max_prompt_tokens,
+                             max_new_tokens=max_new_tokens, seed=seed, overrides=overrides),
+               log=log)
+
+
+def load_settings(model: str = "small_deepseek", *, path: str | None = None,
+                  budget_gb: float | None = None, budget: str | None = None,
+                  system: str = "specter", device: str = "auto", hardware: str | None = None,
+                  k: int | str | None = None, temperature: float = 0.0,
+                  max_prompt_tokens: int = 512, max_new_tokens: int = 256, seed: int = 0,
+                  overrides: list[str] | tuple[str, ...] = ()):
+    """The run settings `load` builds its model from, checked (one sentence, `UserError`)
+    before any weight loads.
 
     `budget_gb`: the device memory it may use, in GiB (the byte accounting turns it into
     resident expert slots); else `budget`: high | low | xhigh | full (the model's table);
@@ -143,7 +159,7 @@ def load(model: str = "small_deepseek", *, path: str | None = None,
     (speculative sampling, or plain sampling where the system does not speculate): fixed at
     load, as the draft step is built for it.
     `max_prompt_tokens` + `max_new_tokens`: the longest request, whose KV cache the budget
-    holds. `log`: a function taking each progress line (None: quiet)."""
+    holds."""
     from specter.settings import run_config
 
     args = model_overrides(model, path)
@@ -174,7 +190,7 @@ def load(model: str = "small_deepseek", *, path: str | None = None,
     if depth is not None and depth.mode == "auto":
         raise UserError("spec.k=auto profiles K over the benchmark's datasets (python run.py "
                         "spec.k=auto prints the K it chose); give k=N or k='adaptive' here.")
-    return LLM(settings, log=log)
+    return settings
 
 
 class LLM:
