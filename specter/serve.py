@@ -78,6 +78,7 @@ class Request:
     stopped: bool = False  # a stop string ended it
     gone: bool = False  # its client disconnected
     rows: int = 1  # the rows of the batch it was decoded in
+    batch: int = 0  # which batch (the server's count, from 1)
 
     def tell(self, kind: str, value: Any = None) -> None:
         """An event for the request's handler, from the decode thread."""
@@ -151,6 +152,7 @@ class Scheduler:
         self.cond = threading.Condition()
         self.batch_s = 1.0  # a running mean of a batch's wall seconds (Retry-After)
         self.closed = False
+        self.batches = 0
         self.thread = threading.Thread(target=self._run, name="specter-serve", daemon=True)
         self.thread.start()
 
@@ -201,8 +203,9 @@ class Scheduler:
             if llm.settings.workload.temperature > 0:
                 engine.seed_requests([r.seed for r in batch])
             listeners = [self._listener(r) for r in batch]
+            self.batches += 1
             for r in batch:
-                r.rows = len(batch)
+                r.rows, r.batch = len(batch), self.batches
             if len(batch) == 1:
                 gens = [engine.generate(batch[0].ids, batch[0].limit, on_commit=listeners[0])]
             else:
@@ -259,12 +262,12 @@ class Scheduler:
                   sum(g.stats.get("accepted_lens", [])) for g in gens))
 
 
-def request_stats(gen, clock: str, rows: int) -> dict:
-    """The response's `specter` object."""
+def request_stats(gen, clock: str, req: Request) -> dict:
+    """The response's `specter` object (times on the run's `clock`, from the batch's start)."""
     s = gen.stats
     t = timing(gen)
-    out = {"clock": clock, "batch_rows": rows,
-           "ttft_ms": t["ttft_ms"], "tpot_ms": None if math.isnan(t["tpot_ms"]) else t["tpot_ms"],
+    out = {"clock": clock, "batch": req.batch, "batch_rows": req.rows,
+           "ttft_ms": t["ttft_ms"], "e2e_ms": t["e2e_ms"], "tpot_ms": None if math.isnan(t["tpot_ms"]) else t["tpot_ms"],
            "drafted_tokens": s.get("drafted", 0),
            "accepted_tokens": sum(s.get("accepted_lens", [])),
            "batch_expert_cache_hits": s.get("demand_hits", 0),
@@ -470,7 +473,7 @@ def make_app(server: Server, load=None):
             choice.update(text=text, logprobs=None)
         server.metrics.add(specter_requests_total=1)
         return {**base, "object": kind, "choices": [choice], "usage": _usage(req, gen),
-                "specter": request_stats(gen, server.llm.clock, req.rows)}
+                "specter": request_stats(gen, server.llm.clock, req)}
 
     @app.post("/v1/completions")
     async def completions(http: HttpRequest):
@@ -544,7 +547,7 @@ async def _stream(server: Server, http, req: Request, chat: bool, usage: bool, b
                 server.metrics.add(specter_requests_total=1)
                 if usage:
                     yield _sse({**base, "object": kind, "choices": [], "usage": _usage(req, gen),
-                                "specter": request_stats(gen, server.llm.clock, req.rows)})
+                                "specter": request_stats(gen, server.llm.clock, req)})
                 yield "data: [DONE]\n\n"
                 return
     finally:
@@ -559,3 +562,29 @@ def serve(load, name: str, host: str = "127.0.0.1", port: int = 8000, max_batch:
 
     server = Server(name, max_batch, max_queue, batch_wait_s)
     uvicorn.run(make_app(server, load), host=host, port=port, log_level=log_level)
+
+
+def start_in_thread(app, host: str = "127.0.0.1"):
+    """`app` served by uvicorn on a free port of `host`, in a thread (tests, benchmarks):
+    (the uvicorn server, its base url). `stop_thread` ends it."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning"))
+    server.thread = threading.Thread(target=server.run, name="specter-http", daemon=True)
+    server.thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not server.thread.is_alive():
+            raise RuntimeError(f"the server did not start on {host}:{port}")
+        time.sleep(0.01)
+    return server, f"http://{host}:{port}"
+
+
+def stop_thread(server) -> None:
+    server.should_exit = True
+    server.thread.join(timeout=30)

@@ -122,8 +122,9 @@ def _mix(items: int | None, cache_dir: Path | None) -> Workload:
     if items is not None and items < 1:
         raise UserError(f"items must be at least 1 (got {items}); ask for 1 or more prompts.")
     n = len(DATASETS)
-    each = [load_workload(d, None if items is None else -(-(items - i) // n), cache_dir)
-            for i, d in enumerate(DATASETS)]  # dataset i supplies items i, i + 5, ...
+    each = [load_workload(d, None if items is None else max(1, -(-(items - i) // n)), cache_dir)
+            for i, d in enumerate(DATASETS)]  # dataset i supplies items i, i + 5, ... (fewer
+    # items than datasets: each still read once, the interleaving cut to `items` below)
     texts = [t for group in zip(*(w.texts for w in each)) for t in group]
     longest = max(len(w.texts) for w in each)
     for j in range(len(texts) // n, longest):  # the datasets' last items beyond the shortest

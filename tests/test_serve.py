@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
-import socket
 import subprocess
 import threading
 import time
@@ -21,7 +20,8 @@ from types import SimpleNamespace
 import pytest
 
 import specter
-from specter.serve import Metrics, Request, RequestError, Scheduler, Server, chat_prompt, make_app
+from specter.serve import (Metrics, Request, RequestError, Scheduler, Server, chat_prompt,
+                           make_app, start_in_thread as start, stop_thread as stop)
 
 openai = pytest.importorskip("openai")
 
@@ -30,29 +30,6 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April.",
 # the eager A100 profile's virtual clock, the low budget: experts are offloaded and copied
 SMALL = dict(budget="low", hardware="a100_pcie4_hf", k=4, max_prompt_tokens=32,
              max_new_tokens=16, overrides=["workload.stop_on_eos=false"])
-
-
-def start(app):
-    """`app` served by uvicorn on a free loopback port, in a thread: (server, base url)."""
-    import uvicorn
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    server.thread = thread
-    return server, f"http://127.0.0.1:{port}"
-
-
-def stop(server) -> None:
-    server.should_exit = True
-    server.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -261,3 +238,17 @@ def test_health_is_503_while_loading_and_a_full_queue_is_429_with_retry_after():
         release.set()
         sched.close()
         loop.close()
+
+
+def test_the_load_benchmark_runs_and_reports_both_phases(tmp_path):
+    """experiments/serve_bench.py (not timed here: its figures are the README's)."""
+    from experiments import serve_bench
+
+    out = tmp_path / "bench.json"
+    assert serve_bench.main(["--model", "tiny_deepseek", "--clients", "2", "--requests", "1",
+                             "--max-tokens", "4", "--prompt-tokens", "16",
+                             "--batch-wait-ms", "500", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["clock"] == "virtual" and r["sequential"]["tokens"] == r["concurrent"]["tokens"] == 8
+    assert r["concurrent"]["mean_rows"] == 2 and r["sequential"]["mean_rows"] == 1
+    assert r["speedup"] > 0 and r["concurrent"]["p99_s"] >= r["concurrent"]["p50_s"] > 0

@@ -183,5 +183,7 @@ def test_mix_interleaves_the_five_datasets():
     assert mix.texts[5:10] == tuple(each[d][1] for d in DATASETS)
     assert mix.texts[30:] == (each["gsm8k"][6], each["wikitext2"][6])
     assert all(d in mix.source for d in DATASETS)
+    # fewer items than datasets: the first datasets' first items (each dataset read once)
+    assert load_workload(MIX, 3).texts == tuple(each[d][0] for d in DATASETS[:3])
     with pytest.raises(UserError, match="at least 1"):
         load_workload(MIX, 0)
