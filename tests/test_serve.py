@@ -48,6 +48,7 @@ def served():
     yield dict(llm=llm, ref=ref, ref6=ref6, chat=chat, ref_chat=ref_chat, url=url,
                client=client, server=server)
     stop(http)
+    server.scheduler.close()
     llm.close()
 
 
@@ -252,3 +253,42 @@ def test_the_load_benchmark_runs_and_reports_both_phases(tmp_path):
     assert r["clock"] == "virtual" and r["sequential"]["tokens"] == r["concurrent"]["tokens"] == 8
     assert r["concurrent"]["mean_rows"] == 2 and r["sequential"]["mean_rows"] == 1
     assert r["speedup"] > 0 and r["concurrent"]["p99_s"] >= r["concurrent"]["p50_s"] > 0
+
+
+def test_a_stop_string_cuts_the_text_streamed_or_not(served):
+    c, p = served["client"], PROMPTS[0]
+    ref = served["ref"][p]
+    stop = ref[len(ref) // 2:len(ref) // 2 + 3]
+    assert stop.strip(), f"premise: a visible stop string in {ref!r}"
+    want = ref[:ref.find(stop)]
+    out = c.completions.create(model="tiny_deepseek", prompt=p, max_tokens=16, stop=[stop])
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "stop"
+    chunks = list(c.completions.create(model="tiny_deepseek", prompt=p, max_tokens=16,
+                                       stop=stop, stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_sampling_server_draws_per_request_seed():
+    """A server started with a temperature (here LRU, a system that samples without
+    speculating) honours each request's seed: the same seed the same text, batched or not."""
+    llm = specter.load("tiny_deepseek", **{**SMALL, "system": "lru", "temperature": 0.9})
+    server = Server("m", max_batch=2, max_queue=4, batch_wait_s=0.5)
+    server.start(llm)
+    http, url = start(make_app(server))
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+        def ask(seed):
+            return c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=16,
+                                        seed=seed).choices[0].text
+        alone = [ask(1), ask(2)]
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            together = list(pool.map(ask, [1, 2]))
+        assert together == alone and alone[0] != alone[1]
+        with pytest.raises(openai.BadRequestError, match="temperature 0.9"):
+            c.completions.create(model="m", prompt=PROMPTS[1], temperature=0.0)
+    finally:
+        stop(http)
+        server.scheduler.close()
+        llm.close()
