@@ -24,7 +24,7 @@ from import_circles import import_graph  # noqa: E402
 
 # Top to bottom. Each line one layer: who may be imported by the lines above it.
 LAYERS: list[tuple[str, ...]] = [
-    ("specter", "__main__", "api"),  # the library and the command
+    ("specter", "__main__", "api", "serve"),  # the library, the command, the server
     ("compose", "specs", "settings", "recipes", "specter_recipe"),  # the composition root
     ("pio", "decoding"),  # the window: loops, drafts, the orchestrator
     ("offload", "experts", "placement", "budget"),  # where experts live and how they run
