@@ -19,9 +19,10 @@ Concurrent requests are batched: one decode thread (`Scheduler`) takes the reque
 when a batch ends, up to `max_batch`, and decodes them together (the engine's batched
 decoding, each row as it would decode alone); more than `max_queue` waiting is a 429 with
 `Retry-After`. A client that disconnects ends its row at its next commit. `max_tokens`,
-`stop` (text, cut server-side) and `seed` are per request; `temperature` is the loaded one
-(the draft step is built for it): another is a 400. Bad requests get an OpenAI-style 400 body,
-`{"error": {"message", "type", "param", "code"}}`, one sentence.
+`stop` (text, cut server-side) and `seed` (without one, each request draws from its own) are
+per request; `temperature` is the loaded one (the draft step is built for it): another is a
+400. Bad requests get an OpenAI-style 400 body, `{"error": {"message", "type", "param",
+"code"}}`, one sentence.
 
 Owns: HTTP, the request queue and batches, responses and their statistics.
 Does not own: loading (specter/api.py `load`), decoding (the engine's `generate_batch`).
@@ -30,6 +31,7 @@ Does not own: loading (specter/api.py `load`), decoding (the engine's `generate_
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import threading
@@ -170,9 +172,13 @@ class Scheduler:
             self.cond.notify()
 
     def close(self) -> None:
+        """Stop after the batch decoding now; the requests still waiting hear an error."""
         with self.cond:
             self.closed = True
+            left, self.waiting = self.waiting, []
             self.cond.notify()
+        for r in left:
+            r.tell("error", "the server is shutting down")
         self.thread.join(timeout=60)
 
     def _run(self) -> None:
@@ -289,6 +295,7 @@ class Server:
         self.batch_wait_s = batch_wait_s
         self.llm = self.scheduler = None
         self.metrics = Metrics()
+        self.count = itertools.count()  # requests parsed: an unseeded request's own seed
         self.failed: str | None = None
 
     def start(self, llm) -> None:
@@ -338,7 +345,10 @@ class Server:
         if not (isinstance(stops, list) and all(isinstance(s, str) and s for s in stops)
                 and len(stops) <= 4):
             raise RequestError("stop must be a string or a list of up to 4 strings.", "stop")
-        seed = body.get("seed", llm.settings.seed)
+        n = next(self.count)
+        # without a seed, each request its own (the server's seed and its count, as the
+        # library seeds its calls)
+        seed = body.get("seed", llm.settings.seed * 1_000_003 + n * 1_009)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise RequestError(f"seed must be an integer (got {seed!r}).", "seed")
         stream = body.get("stream", False)

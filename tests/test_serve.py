@@ -286,6 +286,9 @@ def test_a_sampling_server_draws_per_request_seed():
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             together = list(pool.map(ask, [1, 2]))
         assert together == alone and alone[0] != alone[1]
+        unseeded = [c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=16)
+                    .choices[0].text for _ in range(2)]
+        assert unseeded[0] != unseeded[1]  # each request draws from its own seed
         with pytest.raises(openai.BadRequestError, match="temperature 0.9"):
             c.completions.create(model="m", prompt=PROMPTS[1], temperature=0.0)
     finally:
