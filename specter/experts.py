@@ -10,8 +10,12 @@ seats say who computes:
   default the function the model used before (Hugging Face's own); the offload runtime
   (offload/runtime.py), a store streamed layer by layer (offload/streamed.py) or resident's
   fixed-shape step (decoding/compiled_decode.py) take the seat;
-- `draft`: a `DraftMode` (decoding/draft_mode.py) or None. While it is in draft mode, its
-  layers compute (`DraftMode.forward`); otherwise the target does.
+- `draft`: a `DraftMode` (decoding/draft_mode.py: the INT4 layers and their listeners) or
+  None.
+
+`mode` says which seat computes now: "target", or "draft" inside `with experts.drafting():`
+(the draft's layers then compute: `DraftMode.forward`). The switch is the dispatcher's own,
+so a window's draft steps go from the loop to the draft's layers through this file alone.
 
 The seats are independent: attaching the runtime and the draft in either order dispatches
 alike. `runtime` names the offload runtime in the target seat, for code that hands it
@@ -19,6 +23,8 @@ routing directly (decoding/verify_pieces.py).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from torch import nn
 
@@ -31,9 +37,8 @@ def dispatch(module: nn.Module, hidden_states, top_k_index, top_k_weights):
     """The registered experts function: the draft's layer in draft mode, else the target."""
     experts: Experts = module._specter_experts
     layer = module._specter_layer
-    draft = experts.draft
-    if draft is not None and draft.mode == "draft":
-        return draft.forward(layer, hidden_states, top_k_index, top_k_weights)
+    if experts.mode == "draft":
+        return experts.draft.forward(layer, hidden_states, top_k_index, top_k_weights)
     return experts.target(layer, module, hidden_states, top_k_index, top_k_weights)
 
 
@@ -67,10 +72,23 @@ class Experts:
 
         self.target = as_the_model_ran
         self.draft = None  # a DraftMode
+        self.mode = "target"  # or "draft": the draft's layers compute (`drafting`)
         self.runtime = None  # the offload runtime, when it holds the target seat
         for l, m in enumerate(self.modules):
             m._specter_experts, m._specter_layer = self, l
         model.config._experts_implementation = IMPL_NAME
+
+    @contextlib.contextmanager
+    def drafting(self):
+        """The draft's layers compute inside the block (its mode restored after); yields the
+        `DraftMode`."""
+        if self.draft is None:
+            raise RuntimeError("no draft is attached to this model's experts")
+        previous, self.mode = self.mode, "draft"
+        try:
+            yield self.draft
+        finally:
+            self.mode = previous
 
 
 def experts_of(model: nn.Module) -> Experts:

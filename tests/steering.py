@@ -38,9 +38,9 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
     min(plan, proposals) tokens of each window. Returns request -> the accepted lengths the
     plan implies, filled as the run goes (a window that drafts nothing, the last of a row one
     token short of its limit, never reaches the draft: it accepts 0)."""
-    from specter.decoding import draft as drafting
+    from specter.decoding import loop
 
-    real = drafting.draft_steps
+    real = loop.draft_steps
     expected: dict[int, list[int]] = {b: [] for b in range(len(batch))}
 
     def steered(kv, feeds, k_effs, pick, stop, out, events, on_device=False):
@@ -65,7 +65,7 @@ def steered_draft(monkeypatch, batch: list[list[int]], reference: list[list[int]
         for r, props in enumerate(out):
             expected[live[r]].append(min(wrong.get(r, len(props)), len(props)))
 
-    monkeypatch.setattr(drafting, "draft_steps", steered)
+    monkeypatch.setattr(loop, "draft_steps", steered)
     return expected
 
 

@@ -95,7 +95,7 @@ def test_greedy_draft_keeps_its_choices_on_the_device(tiny_models):
     window instead of once per step."""
     import torch
 
-    from specter.decoding.draft import draft_steps
+    from specter.decoding.loop import draft_steps
     from specter.decoding.batch import BatchCache
     from specter.decoding.loop import Events
 

@@ -18,11 +18,10 @@ import torch
 from specter.clock.kinds import ClockKind, clock_kind
 from specter.clock.costmodel import (ChargedSizes, CostModel, HardwareProfile, charged_sizes,
                                      layer_counts, real_charged_sizes)
-from specter.clock.observer import NULL_CLOCK, ComputeClock, NullClock
+from specter.clock.observer import NULL_CLOCK, ComputeClock, NullClock, VirtualLink
 from specter.config import HardwareConfig
 from specter.errors import UserError
 from specter.models.real_configs import REAL_CONFIGS
-from specter.clock.virtual_link import VirtualLink
 from specter.offload.link import CudaLink, Link, LinkProfile, WallLink
 
 NO_TRANSFERS = LinkProfile(bandwidth_Bps=1e18, latency_s=0.0)  # real-time runs that move nothing

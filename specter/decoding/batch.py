@@ -145,8 +145,9 @@ class BatchCache:
         holes, computed but never kept); returns logits [B, logits_to_keep, V] of the block's
         last positions. `device_ids` [B, width]: the blocks' token ids already on the device
         (the draft's own last choice, never read to the host); `blocks` then only give each
-        row's length. `pieces`: verification's runner (decoding/verify_pieces.py), or None
-        (transformers' forward)."""
+        row's length. `pieces`: None (transformers' forward), or what makes the block inside
+        which the forward runs in verification's pieces (decoding/verify_pieces.py `pieces`
+        over a runner)."""
         width = max(len(b) for b in blocks)
         with host_side():  # built on the host, copied over below
             ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
@@ -170,7 +171,7 @@ class BatchCache:
             kwargs = {"attention_mask": to_device(mask, self.device),
                       "position_ids": to_device(pos, self.device)}
         ids = to_device(ids, self.device) if device_ids is None else device_ids
-        with _in_pieces(pieces):
+        with contextlib.nullcontext() if pieces is None else pieces():
             out = self.model(input_ids=ids, cache=self.cache, use_cache=True,
                              logits_to_keep=logits_to_keep, **kwargs)
         return out.logits
@@ -215,14 +216,6 @@ class BatchCache:
             self.mask = self.mask[rows]
         self.valid = [self.valid[r] for r in rows]
         self.trim()
-
-
-def _in_pieces(runner):
-    """A forward in verification's pieces where the engine gave a runner."""
-    if runner is None:
-        return contextlib.nullcontext()
-    from specter.decoding.verify_pieces import pieces
-    return pieces(runner)
 
 
 class DeviceMemory:

@@ -11,13 +11,13 @@ A speculative engine's draft is one part with the small interface of `Draft`:
   draft, baselines/specmoe.py).
 
 Where a draft's KV lives is its layout, with `steps(...)` (propose K tokens over a cache, one
-forward per step: `draft_steps` over the batch cache, or the compiled step's, both running
-loop.py's one draft-step loop `run_steps`, a generator, so the window loop plans its
-prefetches between the steps) and `commit`: `SharedKV` (the target's own instance in draft
-mode over the target's cache, Specter's layout: the proposals' KV is cropped after the
-window), `OwnKV` (a second model with its own cache, SpecMoEOff's), `CopiedKV` (a second model
-reading a per-window copy of the target's KV) and the compiled step's `StaticKV`
-(compiled_draft.py).
+forward per step: loop.py's `draft_steps` over the batch cache, or the compiled step's, both
+running loop.py's one draft-step loop `run_steps`, a generator, so the window loop plans its
+prefetches between the steps) and `commit`: `SharedKV` (loop.py, beside the loop it serves:
+the target's own instance in draft mode over the target's cache, Specter's layout: the
+proposals' KV is cropped after the window), `OwnKV` (here: a second model with its own cache,
+SpecMoEOff's), `CopiedKV` (a second model reading a per-window copy of the target's KV) and
+the compiled step's `StaticKV` (compiled_draft.py).
 
 Each draft: `draft_mode` (the target's `DraftMode` whose draft mode the loop switches in; None
 when the draft is a second model), `layout` (None: `SharedKV` over the target's cache),
@@ -39,8 +39,8 @@ import torch
 
 from specter.counting import charging_only, routed_counts
 from specter.decoding.compiled_draft import EAGER, CompiledMode, eager_batch_record
-from specter.decoding.loop import (DeviceSteps, Events, HostSteps, acceptance, run_steps,
-                                  speculative_batch)
+from specter.decoding import loop
+from specter.decoding.loop import Events, SharedKV, acceptance, speculative_batch
 from specter.decoding.draft_mode import DraftMode
 from specter.decoding.batch import BatchCache, Generation, cache_bytes
 from specter.models.introspect import experts_modules
@@ -230,48 +230,6 @@ class SeparateInt4Draft(Draft):
                 "kv_copy_bytes": self.kv_copy_bytes, "kv_copies": self.kv_copies}
 
 
-def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
-                stop: set[int], out: list[list[int]], events, on_device: bool = False):
-    """`run_steps` over the batch cache `kv`: row r feeds `feeds[r]` first (its tokens the
-    draft has not seen, ending with the pending one), then its last proposal; a row that no
-    longer drafts feeds its last token as a hole. `pick(r, logits_row)` chooses row r's token
-    on the host; `on_device` (greedy): each step's argmax stays on the device and is the next
-    step's input."""
-    steps = (DeviceSteps if on_device else HostSteps)(kv, feeds, pick)
-    yield from run_steps(steps, k_effs, stop, out, events)
-
-
-class SharedKV:
-    """The target's own instance (`shared`, a `DraftMode`) drafts over the target's cache with
-    its draft mode switched in; the proposals' KV is cropped once the window has drafted."""
-
-    def __init__(self, shared):
-        self.shared = shared
-
-    def start(self, target: BatchCache) -> None:
-        """After the prefill (the target's cache is the draft's: nothing to make)."""
-
-    def held_bytes(self) -> int:
-        """No KV of its own: the target's cache is counted as the target's."""
-        return 0
-
-    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
-              stop: set[int], out: list[list[int]], events, on_device: bool = False):
-        """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
-        token, the last of its sequence)."""
-        base = kv.length
-        with self.shared.draft():
-            yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, stop, out,
-                                   events, on_device)
-        kv.crop(base)
-
-    def commit(self, n_valid: list[int]) -> None:
-        """After verification (nothing of the draft's own to keep)."""
-
-    def select(self, rows: list[int]) -> None:
-        """Finished rows left the target's cache, which is the draft's."""
-
-
 class OwnKV:
     """A draft that is a second model with its own KV cache (SpecMoEOff's layout), instead of
     the shared instance's draft mode over the target's cache. Its cache keeps the draft's KV of
@@ -296,7 +254,7 @@ class OwnKV:
         target's cache `kv` is read only by a copying draft: `sync`)."""
         self.sync(kv)
         feeds = [seq[self.kv.valid[r]:] for r, seq in enumerate(seqs)]  # unseen, then pending
-        yield from draft_steps(self.kv, feeds, k_effs, pick, stop, out, events, on_device)
+        yield from loop.draft_steps(self.kv, feeds, k_effs, pick, stop, out, events, on_device)
 
     def sync(self, target: BatchCache) -> None:
         """At a window's start, before drafting (own KV: nothing to do)."""

@@ -1,10 +1,11 @@
 """The self-draft: one model instance, two precisions (its INT4 draft and its full-precision
 target), and the memory account of sharing the instance against two separate models.
 
-Owns: the switch of a model between `target` mode (routed experts as the target runs them:
-Hugging Face's own code, or the offloading runtime) and `draft` mode (the same layers' routed
-experts from their INT4 copy on the device), the draft's layers and listeners, and the memory
-accounting of the shared instance against two separate models.
+Owns: the draft's layers (the same layers' routed experts from their INT4 copy on the
+device) and their listeners, and the memory accounting of the shared instance against two
+separate models. A model is in `target` mode (routed experts as the target runs them: Hugging
+Face's own code, or the offloading runtime) or `draft` mode (these layers); the switch is the
+experts dispatcher's (specter/experts.py `Experts.drafting`), which `draft()` is.
 Everything but the routed experts (embeddings, attention, norms, routers, shared experts, lm
 head) is the same tensors in both modes: there is one model object and no copy.
 Does not own: quantization (calibrate.py), kernels (kernels.py), speculation (decoding/loop.py).
@@ -57,8 +58,12 @@ class DraftMode:
             # what the backend's layers hold, in their layout (cuda_int4's bf16 scales and
             # zeros included), not the quantized format's packed size
             self.draft_bytes = layers_nbytes(self.draft_layers)
-        experts_of(model).draft = self  # the draft seat of the one dispatcher (specter/experts.py)
-        self.mode = mode
+        # The draft seat of the one dispatcher (specter/experts.py), whose mode says who
+        # computes: `with draft_mode.draft():` is the dispatcher's own switch.
+        self.experts = experts_of(model)
+        self.experts.draft = self
+        self.experts.mode = mode
+        self.draft = self.experts.drafting
         # Told of each draft experts call as (moe_layer, top_k_index [T, k]): the virtual
         # clock's charge, the orchestrator's lookahead buffer.
         self.draft_listeners: list = []
@@ -84,6 +89,15 @@ class DraftMode:
             for listener in self.draft_listeners:
                 listener(layer, top_k_index)
         return self.draft_layers[layer](hidden_states, top_k_index, top_k_weights)
+
+    @property
+    def mode(self) -> str:
+        """The dispatcher's mode: "target", or "draft" inside `draft()`."""
+        return self.experts.mode
+
+    @mode.setter
+    def mode(self, value: str) -> None:
+        self.experts.mode = value
 
     def capturing(self):
         """Draft layers keep their routing in `routes` instead of telling the listeners."""
@@ -146,10 +160,6 @@ class DraftMode:
         finally:
             self.draft_listeners = listeners
         return sum(len(layer.graphs) for layer in graphed) - before
-
-    def draft(self):
-        """Run the model as the draft inside the block."""
-        return switched(self, "mode", "draft", self)
 
 
 @dataclass(frozen=True)

@@ -18,13 +18,13 @@ record columns.
 from __future__ import annotations
 
 import copy
+import functools
 
 import torch
 
 from specter.decoding.depth import Depth, SlotView
-from specter.decoding.draft import SharedKV
-from specter.decoding.loop import (Drawn, Events, acceptance, greedy_decode_batch, limits_of,
-                                   speculative_batch)
+from specter.decoding.loop import (Drawn, Events, SharedKV, acceptance, greedy_decode_batch,
+                                   limits_of, speculative_batch)
 from specter.decoding.compiled_draft import compiled_mode
 from specter.decoding.batch import DeviceMemory, Generation, eos_ids
 from specter.clock.observer import NULL_CLOCK, NullClock
@@ -142,8 +142,13 @@ class SpeculativeEngine:
                  stop_on_eos: bool = True, temperature: float = 0.0, compiled: dict | None = None,
                  pieces: tuple = (None, "off")):
         self.name, self.model, self.device = name, model, device
-        # verification's runner (decoding/verify_pieces.py `pieces_for`) and its record
-        self.pieces, self.pieces_why = pieces
+        # verification's runner (decoding/verify_pieces.py `pieces_for`) and its record; the
+        # loop's verify forward runs inside `self.pieces()` (None: transformers' forward)
+        runner, self.pieces_why = pieces
+        self.pieces = None
+        if runner is not None:
+            from specter.decoding.verify_pieces import pieces as in_pieces
+            self.pieces = functools.partial(in_pieces, runner)
         self.timing, self.runtime, self.draft = timing, runtime, draft
         self.depth = depth  # how deep it drafts, settled once (decoding/depth.py)
         self.k, self.k_source = depth.k, depth.source

@@ -1,7 +1,9 @@
 """The decoding loops: the speculative window loop, as the paper's figure draws it, the one
 draft-step loop every draft path runs (`run_steps`: host picks, on-device picks, the compiled
-and the captured step), and the greedy loop (`greedy_decode_batch`: prefill, then one token a
-row a step), with the events they tell (`Events`).
+and the captured step; `draft_steps` over the batch cache), the default place the draft runs
+(`SharedKV`: the target's own instance in draft mode over the target's cache), and the greedy
+loop (`greedy_decode_batch`: prefill, then one token a row a step), with the events they tell
+(`Events`).
 
 Owns: `speculative_batch`, one window after another: draft K tokens -> plan and issue the
 prefetches -> verify -> accept -> commit. The draft proposes K tokens one forward at a time
@@ -44,8 +46,8 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
                       events: "Events | None" = None, accept=None, depth=None,
                       on_commit: list | None = None, pieces=None) -> list[Generation]:
     """Speculative decoding of a batch of requests (B rows), window by window.
-    `draft` is where and how the draft runs, over which cache (draft.py: `SharedKV`, the
-    target's own instance in draft mode over its cache; `OwnKV`, `CopiedKV`: a second model;
+    `draft` is where and how the draft runs, over which cache (`SharedKV` below, the target's
+    own instance in draft mode over its cache; draft.py's `OwnKV`, `CopiedKV`: a second model;
     compiled_draft.py's `StaticKV`: the step compiled); `events` (`Events`, below) is who hears
     the loop's events: every forward before it runs, each draft step, each window's end (the
     clock, the demand statistics, the window prefetcher); `accept` (`acceptance`: `Greedy`, the
@@ -53,12 +55,13 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     window's K instead of `k`; `on_commit`: per request a listener or None (`Engine.generate`'s),
     called with each commit's new tokens (`Rows._commit`; a listener that returns False ends its
     request there: it leaves the batch before the next window); None: no listener at all.
-    `max_new_tokens`: one limit, or one per request. `pieces`:
-    verification's runner (decoding/verify_pieces.py), or None (transformers' forward)."""
+    `max_new_tokens`: one limit, or one per request. `pieces`: what makes the block verification
+    runs in, in pieces (the engine's `functools.partial(verify_pieces.pieces, runner)`), or
+    None (transformers' forward)."""
     _check(prompts, k)
     events = events or Events()
     accept = accept or Greedy()
-    depths = WindowDepth(k, depth, timeline)
+    depths = None if depth is None else WindowDepth(depth, timeline)  # adaptive K
     memory.start()
     kv = BatchCache(model, device, len(prompts))
     rows = Rows(prompts, max_new_tokens, k, stop, timeline.mark(), on_commit)
@@ -73,16 +76,16 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
     memory.observe_cache(kv.cache)
     draft.start(kv)
     rows.leave(rows.commit_first(first, now), kv, draft)
+    draft_pick = rows.pick(accept.draft_pick)  # the draft's choice of a cache row's token
 
     while rows.live:
-        k_now = depths.next_k()
+        k_now = k if depths is None else depths.next_k()
         quotas = rows.quotas(k_now)  # [B]: at most K, and what each row still wants
         proposals: list[list[int]] = [[] for _ in rows.live]  # [B][<= K] token ids
-        accept.start_window(rows.live)
         t_draft = timeline.mark()
         if max(quotas) > 0:
             # 1. Draft: one forward per step over every live row ...
-            for step, last in draft.steps(kv, rows.live_seqs(), quotas, rows.pick(accept.pick),
+            for step, last in draft.steps(kv, rows.live_seqs(), quotas, draft_pick,
                                           stop, proposals, events, on_device=accept.on_device):
                 # 2. ... and between the steps, plan and issue the prefetches of the experts
                 #    verification will need (their copies overlap the rest of the draft).
@@ -104,7 +107,8 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         for r, seq in enumerate(rows.live_seqs()):
             kv.keep(r, len(seq) - 1)
         kv.trim()
-        depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
+        if depths is not None:
+            depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
         if max(quotas) > 0:
             draft.commit(draft_kept)
         memory.observe_cache(kv.cache, draft.held_bytes())
@@ -313,6 +317,48 @@ class DeviceSteps:
         return torch.stack(self.chosen, dim=1).tolist()
 
 
+def draft_steps(kv: BatchCache, feeds: list[list[int]], k_effs: list[int], pick,
+                stop: set[int], out: list[list[int]], events, on_device: bool = False):
+    """`run_steps` over the batch cache `kv`: row r feeds `feeds[r]` first (its tokens the
+    draft has not seen, ending with the pending one), then its last proposal; a row that no
+    longer drafts feeds its last token as a hole. `pick(r, logits_row)` chooses row r's token
+    on the host; `on_device` (greedy): each step's argmax stays on the device and is the next
+    step's input."""
+    steps = (DeviceSteps if on_device else HostSteps)(kv, feeds, pick)
+    yield from run_steps(steps, k_effs, stop, out, events)
+
+
+class SharedKV:
+    """The target's own instance (`shared`, a `DraftMode`) drafts over the target's cache with
+    its draft mode switched in; the proposals' KV is cropped once the window has drafted."""
+
+    def __init__(self, shared):
+        self.shared = shared
+
+    def start(self, target: BatchCache) -> None:
+        """After the prefill (the target's cache is the draft's: nothing to make)."""
+
+    def held_bytes(self) -> int:
+        """No KV of its own: the target's cache is counted as the target's."""
+        return 0
+
+    def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
+              stop: set[int], out: list[list[int]], events, on_device: bool = False):
+        """`draft_steps` for rows whose committed tokens are `seqs` (each feeds its pending
+        token, the last of its sequence)."""
+        base = kv.length
+        with self.shared.draft():
+            yield from draft_steps(kv, [seq[-1:] for seq in seqs], k_effs, pick, stop, out,
+                                   events, on_device)
+        kv.crop(base)
+
+    def commit(self, n_valid: list[int]) -> None:
+        """After verification (nothing of the draft's own to keep)."""
+
+    def select(self, rows: list[int]) -> None:
+        """Finished rows left the target's cache, which is the draft's."""
+
+
 class Events:
     """The loop's events, and who hears them, in the order given:
     - `forward(phase, tokens, context, rows)` before every forward: `rows` sequences of `tokens`
@@ -391,7 +437,8 @@ class Rows:
         return [self.seqs[b] for b in self.live]
 
     def pick(self, pick):
-        """`pick(request, logits)` as the draft calls it, by cache row."""
+        """`pick(request, logits)` as the draft calls it, by cache row (the row's request read
+        at each call: rows leave between windows)."""
         return lambda r, logits: pick(self.live[r], logits)
 
     def quotas(self, k: int) -> list[int]:
@@ -466,23 +513,20 @@ class Rows:
 
 
 class WindowDepth:
-    """Each window's K: `k`, or `adaptive`'s choice (an `AdaptiveDepth`), which hears each
-    window once the device has passed it (its marks readable without a wait)."""
+    """Each window's K as `adaptive` (an `AdaptiveDepth`) chooses it; it hears each window
+    once the device has passed it (its marks readable without a wait). A loop with a fixed K
+    has none."""
 
-    def __init__(self, k: int, adaptive, timeline):
-        self.k, self.adaptive, self.timeline = k, adaptive, timeline
+    def __init__(self, adaptive, timeline):
+        self.adaptive, self.timeline = adaptive, timeline
         self.unheard: list[tuple] = []  # (k, accepted, rejected, steps, draft, verify, done)
 
     def next_k(self) -> int:
-        if self.adaptive is None:
-            return self.k
         self._tell()
         return self.adaptive.next_k()
 
     def observe(self, k: int, verdicts: list[tuple[int, list[int]]],
                 proposals: list[list[int]], marks: tuple) -> None:
-        if self.adaptive is None:
-            return
         accepted = sum(kept for kept, _ in verdicts)
         rejected = sum(kept < len(props) for (kept, _), props in zip(verdicts, proposals))
         view = self.adaptive.view
@@ -535,13 +579,12 @@ def accept_sampled(p: torch.Tensor, q: torch.Tensor, proposals: list[int],
 class Greedy:
     """Temperature 0: the target's greedy tokens."""
 
-    on_device = True  # the draft's argmax choices stay on the device (draft.py `draft_steps`)
-
-    def start_window(self, requests: list[int]) -> None:
-        """Before a window's draft (nothing to keep per request)."""
+    on_device = True  # the draft's argmax choices stay on the device (`draft_steps`)
 
     def pick(self, request: int, logits: torch.Tensor) -> int:
         return int(logits.argmax())  # host sync: the next forward needs it
+
+    draft_pick = pick  # a draft's choice on the host: the same (nothing kept for acceptance)
 
     def read(self, logits: torch.Tensor) -> None:
         """The verification logits [B, width, V] read once: every position's argmax."""
@@ -567,11 +610,13 @@ class Sampled:
         self.temperature, self.generators = temperature, generators
         self.q_rows: list[list[torch.Tensor]] = [[] for _ in generators]  # the draft's probs
 
-    def start_window(self, requests: list[int]) -> None:
-        for b in requests:
-            self.q_rows[b] = []
-
     def pick(self, request: int, logits: torch.Tensor) -> int:
+        """The target's token (the prefill's): drawn, nothing kept."""
+        q = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
+        return int(torch.multinomial(q, 1, generator=self.generators[request]))
+
+    def draft_pick(self, request: int, logits: torch.Tensor) -> int:
+        """A draft's proposal: drawn, its probabilities kept for the window's `accept`."""
         q = torch.softmax(logits.float().cpu() / self.temperature, dim=-1)
         self.q_rows[request].append(q)
         return int(torch.multinomial(q, 1, generator=self.generators[request]))
@@ -583,5 +628,6 @@ class Sampled:
                proposals: list[int]) -> tuple[int, list[int]]:
         p = torch.softmax(logits[row, at:].float().cpu() / self.temperature, dim=-1)
         q = torch.stack(self.q_rows[request]) if self.q_rows[request] else p[:0]
+        self.q_rows[request] = []  # the window's draft probabilities, used once
         kept, nxt = accept_sampled(p, q, proposals, self.generators[request])
         return kept, proposals[:kept] + [nxt]

@@ -2,7 +2,7 @@
 
 Owns: `HostQueue`, the host CPU's FIFO of expert jobs on a real clock (one daemon thread that
 runs host-computed misses beside the device's compute and copies; a link holds one, and the
-virtual link models the same queue on its own timeline, clock/virtual_link.py), `HostJob`, one
+virtual link models the same queue on its own timeline, clock/observer.py `VirtualLink`), `HostJob`, one
 job's handle, and `HostWeights`, which copy of an expert the host computes from. On a CPU run
 the host computes in the store's own dtype from the store's own buffers (the same arithmetic as
 the device: lossless). Beside a GPU the store holds fp16/bf16 and the host computes in fp32
@@ -13,7 +13,7 @@ the draft (`prepare`), before verification needs it.
 `HostPath` is the runtime's host side: which experts the host computes (Fiddler's rule) and
 the jobs that compute them.
 Does not own: the layer's demand (runtime.py), the link's clock (offload/link.py,
-clock/virtual_link.py).
+clock/observer.py `VirtualLink`).
 """
 
 from __future__ import annotations

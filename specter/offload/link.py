@@ -10,7 +10,7 @@ cost of compute steps (the cost model supplies the seconds passed to `compute`).
 It moves bytes and keeps time; it decides nothing.
 
 Three kinds behind one interface, chosen once by `make_link` (clock/timing.py; docs/clocks.md):
-- `virtual` (clock/virtual_link.py, with the clock it is): a simulated clock with two
+- `virtual` (clock/observer.py `VirtualLink`, with the clock that charges it): a simulated clock with two
   resources, the compute stream (time `tc`) and one copy engine (free at `te`). Data is copied
   for real at issue; time moves only by the model, so results are deterministic and exact.
 - `wall`: a background copy-engine thread that completes each transfer no earlier than
