@@ -17,9 +17,9 @@ dispatcher cannot see:
   graph's replay): counted as a launching operation.
 - `compiled_region()`: a call of a compiled graph (the compiled draft step): one graph
   replay, not counted op by op (torch.compile runs no frame under a dispatch mode).
-- `upload()`: a copy of host data to the device, which a CPU run cannot see (its
-  `.to(device)` is a no-op): counted there as the launch it is on a GPU, and the sync when it
-  blocks (pageable memory; `upload(blocking=False)`: from pinned memory, no sync).
+- `to_device()`: a copy of host-built data to the device from pinned memory, which a CPU run
+  cannot see (the tensor stays where it is): counted there as the launch it is on a GPU (no
+  sync: a pinned copy does not block).
 
 Without a counter entered, each is a no-op. `cuda_graph_kernels(graph)` counts what a captured
 CUDA graph launches (its kernel nodes, read back from its debug dump).
@@ -31,7 +31,7 @@ What counts as what (per phase, `Counter` keys):
   (`.item()`, `int(t)`, `bool(t)`), data-dependent shapes (`unique`, `masked_select`,
   `bincount`, `repeat_interleave` by counts), `equal`; on a GPU run also a blocking copy from
   the host to the device (torch synchronises the stream after it) and `torch.cuda.synchronize`
-  (a real clock's read), which a CPU run cannot see (it counts `upload()` marks instead);
+  (a real clock's read), which a CPU run cannot see;
 - `host_reads`: Python-level `.tolist()` and `.cpu()` calls (`.tolist()` dispatches no aten
   operation), each a sync when its tensor is on the device. On a CPU run every tensor stands
   for a device tensor: an upper bound;
@@ -105,25 +105,15 @@ def host_side():
     return _every_counter("host")
 
 
-def upload(blocking: bool = True) -> None:
-    """A copy of a host tensor to the device (the batch cache's token ids: blocking; indices
-    from pinned memory: `blocking=False`): a GPU run's counter sees the copy itself; a CPU
-    run's, where `.to(device)` dispatches nothing, counts the launch, and the sync a blocking
-    one would be."""
-    for c in list(_ACTIVE):
-        if c.cpu_run and not c.paused:
-            c.count("launching")
-            if blocking:
-                c.count("sync")
-
-
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host-built tensor on `device` without a host wait: from pinned memory, non-blocking
-    on a GPU (torch's pinned-memory allocator keeps the source until the copy is done), counted
-    as the copy it is (`upload(blocking=False)`: a launch, no sync). The tensor itself on a CPU
-    run."""
+    on a GPU (torch's pinned-memory allocator keeps the source until the copy is done; a GPU
+    run's counter sees the copy itself). The tensor itself on a CPU run, where the copy
+    dispatches nothing: counted there as the launch it is on a GPU (no sync)."""
     if device.type == "cpu":
-        upload(blocking=False)
+        for c in list(_ACTIVE):
+            if c.cpu_run and not c.paused:
+                c.count("launching")
         return host
     with host_side():
         pinned = host.pin_memory()

@@ -157,9 +157,7 @@ def test_batch_cache_holes_keep_each_row_its_own():
             return holed.forward(blocks, **kw)
         forward([ids[:8], ids[:5]])
         forward([[ids[8], 7, 9], [ids[5], ids[6], ids[7]]], logits_to_keep=3)
-        holed.keep(0, 8)  # row 0 rejects all three; row 1 keeps ids[5] only
-        holed.keep(1, 6)
-        holed.trim()
+        holed.keep([8, 6])  # row 0 rejects all three; row 1 keeps ids[5] only
         assert holed.valid == [8, 6] and holed.length == 9
         b = forward([[ids[8]], [ids[6]]])
         c = plain.forward([[ids[9]], [ids[6]]])

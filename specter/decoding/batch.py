@@ -112,7 +112,7 @@ class BatchCache:
     (`keep`), are holes. Holes are masked out of attention, and each real token's position id
     counts only its row's real tokens before it, so every row computes what it would alone.
     While there is no hole the model is called exactly as for one sequence (no mask, no
-    position ids). `select` drops finished rows; `crop` and `trim` shorten every row.
+    position ids). `select` drops finished rows; `crop` and `keep` shorten every row.
     Who hears of a forward is the caller's business (decoding/loop.py `Events`): `shape`
     gives what they hear."""
 
@@ -136,7 +136,7 @@ class BatchCache:
         """What a forward of `blocks` computes: (tokens a row, padding included; context each
         token attends over, holes included; rows)."""
         width = max(len(b) for b in blocks)
-        return width, self.length + width, self.rows
+        return width, self.length + width, len(blocks)
 
     def forward(self, blocks: list[list[int]], live: list[bool] | None = None,
                 logits_to_keep: int = 1, device_ids: torch.Tensor | None = None,
@@ -148,11 +148,11 @@ class BatchCache:
         row's length. `pieces`: None (transformers' forward), or what makes the block inside
         which the forward runs in verification's pieces (decoding/verify_pieces.py `pieces`
         over a runner)."""
-        width = max(len(b) for b in blocks)
+        rows, width = len(blocks), max(len(b) for b in blocks)  # (a block for every row)
         with host_side():  # built on the host, copied over below
-            ids = torch.full((self.rows, width), self.pad, dtype=torch.long)
-            real = torch.zeros(self.rows, width, dtype=torch.bool)
-            pos = torch.zeros(self.rows, width, dtype=torch.long)
+            ids = torch.full((rows, width), self.pad, dtype=torch.long)
+            real = torch.zeros(rows, width, dtype=torch.bool)
+            pos = torch.zeros(rows, width, dtype=torch.long)
             for r, block in enumerate(blocks):
                 n, at = len(block), width - len(block)
                 if device_ids is None:
@@ -183,21 +183,19 @@ class BatchCache:
         twin.mask, twin.valid, twin.pad = self.mask.clone(), list(self.valid), self.pad
         return twin
 
-    def keep(self, row: int, n: int) -> None:
-        """Row `row` keeps its first `n` real positions; later ones become holes."""
+    def keep(self, lengths: list[int] | None = None) -> None:
+        """Row r keeps its first `lengths[r]` real positions, later ones becoming holes (None:
+        every row keeps what it has); then the trailing columns that are holes in every row
+        go."""
         with host_side():
-            real = self.mask[row].nonzero().flatten()
-            if len(real) > n:
-                self.mask[row, real[n:]] = False
-        self.valid[row] = min(self.valid[row], n)
-
-    def trim(self) -> None:
-        """Drop trailing columns that are holes in every row."""
-        with host_side():
+            for r, n in enumerate(lengths or ()):
+                real = self.mask[r].nonzero().flatten()
+                if len(real) > n:
+                    self.mask[r, real[n:]] = False
+                self.valid[r] = min(self.valid[r], n)
             filled = self.mask.any(dim=0).nonzero()
             end = int(filled[-1]) + 1 if len(filled) else 0
-        if end < self.length:
-            self.crop(end)
+        self.crop(end)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` columns of every row."""
@@ -215,7 +213,7 @@ class BatchCache:
         with host_side():
             self.mask = self.mask[rows]
         self.valid = [self.valid[r] for r in rows]
-        self.trim()
+        self.keep()  # (columns only the dropped rows filled)
 
 
 class DeviceMemory:

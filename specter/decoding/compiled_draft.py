@@ -303,6 +303,7 @@ class StaticKV:
                              "batch eager)")
         self.synced = 0
 
+    @property
     def held_bytes(self) -> int:
         """Device bytes of the static buffers (measured once, when they are made)."""
         return self._held

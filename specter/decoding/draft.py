@@ -244,6 +244,7 @@ class OwnKV:
         """After the target's prefill: its own cache of as many rows."""
         self.kv = BatchCache(self.model, target.device, target.rows)
 
+    @property
     def held_bytes(self) -> int:
         """Device bytes of its own KV cache (the second cache a shared instance saves)."""
         return 0 if self.kv is None else cache_bytes(self.kv.cache)
@@ -261,9 +262,7 @@ class OwnKV:
 
     def commit(self, n_valid: list[int]) -> None:
         """Row r keeps the draft's KV of its first `n_valid[r]` tokens only."""
-        for r, n in enumerate(n_valid):
-            self.kv.keep(r, n)
-        self.kv.trim()
+        self.kv.keep(n_valid)
 
     def select(self, rows: list[int]) -> None:
         if self.kv is not None:

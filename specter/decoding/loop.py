@@ -104,14 +104,12 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         # 5. Commit those tokens; the cache keeps the target's KV of committed tokens only
         #    (all but each row's new pending token); finished rows leave the batch.
         going, draft_kept = rows.commit_window(verdicts, proposals, k_now, (t_draft, t_verify, now))
-        for r, seq in enumerate(rows.live_seqs()):
-            kv.keep(r, len(seq) - 1)
-        kv.trim()
+        kv.keep([len(seq) - 1 for seq in rows.live_seqs()])
         if depths is not None:
             depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
         if max(quotas) > 0:
             draft.commit(draft_kept)
-        memory.observe_cache(kv.cache, draft.held_bytes())
+        memory.observe_cache(kv.cache, draft.held_bytes)
         events.window_end()
         rows.leave(going, kv, draft)
     return rows.generations(timeline, memory)
@@ -338,9 +336,7 @@ class SharedKV:
     def start(self, target: BatchCache) -> None:
         """After the prefill (the target's cache is the draft's: nothing to make)."""
 
-    def held_bytes(self) -> int:
-        """No KV of its own: the target's cache is counted as the target's."""
-        return 0
+    held_bytes = 0  # no KV of its own: the target's cache is counted as the target's
 
     def steps(self, kv: BatchCache, seqs: list[list[int]], k_effs: list[int], pick,
               stop: set[int], out: list[list[int]], events, on_device: bool = False):
