@@ -85,6 +85,12 @@ def comprehension(qualname: str) -> bool:
     return qualname.rsplit(".", 1)[-1] in ("<listcomp>", "<dictcomp>", "<setcomp>", "<genexpr>")
 
 
+def reading(seen: dict[tuple[str, str], int], limit: int | None) -> tuple[list[str], list]:
+    """The files and the functions (comprehensions apart) at most `limit` calls deep (None: all)."""
+    keys = [k for k, d in seen.items() if (limit is None or d <= limit) and not comprehension(k[1])]
+    return sorted({f for f, _ in keys}), keys
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny_deepseek")
@@ -97,8 +103,7 @@ def main() -> int:
     table = []
     for limit in (1, 2, 3, None):
         frames = [k for k, d in seen.items() if limit is None or d <= limit]
-        keys = [k for k in frames if not comprehension(k[1])]
-        files = sorted({f for f, _ in keys})
+        files, keys = reading(seen, limit)
         table.append({"depth": limit or "all", "files": len(files), "functions": len(keys),
                       "with_comprehensions": len(frames)})
         print(f"depth <= {limit or 'all'}: {len(files)} files, {len(keys)} functions "

@@ -1,5 +1,7 @@
 """The house's measures that a test can hold (issue 57): code outside specter/clock/ asks a
-clock by trait, never by name (scripts/clock_strings.py)."""
+clock by trait, never by name (scripts/clock_strings.py); no import circle, at most 2 arrows
+back up (scripts/import_circles.py, layers.py); a window read three calls deep from the loop
+within 8 files and 40 functions (scripts/window_path.py)."""
 
 from __future__ import annotations
 
@@ -83,3 +85,20 @@ def test_arrows_back_up_are_seen_and_do_not_grow():
     up = layers.arrows_back_up(import_circles.import_graph(
         Path(__file__).resolve().parent.parent / "specter"))
     assert len(up) <= 2, up
+
+
+def test_a_window_three_calls_deep_reads_at_most_8_files_and_40_functions():
+    """scripts/window_path.py traces default Specter's window (virtual clock, experts copied):
+    it sees the loop's own calls, the runtime under Hugging Face's frames (depth 3: the
+    dispatcher at 2) and the orchestrator behind the loop's events; three calls deep the
+    reading stays within issue 57's goal."""
+    import window_path
+
+    seen = window_path.trace("tiny_deepseek", 12)
+    assert seen[("specter/decoding/loop.py", "Rows.commit_window")] == 1
+    assert seen[("specter/experts.py", "dispatch")] == 2
+    assert seen[("specter/offload/runtime.py", "OffloadRuntime.experts_forward")] == 3
+    assert seen[("specter/pio/orchestrator.py", "Orchestrator.draft_step")] == 3
+    files, functions = window_path.reading(seen, 3)
+    assert len(files) <= 8 and len(functions) <= 40, (files, sorted(functions))
+    assert len(window_path.reading(seen, None)[1]) > 100  # deeper, the whole machine runs
