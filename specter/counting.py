@@ -100,9 +100,21 @@ def routed_counts(routes: torch.Tensor) -> list[tuple[int, list[int]]]:
     return out
 
 
+class _Marks:
+    """What the code says of itself, the same for every counter (and for a counter entered
+    inside the block): the depth of `host_side()` blocks. Entering one costs an increment, with
+    or without a counter: the batch cache enters several per forward."""
+    host = 0
+
+
+@contextlib.contextmanager
 def host_side():
     """Operations on host-resident tensors: counted as host-side work."""
-    return _every_counter("host")
+    _Marks.host += 1
+    try:
+        yield
+    finally:
+        _Marks.host -= 1
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -191,7 +203,7 @@ class OpCounter(TorchDispatchMode):
         self.cpu_run = cpu_run
         self.phase = "bookkeeping"
         self.counts: dict[str, Counter] = defaultdict(Counter)
-        self.paused = self.host = 0  # depths of charging_only() and host_side()
+        self.paused = 0  # depth of charging_only() (host_side()'s: `_Marks.host`)
         self._saved: dict = {}
 
     def count(self, kind: str) -> None:
@@ -224,7 +236,7 @@ class OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         launches = DEVICE_LAUNCHES.get(func.name())
-        if launches is not None and not self.paused and not self.host:
+        if launches is not None and not self.paused and not _Marks.host:
             with self._depth("paused"):  # its own `launched` marks: counted here instead
                 out = func(*args, **(kwargs or {}))
             for _ in range(launches):
@@ -233,7 +245,7 @@ class OpCounter(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.paused:
             return out
-        if self.host:
+        if _Marks.host:
             self.count("host_side")
             return out
         self.count("view" if func.is_view else "launching")
@@ -248,7 +260,7 @@ class OpCounter(TorchDispatchMode):
     def _read(self, tensor: torch.Tensor) -> None:
         if self.paused:
             return
-        on_device = not self.host and (self.cpu_run or tensor.device.type != "cpu")
+        on_device = not _Marks.host and (self.cpu_run or tensor.device.type != "cpu")
         self.count("host_read" if on_device else "host_side")
 
     def __enter__(self):
