@@ -187,6 +187,34 @@ def test_rejections_leave_holes_not_errors(name, system, references, monkeypatch
     assert len({tuple(row) for row in lens}) > 1 and any(0 < n < 3 for row in lens for n in row)
 
 
+def test_a_cpu_peak_counts_the_verification_before_its_rejections_go(references, monkeypatch):
+    """On a CPU the peak device memory is the parameters plus the largest KV cache: in a
+    speculative window that is the verification's, every row's K+1 positions in, before the
+    rejected ones become holes. Every window is planned to reject (`steered_draft`), so a
+    peak read after the window's commit would fall short of it."""
+    from specter.decoding.batch import cache_bytes
+
+    batches, eos, rows, loaded = references("tiny_deepseek")
+    engine, _ = engine_for("tiny_deepseek", "specter", eos)
+    steered_draft(monkeypatch, batches[2], rows[2], loaded.model.config.vocab_size,
+                  lambda b, w: 1)  # each window keeps one proposal of three
+    largest = [0]
+    forward = BatchCache.forward
+
+    def measured(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        largest[0] = max(largest[0], cache_bytes(self.cache))
+        return out
+    monkeypatch.setattr(BatchCache, "forward", measured)
+    engine.reset()
+    gens = engine.generate_batch(batches[2], N_NEW)
+    assert [g.tokens for g in gens] == rows[2]
+    assert all(0 < n < 3 for g in gens for n in g.stats["accepted_lens"][:-1])
+    peak = {g.peak_mem_bytes for g in gens}
+    assert peak == {engine.memory.param_bytes + largest[0]}
+    assert {g.peak_mem_source for g in gens} == {"device_tensors"}
+
+
 def test_sampled_batch_rows_draw_as_single_requests(references):
     """Speculative sampling in a batch: row r draws from its own request's generator in the
     order it would alone, so each row equals that request sampled by itself."""

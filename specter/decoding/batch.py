@@ -218,7 +218,10 @@ class BatchCache:
 
 class DeviceMemory:
     """Peak device memory of one request: the CUDA allocator's peak when on CUDA; on CPU the
-    measured bytes of the model's parameters plus the largest KV cache seen."""
+    measured bytes of the model's parameters plus the largest KV cache seen. The loops show it
+    the cache where it is largest: after each forward that grows it (a speculative window's
+    verification, before the rejected positions become holes), with the KV a draft holds of
+    its own."""
 
     def __init__(self, model, device: torch.device, extra_bytes: int = 0):
         self.cuda = device.type == "cuda"

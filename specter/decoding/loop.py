@@ -96,6 +96,8 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
         width = max(len(block) for block in blocks)
         events.forward("verify", *kv.shape(blocks))
         logits = kv.forward(blocks, logits_to_keep=width, pieces=pieces)  # [B, width, V], right-aligned
+        # the window's largest KV: every row's K+1 positions in, the draft's own KV still held
+        memory.observe_cache(kv.cache, draft.held_bytes)
         accept.read(logits)
         now = timeline.mark()
         # 4. Accept: each row's longest agreeing prefix, then the target's own next token.
@@ -109,7 +111,6 @@ def speculative_batch(model, draft, prompts: list[list[int]], max_new_tokens: in
             depths.observe(k_now, verdicts, proposals, (t_draft, t_verify, now))
         if max(quotas) > 0:
             draft.commit(draft_kept)
-        memory.observe_cache(kv.cache, draft.held_bytes)
         events.window_end()
         rows.leave(going, kv, draft)
     return rows.generations(timeline, memory)
