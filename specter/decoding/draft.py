@@ -2,8 +2,8 @@
 
 A speculative engine's draft is one part with the small interface of `Draft`:
 - `SelfInt4Draft`: the target's own instance drafts with the INT4 copy of its routed experts
-  (Specter's SIC, LRU-S, SP-E/SP-L): one model, one KV cache, the draft mode (draft_mode.py)
-  switched in.
+  (Specter's SIC, LRU-S, SP-E/SP-L): one model, one KV cache, the draft mode switched in
+  (the experts dispatcher's, specter/experts.py; its INT4 layers: draft_mode.py).
 - `SeparateInt4Draft`: a second instance of the same checkpoint whose routed experts are the
   INT4 copy only, with its own KV cache (SpecMoEOff) or a per-window copy of the target's
   (Specter's no-sharing ablation, the artifact's "SIC off").
